@@ -1,0 +1,51 @@
+"""jbackends: a JAX/XLA-native `torch.backends`.
+
+Choose and trust the kernels that run: attention backends, matmul precision, int4 weights, and why a
+kernel was or wasn't picked. Flags are declared once (`jbackends/_src/flags.py`), held in a
+`contextvars`-based config that JAX traces through: the flags in force when a function is traced decide
+the kernel, and a change of flags makes `jax.jit` retrace.
+
+Example:
+  >>> import jax, jbackends as jb
+  >>> @jb.with_backends(flash=True, math=False)
+  ... @jax.jit
+  ... def f(x):
+  ...     return x + 1
+"""
+
+import sys as _sys
+
+from jbackends._src import flags as _flags_module
+from jbackends._src.flags import FLAGS as _FLAGS
+from jbackends._src.flags import BackendFlags as BackendFlags
+from jbackends._src.flags import Flag as Flag
+from jbackends._src.flags import FlagsFrozenError as FlagsFrozenError
+from jbackends._src.flags import FlagsOutOfSyncError as FlagsOutOfSyncError
+from jbackends._src.flags import compiler_options as compiler_options
+from jbackends._src.flags import current_flags as current_flags
+from jbackends._src.flags import disable_global_flags as disable_global_flags
+from jbackends._src.flags import enable_global_flags as enable_global_flags
+from jbackends._src.flags import flags_frozen as flags_frozen
+from jbackends._src.flags import jit as jit
+from jbackends._src.flags import propagate as propagate
+from jbackends._src.flags import reset_flags as reset_flags
+from jbackends._src.flags import set_flags as set_flags
+from jbackends._src.flags import sync as sync
+from jbackends._src.flags import with_backends as with_backends
+from jbackends._src import mirror as _mirror
+
+from jbackends import cuda as cuda
+from jbackends import cudnn as cudnn
+from jbackends import mha as mha
+from jbackends import mkl as mkl
+from jbackends import mkldnn as mkldnn
+from jbackends import opt_einsum as opt_einsum
+
+import types as _types
+
+flags = _types.SimpleNamespace(**_FLAGS)
+flags.__doc__ = "The flag declarations by short name: `jb.flags.deterministic.value`, `.set(v)`, `(v)` scope."
+
+__version__ = "0.1.0"
+
+_mirror.install(_sys.modules[__name__])  # set_/get_float32_matmul_precision, as torch spells them

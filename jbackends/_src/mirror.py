@@ -1,0 +1,78 @@
+"""Generate the torch-shaped mirror (`jb.cuda.enable_flash_sdp`, `jb.cudnn.deterministic = True`, ...).
+
+Each `Flag` in `flags._DECLARATIONS` lists where torch spells it (`Flag.mirrors`). A mirror module calls
+`install(module)` once at its end; this turns every declaration naming that module into a function or a
+property. Properties need a class: the module's `__class__` becomes a generated `ModuleType` subclass (the
+module object itself stays in `sys.modules`; nothing is swapped). Nested names such as `cuda.matmul`
+become small objects with generated properties.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from jbackends._src import flags as _flags
+
+
+def _getter(flag: _flags.Flag):
+    def get() -> Any:
+        return getattr(_flags.current_flags(), flag.name)
+
+    get.__name__ = f"get_{flag.name}"
+    get.__doc__ = f"Return `{flag.name}` in force here. {flag.help}"
+    return get
+
+
+def _setter(flag: _flags.Flag):
+    def set_(value: Any) -> None:
+        _flags.set_flags(**{flag.name: value})
+
+    set_.__name__ = f"set_{flag.name}"
+    set_.__doc__ = f"Set the process default of `{flag.name}` (torch semantics). {flag.help}"
+    return set_
+
+
+def _property(flag: _flags.Flag) -> property:
+    return property(
+        lambda self: getattr(_flags.current_flags(), flag.name),
+        lambda self, value: _flags.set_flags(**{flag.name: value}),
+        doc=f"{flag.help} Reading gives the value in force; assigning sets the process default.",
+    )
+
+
+def _namespace(path: str, props: dict[str, property]) -> Any:
+    cls = type(f"{path.replace('.', '_')}_flags", (), {"__slots__": (), **props,
+                                                       "__repr__": lambda self: _repr(path, props)})
+    return cls()
+
+
+def _repr(path: str, props: dict[str, property]) -> str:
+    return f"<jbackends.{path}: " + ", ".join(
+        f"{name}={prop.fget(None)!r}" for name, prop in props.items()
+    ) + ">"
+
+
+def install(module: types.ModuleType) -> None:
+    """Add the generated functions and properties that the registry declares for `module`."""
+    path = module.__name__.removeprefix("jbackends").removeprefix(".")
+    module_props: dict[str, property] = {}
+    nested: dict[str, dict[str, property]] = {}
+    for flag in _flags.FLAGS.values():
+        for where, kind, name in flag.mirrors:
+            if kind in ("setter", "getter") and where == path:
+                setattr(module, name, (_setter if kind == "setter" else _getter)(flag))
+            elif kind == "attr" and where == path:
+                module_props[name] = _property(flag)
+            elif kind == "attr" and path and where.startswith(path + "."):
+                nested.setdefault(where[len(path) + 1:], {})[name] = _property(flag)
+    for sub, props in nested.items():
+        setattr(module, sub, _namespace(f"{path}.{sub}", props))
+    if module_props:
+        base = type(module)
+        module.__class__ = type(f"{path}_module", (base,), module_props)
+
+
+def names(path: str) -> list[str]:
+    """The mirror names declared for a module path (for docs and the environment report)."""
+    return [name for f in _flags.FLAGS.values() for where, _, name in f.mirrors if where == path]
