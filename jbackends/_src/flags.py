@@ -343,7 +343,9 @@ _frozen = False
 _explicit_defaults: set[str] = set()  # defaults changed through set_flags (bridged to JAX where relevant)
 
 _Overrides = tuple  # sorted tuple of (name, value): immutable and hashable
-_OVERRIDES: contextvars.ContextVar[_Overrides] = contextvars.ContextVar("jbackends_overrides", default=())
+_OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("_OVERRIDES") or contextvars.ContextVar(
+    "jbackends_overrides", default=()
+)
 
 
 def _key_of(values: Mapping[str, Any]) -> tuple:
@@ -680,7 +682,9 @@ def propagate(fun: Callable) -> Callable:
 # jb.jit: compile-time flags become XLA compiler options chosen at call time.
 # --------------------------------------------------------------------------------------------------
 
-_IN_JB_JIT: contextvars.ContextVar[bool] = contextvars.ContextVar("jbackends_in_jit", default=False)
+_IN_JB_JIT: contextvars.ContextVar[bool] = globals().get("_IN_JB_JIT") or contextvars.ContextVar(
+    "jbackends_in_jit", default=False
+)
 
 
 def compiler_options(flags: Any | None = None) -> dict[str, Any]:

@@ -1,0 +1,551 @@
+"""The flags core: the registry, scoping, and retracing under every JAX transform we promise."""
+
+import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jbackends as jb
+from jbackends._src import flags as flags_mod
+from jbackends._src.flags import trace_flags
+
+
+@pytest.fixture
+def defaults():
+    """For tests that change process defaults: restore them whatever happens."""
+    yield
+    jb.enable_global_flags()
+    jb.reset_flags()
+
+
+class Probe:
+    """A traced function whose result depends on a flag, and which counts its traces."""
+
+    def __init__(self):
+        self.traces = 0
+
+    def __call__(self, x):
+        self.traces += 1
+        f = trace_flags()
+        # The value depends on trace-time flags: 2x with flash, 3x without; +0.5 if deterministic.
+        return x * (2.0 if f.flash else 3.0) + (0.5 if f.deterministic else 0.0)
+
+
+def _x():
+    return jnp.asarray(np.random.default_rng().standard_normal(4), jnp.float32)
+
+
+# ------------------------------------------------------------------------------------- retracing
+
+
+def test_jit_retraces_on_change_and_hits_cache_on_return():
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    chex.assert_trees_all_close(f(x), 2 * x)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(f(x), 3 * x)
+    assert probe.traces == 2
+    chex.assert_trees_all_close(f(x), 2 * x)  # back to the first flags: cache hit
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(f(x), 3 * x)
+    assert probe.traces == 2
+    assert f._cache_size() == 2
+
+
+def test_fresh_jit_of_same_function_sees_flags():
+    probe = Probe()
+    x = _x()
+    chex.assert_trees_all_close(jax.jit(probe)(x), 2 * x)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(jax.jit(probe)(x), 3 * x)
+    chex.assert_trees_all_close(jax.jit(probe)(x), 2 * x)
+
+
+def test_equal_flag_sets_share_one_entry():
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    f(x)
+    with jb.with_backends(flash=True):  # same effective flags as the defaults
+        f(x)
+    with jb.with_backends(flash=False), jb.with_backends(flash=True):
+        f(x)
+    assert probe.traces == 1 and f._cache_size() == 1
+
+
+def test_runtime_only_flag_does_not_retrace():
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    f(x)
+    with jb.with_backends(verbose=2):
+        f(x)
+    assert probe.traces == 1
+
+
+def test_eager_scan_body_retraces():
+    x = _x()
+
+    def run():
+        def body(c, _):
+            return Probe()(c), None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    chex.assert_trees_all_close(run(), 4 * x)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(run(), 9 * x)
+    chex.assert_trees_all_close(run(), 4 * x)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    ["jit_grad", "grad_jit", "vmap", "jit_grad_checkpoint"],
+)
+def test_transforms_trace_with_flags_in_force(transform):
+    probe = Probe()
+    scalar = lambda x: jnp.sum(probe(x) ** 2)  # noqa: E731
+    make = {
+        "jit_grad": lambda: jax.jit(jax.grad(scalar)),
+        "grad_jit": lambda: jax.grad(jax.jit(scalar)),
+        "vmap": lambda: jax.vmap(probe),
+        "jit_grad_checkpoint": lambda: jax.jit(jax.grad(jax.checkpoint(scalar))),
+    }[transform]
+    fn = make()
+    x = _x()
+    expected = {
+        True: (lambda x: 8 * x) if transform != "vmap" else (lambda x: 2 * x),
+        False: (lambda x: 18 * x) if transform != "vmap" else (lambda x: 3 * x),
+    }
+    chex.assert_trees_all_close(fn(x), expected[True](x), rtol=1e-6)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(fn(x), expected[False](x), rtol=1e-6)
+    chex.assert_trees_all_close(fn(x), expected[True](x), rtol=1e-6)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scaled(flags, x):
+    return x * (2.0 if flags.flash else 3.0)
+
+
+def _scaled_fwd(flags, x):
+    return _scaled(flags, x), None
+
+
+def _scaled_bwd(flags, _, g):
+    # The backward uses the snapshot taken at forward time, not the flags when it runs.
+    return (g * (2.0 if flags.flash else 3.0),)
+
+
+_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+def test_custom_vjp_backward_uses_forward_flags():
+    """The pattern kernels use: pass the hashable trace-time snapshot as a static nondiff argument."""
+    x = _x()
+    out, vjp_fn = jax.vjp(lambda x: _scaled(trace_flags(), x), x)
+    chex.assert_trees_all_close(out, 2 * x)
+    with jb.with_backends(flash=False):
+        (g,) = vjp_fn(jnp.ones_like(x))
+    chex.assert_trees_all_close(g, jnp.full_like(x, 2.0))
+    with jb.with_backends(flash=False):
+        out, vjp_fn = jax.vjp(jax.jit(lambda x: _scaled(trace_flags(), x)), x)
+    (g,) = vjp_fn(jnp.ones_like(x))
+    chex.assert_trees_all_close(g, jnp.full_like(x, 3.0))
+
+
+def test_shard_map_on_cpu_mesh():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    probe = Probe()
+    fn = jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = jnp.asarray(np.random.default_rng().standard_normal(8), jnp.float32)
+    chex.assert_trees_all_close(fn(x), 2 * x)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(fn(x), 3 * x)
+    chex.assert_trees_all_close(fn(x), 2 * x)
+    assert probe.traces == 2
+
+
+def test_flax_nnx_jit():
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return Probe()(self.lin(x))
+
+    model = Model(nnx.Rngs(0))
+    step = nnx.jit(lambda m, x: m(x))
+    x = _x()[None]
+    y = model.lin(x)
+    chex.assert_trees_all_close(step(model, x), 2 * y, rtol=1e-6)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(step(model, x), 3 * y, rtol=1e-6)
+    chex.assert_trees_all_close(step(model, x), 2 * y, rtol=1e-6)
+
+
+def test_decorator_on_jitted_and_jit_of_decorated():
+    x = _x()
+    outer = jb.with_backends(flash=False)(jax.jit(Probe()))
+    inner = jax.jit(jb.with_backends(flash=False)(Probe()))
+    chex.assert_trees_all_close(outer(x), 3 * x)
+    chex.assert_trees_all_close(inner(x), 3 * x)
+    with jb.with_backends(deterministic=True):  # a flag the decorators leave alone still applies
+        chex.assert_trees_all_close(outer(x), 3 * x + 0.5)
+        chex.assert_trees_all_close(inner(x), 3 * x + 0.5)
+    assert jb.current_flags().flash
+
+
+# ------------------------------------------------------------------------------------- scoping
+
+
+def test_nesting_and_exceptions_restore_state():
+    base = jb.current_flags()
+    with jb.with_backends(flash=False):
+        with jb.with_backends(math=False):
+            f = jb.current_flags()
+            assert (f.flash, f.math, f.mem_efficient) == (False, False, True)
+        assert (jb.current_flags().flash, jb.current_flags().math) == (False, True)
+        with pytest.raises(ZeroDivisionError):
+            with jb.with_backends(deterministic=True):
+                1 / 0
+        assert not jb.current_flags().deterministic
+    assert jb.current_flags() == base
+    assert flags_mod._JIT_KEY.value == flags_mod._key_of(flags_mod._DEFAULTS)
+
+
+def test_omitted_flags_unchanged_in_cudnn_flags():
+    with jb.with_backends(cudnn_enabled=False):
+        with jb.cudnn.flags(deterministic=True):
+            assert jb.cudnn.deterministic and not jb.cudnn.enabled
+
+
+def test_current_flags_is_frozen_and_hashable():
+    snap = jb.current_flags()
+    assert isinstance(snap, jb.BackendFlags)
+    hash(snap)
+    with pytest.raises(Exception):
+        snap.flash = False  # type: ignore[misc]
+
+
+def test_globals_reach_new_thread_and_pool_worker(defaults):
+    jb.set_flags(flash=False)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(jb.current_flags().flash))
+    t.start()
+    t.join()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        seen.append(pool.submit(lambda: jb.current_flags().flash).result())
+    assert seen == [False, False]
+
+
+def test_scoped_flags_reach_worker_only_through_propagate():
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with jb.with_backends(flash=False):
+            plain = pool.submit(lambda: (jb.current_flags().flash, f(x))).result()
+            carried = pool.submit(jb.propagate(lambda: (jb.current_flags().flash, f(x)))).result()
+        after = pool.submit(lambda: (jb.current_flags().flash, f(x))).result()
+    assert plain[0] is True and carried[0] is False and after[0] is True
+    chex.assert_trees_all_close(plain[1], 2 * x)
+    chex.assert_trees_all_close(carried[1], 3 * x)
+    chex.assert_trees_all_close(after[1], 2 * x)  # the worker thread's key was restored
+
+
+def test_interleaved_asyncio_tasks_each_see_their_flags():
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    results = []
+
+    async def task(flash):
+        with jb.with_backends(flash=flash):
+            for _ in range(3):
+                await asyncio.sleep(0)  # the other task runs here and moves the thread's key
+                jb.sync()
+                results.append((flash, jb.current_flags().flash, np.asarray(f(x))))
+
+    async def main():
+        await asyncio.gather(task(True), task(False))
+
+    asyncio.run(main())
+    assert len(results) == 6
+    for flash, seen, y in results:
+        assert seen == flash
+        np.testing.assert_allclose(y, (2 if flash else 3) * np.asarray(x), rtol=1e-6)
+    # The thread is clean afterwards: no scope, and the key is back on the process default.
+    assert jb.current_flags() == jb.BackendFlags(**flags_mod._DEFAULTS)
+    assert flags_mod._JIT_KEY.value == flags_mod._key_of(flags_mod._DEFAULTS)
+
+
+def test_out_of_sync_key_is_detected_under_trace():
+    """A ContextVar changed behind the key's back (as an un-synced asyncio task would) must not poison."""
+    token = flags_mod._OVERRIDES.set((("flash", False),))
+    try:
+        with pytest.raises(jb.FlagsOutOfSyncError, match="sync"):
+            jax.jit(Probe())(_x())
+        # Outside a trace the accessor re-syncs instead.
+        assert trace_flags().flash is False
+        assert flags_mod._JIT_KEY.value == flags_mod._expected_key()
+    finally:
+        flags_mod._OVERRIDES.reset(token)
+        jb.sync()
+
+
+def test_global_set_inside_copied_context_is_in_force_outside(defaults):
+    ctx = contextvars.copy_context()
+    ctx.run(jb.set_flags, math=False)  # a notebook cell boundary
+    assert jb.current_flags().math is False
+    probe = Probe()
+    jax.jit(probe)(_x())
+
+
+def test_global_change_retraces(defaults):
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    f(x)
+    jb.cuda.enable_flash_sdp(False)
+    chex.assert_trees_all_close(f(x), 3 * x)
+    assert not jb.cuda.flash_sdp_enabled()
+    jb.cuda.enable_flash_sdp(True)
+    chex.assert_trees_all_close(f(x), 2 * x)
+    assert probe.traces == 2
+
+
+def test_global_change_inside_scope_keeps_key_consistent(defaults):
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    with jb.with_backends(math=False):
+        jb.set_flags(flash=False)
+        chex.assert_trees_all_close(f(x), 3 * x)
+
+
+def test_reload_adds_no_user_context():
+    code = textwrap.dedent(
+        """
+        import importlib, jax
+        import jbackends as jb
+        from jbackends._src import flags
+        made = []
+        real = jax.make_user_context
+        jax.make_user_context = lambda *a, **k: made.append(1) or real(*a, **k)
+        key = flags._JIT_KEY
+        importlib.reload(flags)
+        importlib.reload(jb)
+        assert made == [], made
+        assert flags._JIT_KEY is key
+        with jb.with_backends(flash=False):
+            assert jb.current_flags().flash is False
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ------------------------------------------------------------------------------------- torch mirror
+
+
+def test_torch_mirror_reads_and_writes_the_registry(defaults):
+    assert jb.cuda.matmul.allow_tf32 is False
+    jb.cuda.matmul.allow_tf32 = True
+    assert jb.current_flags().allow_tf32 and jb.get_float32_matmul_precision() == "high"
+    jb.set_float32_matmul_precision("highest")
+    assert jb.cuda.matmul.allow_tf32 is False
+    jb.cudnn.deterministic = True
+    assert jb.current_flags().deterministic
+    jb.opt_einsum.strategy = "greedy"
+    assert jb.current_flags().opt_einsum_strategy == "greedy"
+    jb.mha.set_fastpath_enabled(False)
+    assert jb.mha.get_fastpath_enabled() is False
+    with jb.with_backends(mha_fastpath=True):
+        assert jb.mha.get_fastpath_enabled() is True
+    for name in ("flash", "mem_efficient", "math", "cudnn"):
+        getattr(jb.cuda, f"enable_{name}_sdp")(False)
+        assert getattr(jb.cuda, f"{name}_sdp_enabled")() is False
+    jb.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    assert jb.cuda.fp16_bf16_reduction_math_sdp_allowed()
+
+
+def test_flag_object_surface(defaults):
+    assert jb.flags.deterministic.value is False
+    with jb.flags.deterministic(True):
+        assert jb.flags.deterministic.value is True
+    jb.flags.benchmark.set(True)
+    assert jb.cudnn.benchmark is True
+    with pytest.raises(TypeError, match=r"\.value"):
+        bool(jb.flags.deterministic)
+    with pytest.raises(TypeError, match=r"\.value"):
+        if jb.flags.flash:
+            pass
+
+
+def test_docstrings_are_derived():
+    for name in jb._FLAGS:
+        assert name in jb.with_backends.__doc__
+        assert name in jb.BackendFlags.__doc__
+
+
+def test_disable_global_flags(defaults):
+    jb.disable_global_flags()
+    assert jb.flags_frozen()
+    with pytest.raises(jb.FlagsFrozenError, match="with_backends"):
+        jb.set_flags(flash=False)
+    with pytest.raises(jb.FlagsFrozenError):
+        jb.cudnn.deterministic = True
+    with jb.with_backends(flash=False):  # scoped overrides still allowed
+        assert not jb.current_flags().flash
+    jb.enable_global_flags()
+    assert not jb.flags_frozen()
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"flahs": True}, TypeError, "valid flags are:.*flash"),
+        ({"flash": 1}, TypeError, "expects a bool"),
+        ({"flash": "yes"}, TypeError, "expects a bool"),
+        ({"float32_matmul_precision": "ultra"}, ValueError, r"\['highest', 'high', 'medium'\]"),
+        ({"opt_einsum_strategy": "fastest"}, ValueError, "greedy"),
+        ({"quantized_engine": "fbgemm"}, ValueError, r"\['auto', 'pallas', 'xla'\]"),
+        ({"preferred_blas_library": 3}, TypeError, "expects a str"),
+        ({"benchmark_limit": -1}, ValueError, ">= 0"),
+        ({"verbose": [1]}, TypeError, "expects an int"),
+        ({"sdpa_priority": [{"flash"}]}, TypeError, "SDPBackend"),
+        ({"sdpa_priority": ["FLASH", "FLASH"]}, ValueError, "twice"),
+        ({"sdpa_priority": [7]}, ValueError, "cannot be prioritised"),
+        ({"allow_tf32": True, "float32_matmul_precision": "highest"}, ValueError, "contradicts"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        jb.with_backends(**kwargs)
+    with pytest.raises(exc, match=match):
+        jb.set_flags(**kwargs)
+
+
+def test_sdpa_priority_is_canonicalised():
+    with jb.with_backends(sdpa_priority=["MATH", 1]):
+        assert jb.current_flags().sdpa_priority == (0, 1, 2, 3)
+
+
+def test_mirror_setter_validates(defaults):
+    with pytest.raises(TypeError, match="expects a bool"):
+        jb.cuda.matmul.allow_tf32 = "yes"
+    with pytest.raises(ValueError, match="not enabled"):
+        jb.opt_einsum.enabled = False
+        jb.opt_einsum.strategy = "greedy"
+
+
+# ------------------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize(
+    "scope, expected",
+    [
+        ({"allow_tf32": True}, "Precision.HIGH"),
+        ({"float32_matmul_precision": "highest"}, "Precision.HIGHEST"),
+        ({"float32_matmul_precision": "medium"}, "Precision.DEFAULT"),
+    ],
+)
+def test_precision_visible_in_jaxpr(scope, expected):
+    a = jnp.ones((3, 3))
+    with jb.with_backends(**scope):
+        text = str(jax.make_jaxpr(lambda a: a @ a)(a))
+    assert f"precision=({expected}, {expected})" in text
+    assert "precision=" not in str(jax.make_jaxpr(lambda a: a @ a)(a))  # JAX's default outside the scope
+
+
+def test_precision_change_retraces_jit():
+    calls = []
+
+    @jax.jit
+    def f(a):
+        calls.append(1)
+        return a @ a
+
+    a = jnp.ones((3, 3))
+    f(a)
+    with jb.with_backends(allow_tf32=True):
+        f(a)
+        assert "precision=(Precision.HIGH, Precision.HIGH)" in str(jax.make_jaxpr(f)(a))
+    f(a)
+    assert len(calls) == 2
+
+
+def test_global_precision_bridge_restores_jax_default(defaults):
+    before = jax.config.jax_default_matmul_precision
+    jb.set_float32_matmul_precision("medium")
+    assert jax.config.jax_default_matmul_precision == "bfloat16"
+    jb.reset_flags()
+    assert jax.config.jax_default_matmul_precision == before
+
+
+# ------------------------------------------------------------------------------------- jb.jit
+
+
+def test_jb_jit_compile_time_flags_give_distinct_executables():
+    probe = Probe()
+    f = jb.jit(probe)
+    x = _x()
+    f(x)
+    with jb.with_backends(deterministic=True):
+        chex.assert_trees_all_close(f(x), 2 * x + 0.5)
+        compiled = f.lower(x).compile()
+    f(x)
+    assert len(f.executables) == 2
+    keys = [dict(k) for k in f.executables]
+    assert {k["xla_gpu_deterministic_ops"] for k in keys} == {False, True}
+    # the options really compiled on this jaxlib, and each executable knows its own
+    assert compiled is not None
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        {"deterministic": True},
+        {"benchmark": True, "benchmark_limit": 3},
+        {"cudnn_enabled": False},
+        {"preferred_blas_library": "cublaslt"},
+    ],
+)
+def test_every_compile_time_option_is_accepted_by_this_jaxlib(scope):
+    f = jb.jit(lambda x: x + 1)
+    with jb.with_backends(**scope):
+        opts = jb.compiler_options()
+        assert opts
+        f.lower(jnp.float32(1)).compile()  # a removed option name fails here
+        assert float(f(jnp.float32(1))) == 2.0
+
+
+def test_compile_time_flag_inside_plain_jit_warns():
+    def body(x):
+        with jb.with_backends(deterministic=True):
+            return x + 1
+
+    with pytest.warns(UserWarning, match="jb.jit"):
+        jax.jit(body)(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jb.jit(body)(1.0)
