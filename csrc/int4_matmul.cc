@@ -1,0 +1,476 @@
+// Int4 matmul CPU kernels for jbackends, registered with XLA through the FFI.
+//
+// Weights are the packed layout of `pallas_kernels.int4_matmul.base`:
+// uint8 [N, K/2], two nibbles per byte, the low nibble is the even k, the
+// nibble stores q + 8 with q in -8..7; scales float32 [N, K/groupsize].
+//
+// Two handlers:
+//   jb_int4_dyn_quant_matmul_f32: torch's `_dyn_quant_matmul_4bit` numerics
+//     (PyTorch PR 134124 reference kernels, bit-exact): each input row is
+//     quantized to int8 asymmetrically over all of K (KleidiAI qai8dx rule),
+//     `(qa - zp) * q` is accumulated in int32 per group, groups are summed in
+//     fp32 in order multiplied by the weight scale, then multiplied by 1/scale,
+//     then the bias is added. No FMA contraction anywhere (-ffp-contract=off).
+//   jb_int4_matmul_f32: weight-only (W4A32): out = x @ dequant(w).T in fp32,
+//     summation order unspecified (float tolerance only).
+//
+// The integer dot uses u = q + 8 (0..15, unsigned) against the signed int8
+// activations qa, so that one `vpdpbusd` (AVX512-VNNI) or `vpmaddubsw` +
+// `vpmaddwd` (AVX512BW) step handles 64 bytes; the zero-point terms are
+// restored exactly per 32-k block:
+//   sum (qa - zp) (u - 8) = sum qa u - zp sum u - 8 sum qa + 8 zp * 32.
+// Low nibbles pair with the even-k activations and high nibbles with the odd
+// ones, so the activations are de-interleaved once per row instead of
+// shuffling the weights.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define JB_X86 1
+#else
+#define JB_X86 0
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------- threading
+
+int NumThreads(int64_t work) {
+  static const int hw = [] {
+    unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 1 : static_cast<int>(std::min(n, 64u));
+  }();
+  // Below ~256K weight bytes x rows the thread start-up dominates.
+  if (work < (int64_t{1} << 18)) return 1;
+  return hw;
+}
+
+template <typename F>
+void ParallelFor(int64_t n, int64_t work, int64_t align, F&& f) {
+  int t = NumThreads(work);
+  int64_t blocks = (n + align - 1) / align;
+  if (t > blocks) t = static_cast<int>(std::max<int64_t>(blocks, 1));
+  if (t <= 1) {
+    f(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(t - 1);
+  auto range = [&](int i, int64_t* lo, int64_t* hi) {
+    *lo = std::min(n, (blocks * i / t) * align);
+    *hi = std::min(n, (blocks * (i + 1) / t) * align);
+  };
+  for (int i = 1; i < t; ++i) {
+    int64_t lo, hi;
+    range(i, &lo, &hi);
+    threads.emplace_back([&f, lo, hi] { f(lo, hi); });
+  }
+  int64_t lo, hi;
+  range(0, &lo, &hi);
+  f(lo, hi);
+  for (auto& th : threads) th.join();
+}
+
+// ------------------------------------------------------ activation quantizer
+
+// One quantized input row: the de-interleaved int8 values, the per-32-block
+// sums of qa, the zero point and the reciprocal scale.
+struct QRow {
+  std::vector<int8_t> even, odd;  // [K/2] each
+  std::vector<int32_t> block_sum;  // [K/32]
+  int32_t zp;
+  float recip;
+};
+
+// KleidiAI qai8dx, exactly as torch's reference kernels write it.
+void QuantizeRow(const float* x, int64_t K, bool channelwise, QRow* r) {
+  float mx = -FLT_MAX, mn = FLT_MAX;
+  for (int64_t k = 0; k < K; ++k) {
+    mx = std::max(x[k], mx);
+    mn = std::min(x[k], mn);
+  }
+  const float qmin = -128.f, qmax = 127.f;
+  const float rmin = std::min(0.0f, mn);
+  const float rmax = std::max(0.0f, mx);
+  const float scale = rmin == rmax ? 1.f : (qmax - qmin) / (rmax - rmin);
+  const float recip = scale ? 1.0f / scale : 0.0f;
+  const float dmin = rmin * scale;
+  const float dmax = rmax * scale;
+  bool from_min;
+  if (channelwise) {
+    const float e_min = qmin + dmin;
+    const float e_max = qmax + dmax;
+    from_min = e_min + e_max > 0;
+  } else {
+    from_min = qmin + dmin + qmax + dmax > 0;
+  }
+  float zpf = from_min ? qmin - dmin : qmax - dmax;
+  zpf = std::min(std::max(zpf, qmin), qmax);
+  const int32_t zp = static_cast<int32_t>(std::lrintf(zpf));
+  r->zp = zp;
+  r->recip = recip;
+  r->even.resize(K / 2);
+  r->odd.resize(K / 2);
+  r->block_sum.assign(K / 32, 0);
+  for (int64_t k = 0; k < K; ++k) {
+    int32_t v = static_cast<int32_t>(std::round(x[k] * scale)) + zp;
+    v = std::max(std::min(v, 127), -128);
+    if (k & 1)
+      r->odd[k >> 1] = static_cast<int8_t>(v);
+    else
+      r->even[k >> 1] = static_cast<int8_t>(v);
+    r->block_sum[k >> 5] += v;
+  }
+}
+
+// ---------------------------------------------------------- 32-k block dots
+//
+// BlockDots(w, qrows, nrows_m, K, out): for one weight row `w` ([K/2] bytes)
+// and `nm` quantized rows, writes out[m * (K/32) + j] =
+// sum_{k in block j} (qa_k - zp) * q_k, exactly.
+
+void BlockDotsScalar(const uint8_t* w, const QRow* const* rows, int nm,
+                     int64_t K, int32_t* out) {
+  const int64_t nb = K / 32;
+  for (int64_t j = 0; j < nb; ++j) {
+    int32_t su = 0;
+    const uint8_t* wb = w + j * 16;
+    for (int i = 0; i < 16; ++i) su += (wb[i] & 15) + (wb[i] >> 4);
+    for (int m = 0; m < nm; ++m) {
+      const int8_t* e = rows[m]->even.data() + j * 16;
+      const int8_t* o = rows[m]->odd.data() + j * 16;
+      int32_t d = 0;
+      for (int i = 0; i < 16; ++i) d += (wb[i] & 15) * e[i] + (wb[i] >> 4) * o[i];
+      const int32_t zp = rows[m]->zp;
+      out[m * nb + j] = d - zp * su - 8 * rows[m]->block_sum[j] + 8 * zp * 32;
+    }
+  }
+}
+
+#if JB_X86
+// Sum of each 128-bit lane of a 16 x int32 vector, stored as 4 int32.
+__attribute__((target("avx512f,avx512bw"))) inline void StoreLaneSums(
+    __m512i v, int32_t* dst, __mmask16 keep) {
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        0, 0, 0, 0);
+  __m512i p = _mm512_permutexvar_epi32(idx, v);
+  _mm512_mask_storeu_epi32(dst, keep, p);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline __m512i
+DotVnni(__m512i acc, __m512i u, __m512i a) {
+  return _mm512_dpbusd_epi32(acc, u, a);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i DotBw(
+    __m512i acc, __m512i u, __m512i a) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), ones));
+}
+
+// The same body compiled twice: with and without AVX512-VNNI.
+#define JB_DEFINE_BLOCK_DOTS(NAME, TARGET, DOT)                                 \
+  __attribute__((target(TARGET))) void NAME(                                   \
+      const uint8_t* w, const QRow* const* rows, int nm, int64_t K,            \
+      int32_t* out) {                                                          \
+    const int64_t nb = K / 32;                                                 \
+    const int64_t bytes = K / 2;                                               \
+    const __m512i mask4 = _mm512_set1_epi8(0x0F);                              \
+    const __m512i ones8 = _mm512_set1_epi8(1);                                 \
+    const __m512i zero = _mm512_setzero_si512();                               \
+    int32_t su_buf[4];                                                         \
+    for (int64_t c = 0; c < bytes; c += 64) {                                  \
+      const int64_t left = bytes - c; /* multiple of 16 */                     \
+      const __mmask64 lm =                                                     \
+          left >= 64 ? ~__mmask64{0} : ((__mmask64{1} << left) - 1);          \
+      const int nq = left >= 64 ? 4 : static_cast<int>(left / 16);             \
+      const __mmask16 keep = static_cast<__mmask16>((1u << nq) - 1);           \
+      const __m512i wv = _mm512_maskz_loadu_epi8(lm, w + c);                   \
+      const __m512i lo = _mm512_and_si512(wv, mask4);                          \
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);    \
+      /* Sum of u per 32-k block (weight side, shared by every row m). */      \
+      __m512i su = DOT(DOT(zero, lo, ones8), hi, ones8);                       \
+      StoreLaneSums(su, su_buf, keep);                                         \
+      const int64_t j0 = c / 16;                                               \
+      for (int m = 0; m < nm; ++m) {                                           \
+        const QRow* r = rows[m];                                               \
+        const __m512i ae = _mm512_maskz_loadu_epi8(lm, r->even.data() + c);    \
+        const __m512i ao = _mm512_maskz_loadu_epi8(lm, r->odd.data() + c);     \
+        __m512i d = DOT(DOT(zero, lo, ae), hi, ao);                            \
+        int32_t* o = out + m * nb + j0;                                        \
+        StoreLaneSums(d, o, keep);                                             \
+        const int32_t zp = r->zp;                                              \
+        for (int q = 0; q < nq; ++q)                                           \
+          o[q] = o[q] - zp * su_buf[q] - 8 * r->block_sum[j0 + q] + 256 * zp;  \
+      }                                                                        \
+    }                                                                          \
+  }
+
+JB_DEFINE_BLOCK_DOTS(BlockDotsAvx512Vnni, "avx512f,avx512bw,avx512vl,avx512vnni", DotVnni)
+JB_DEFINE_BLOCK_DOTS(BlockDotsAvx512Bw, "avx512f,avx512bw,avx512vl", DotBw)
+#undef JB_DEFINE_BLOCK_DOTS
+#endif
+
+using BlockDotsFn = void (*)(const uint8_t*, const QRow* const*, int, int64_t,
+                             int32_t*);
+
+BlockDotsFn PickBlockDots() {
+#if JB_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+    if (__builtin_cpu_supports("avx512vnni")) return &BlockDotsAvx512Vnni;
+    return &BlockDotsAvx512Bw;
+  }
+#endif
+  return &BlockDotsScalar;
+}
+
+const char* BlockDotsName() {
+  BlockDotsFn f = PickBlockDots();
+#if JB_X86
+  if (f == &BlockDotsAvx512Vnni) return "avx512vnni";
+  if (f == &BlockDotsAvx512Bw) return "avx512bw";
+#endif
+  (void)f;
+  return "scalar";
+}
+
+// ---------------------------------------------------------------- dyn quant
+
+constexpr int kRowBlock = 8;  // input rows sharing one pass over a weight row
+
+void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
+                    const float* bias, float* out, int64_t M, int64_t N,
+                    int64_t K, int64_t groupsize) {
+  if (M == 0 || N == 0) return;
+  const bool channelwise = groupsize == K;
+  const int64_t G = K / groupsize;
+  const int64_t nb = K / 32;
+  const int64_t per_group = groupsize / 32;
+  std::vector<QRow> rows(M);
+  for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
+  static const BlockDotsFn block_dots = PickBlockDots();
+  ParallelFor(N, M * N * K / 2, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<int32_t> dots(kRowBlock * nb);
+    const QRow* rp[kRowBlock];
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int nm = static_cast<int>(std::min<int64_t>(kRowBlock, M - m0));
+      for (int i = 0; i < nm; ++i) rp[i] = &rows[m0 + i];
+      for (int64_t n = n0; n < n1; ++n) {
+        block_dots(w + n * (K / 2), rp, nm, K, dots.data());
+        const float* s = scales + n * G;
+        for (int i = 0; i < nm; ++i) {
+          const int32_t* d = dots.data() + i * nb;
+          float acc;
+          if (channelwise) {
+            int32_t iacc = 0;
+            for (int64_t j = 0; j < nb; ++j) iacc += d[j];
+            acc = static_cast<float>(iacc) * s[0];
+          } else {
+            acc = 0.0f;
+            for (int64_t g = 0; g < G; ++g) {
+              int32_t iacc = 0;
+              for (int64_t j = 0; j < per_group; ++j) iacc += d[g * per_group + j];
+              acc += static_cast<float>(iacc) * s[g];
+            }
+          }
+          acc = acc * rows[m0 + i].recip;
+          if (bias) acc += bias[n];
+          acc = std::max(acc, -FLT_MAX);
+          acc = std::min(acc, FLT_MAX);
+          out[(m0 + i) * N + n] = acc;
+        }
+      }
+    }
+  });
+}
+
+// -------------------------------------------------------------- weight only
+
+constexpr int kWoRowBlock = 4;
+
+#if JB_X86
+__attribute__((target("avx512f,avx512bw"))) void UnpackRowAvx512(
+    const uint8_t* w, int64_t K, float* ue, float* uo) {
+  const int64_t bytes = K / 2;
+  for (int64_t c = 0; c < bytes; c += 16) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c));
+    __m512i v = _mm512_cvtepu8_epi32(b);
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    __m512i hi = _mm512_srli_epi32(v, 4);
+    const __m512i eight = _mm512_set1_epi32(8);
+    _mm512_storeu_ps(ue + c, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+    _mm512_storeu_ps(uo + c, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+  }
+}
+
+__attribute__((target("avx512f"))) inline float Dot16(const float* a,
+                                                      const float* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16),
+                           _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i < n; i += 16)
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+__attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
+    const uint8_t* w, const float* xe, const float* xo, int64_t K,
+    int64_t groupsize, const float* s, float* ue, float* uo, float* out) {
+  UnpackRowAvx512(w, K, ue, uo);
+  const int64_t half = groupsize / 2;
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / groupsize; ++g) {
+    const int64_t o = g * half;
+    acc += (Dot16(ue + o, xe + o, half) + Dot16(uo + o, xo + o, half)) * s[g];
+  }
+  *out = acc;
+}
+#endif
+
+void WeightOnlyRowScalar(const uint8_t* w, const float* xe, const float* xo,
+                         int64_t K, int64_t groupsize, const float* s,
+                         float* ue, float* uo, float* out) {
+  for (int64_t c = 0; c < K / 2; ++c) {
+    ue[c] = static_cast<float>((w[c] & 15) - 8);
+    uo[c] = static_cast<float>((w[c] >> 4) - 8);
+  }
+  const int64_t half = groupsize / 2;
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / groupsize; ++g) {
+    float d = 0.f;
+    for (int64_t i = g * half; i < (g + 1) * half; ++i) d += ue[i] * xe[i] + uo[i] * xo[i];
+    acc += d * s[g];
+  }
+  *out = acc;
+}
+
+using WoRowFn = void (*)(const uint8_t*, const float*, const float*, int64_t,
+                         int64_t, const float*, float*, float*, float*);
+
+WoRowFn PickWoRow() {
+#if JB_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bw")) return &WeightOnlyRowAvx512;
+#endif
+  return &WeightOnlyRowScalar;
+}
+
+void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
+                      const float* bias, float* out, int64_t M, int64_t N,
+                      int64_t K, int64_t groupsize) {
+  if (M == 0 || N == 0) return;
+  const int64_t G = K / groupsize;
+  // De-interleave the activations once: even k pair with low nibbles.
+  std::vector<float> xe(M * (K / 2)), xo(M * (K / 2));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K / 2; ++k) {
+      xe[m * (K / 2) + k] = x[m * K + 2 * k];
+      xo[m * (K / 2) + k] = x[m * K + 2 * k + 1];
+    }
+  static const WoRowFn row_fn = PickWoRow();
+  ParallelFor(N, M * N * K, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> ue(K / 2), uo(K / 2);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m = 0; m < M; ++m) {
+        float r;
+        // The unpack is repeated per m; it stays in L1 and is cheap next to
+        // the dot products, and large M goes to XLA's dense GEMM instead.
+        row_fn(w + n * (K / 2), xe.data() + m * (K / 2), xo.data() + m * (K / 2),
+               K, groupsize, scales + n * G, ue.data(), uo.data(), &r);
+        if (bias) r += bias[n];
+        out[m * N + n] = r;
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ binding
+
+ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& x,
+                       const ffi::Buffer<ffi::U8>& w,
+                       const ffi::Buffer<ffi::F32>& scales,
+                       const ffi::Buffer<ffi::F32>& bias, int64_t groupsize,
+                       int64_t* M, int64_t* N, int64_t* K) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto sd = scales.dimensions();
+  if (xd.size() < 1 || wd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("int4 matmul: bad ranks");
+  *K = xd.back();
+  *M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) *M *= xd[i];
+  *N = wd[0];
+  if (wd[1] * 2 != *K || groupsize <= 0 || groupsize % 32 != 0 ||
+      *K % groupsize != 0 || sd[0] != *N || sd[1] != *K / groupsize ||
+      bias.element_count() != static_cast<size_t>(*N))
+    return ffi::Error::InvalidArgument("int4 matmul: inconsistent shapes");
+  return ffi::Error::Success();
+}
+
+ffi::Error DynQuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> bias,
+                        ffi::ResultBuffer<ffi::F32> out, int64_t groupsize,
+                        bool has_bias) {
+  int64_t M, N, K;
+  ffi::Error e = CheckShapes(x, w, scales, bias, groupsize, &M, &N, &K);
+  if (e.failure()) return e;
+  DynQuantMatmul(x.typed_data(), w.typed_data(), scales.typed_data(),
+                 has_bias ? bias.typed_data() : nullptr, out->typed_data(), M, N,
+                 K, groupsize);
+  return ffi::Error::Success();
+}
+
+ffi::Error WeightOnlyImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::F32> scales,
+                          ffi::Buffer<ffi::F32> bias,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t groupsize,
+                          bool has_bias) {
+  int64_t M, N, K;
+  ffi::Error e = CheckShapes(x, w, scales, bias, groupsize, &M, &N, &K);
+  if (e.failure()) return e;
+  WeightOnlyMatmul(x.typed_data(), w.typed_data(), scales.typed_data(),
+                   has_bias ? bias.typed_data() : nullptr, out->typed_data(), M,
+                   N, K, groupsize);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulF32, DynQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("groupsize")
+                                  .Attr<bool>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("groupsize")
+                                  .Attr<bool>("has_bias"));
+
+extern "C" const char* JbInt4Isa() { return BlockDotsName(); }

@@ -1,0 +1,357 @@
+"""Int4 matmul: the packed-weight format, argument checks and the reference.
+
+The semantics are those of torch's ``_dyn_quant_pack_4bit_weight`` /
+``_dyn_quant_matmul_4bit`` (PyTorch PR 134124, the x86 reference kernels):
+
+* Weights ``[N = out_features, K = in_features]`` are quantized symmetrically
+  to 4 bits per group of ``groupsize`` consecutive k (a multiple of 32 that
+  divides K; ``groupsize == K`` is channel-wise): ``scale = max|w| / 7`` and
+  ``q = round_half_up(w / scale)`` in -7..7 (kernels accept -8..7), stored as
+  the unsigned nibble ``q + 8``, two per byte, **the low nibble is the even
+  k**: bytes ``[N, K/2]``; scales ``[N, K/groupsize]``.
+* ``dyn_quant_matmul`` quantizes every input row to int8 asymmetrically over
+  all of K with a range that always contains 0 (KleidiAI ``qai8dx``: ties to
+  even for the zero point, away from zero for the values), accumulates
+  ``(qa - zp) * q`` in int32 per group, sums the groups in float32 in order,
+  each multiplied by its weight scale, multiplies by ``1 / scale``, adds the
+  bias and clamps to the finite float32 range. No fused multiply-add anywhere:
+  XLA contracts ``a * b + c`` inside a fusion, so every product that the
+  reference rounds on its own goes through `_rounded_mul`.
+* ``weight_only_matmul`` (W4A16 / W4A32) is ``x @ dequantize(w).T`` with no
+  activation quantization; float tolerance only.
+
+Everything here is plain ``jnp`` and float32/int32 exact: it is the contract
+the XLA, C++ and Pallas implementations are tested against bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "PackedInt4Weight",
+    "quantize_4bit",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "dequantize",
+    "quantize_activations",
+    "group_dots",
+    "accumulate_groups",
+    "dyn_quant_matmul",
+    "weight_only_matmul",
+    "check_groupsize",
+    "check_packed",
+    "check_input",
+    "truncate_to_bfloat16",
+]
+
+_INT32_MIN = np.iinfo(np.int32).min
+
+
+# --------------------------------------------------------------------- format
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedInt4Weight:
+    """A 4-bit weight, truly packed: 0.5 byte per weight plus scales and bias.
+
+    A pytree (``weight``, ``scales``, ``bias`` are leaves; the sizes are static
+    metadata), so it passes through ``jit``/``vmap`` and flax/orbax checkpoints.
+
+    Attributes:
+      weight: uint8 ``[out_features, in_features // 2]``; the low nibble is
+        the even k; each nibble stores ``q + 8``.
+      scales: float32 ``[out_features, in_features // groupsize]``.
+      bias: float32 ``[out_features]`` or None.
+      groupsize: quantization group along K (``== in_features``: channel-wise).
+      in_features: K.
+      out_features: N.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = jnp.ones((8, 64), jnp.float32)
+      >>> q, s = quantize_4bit(w, 32)
+      >>> p = PackedInt4Weight(q, s, None, 32, 64, 8)
+      >>> p.weight.shape, p.scales.shape
+      ((8, 32), (8, 2))
+    """
+
+    weight: jax.Array
+    scales: jax.Array
+    bias: jax.Array | None
+    groupsize: int = dataclasses.field(metadata=dict(static=True))
+    in_features: int = dataclasses.field(metadata=dict(static=True))
+    out_features: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_groups(self) -> int:
+        return self.in_features // self.groupsize
+
+    @property
+    def channelwise(self) -> bool:
+        return self.groupsize == self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight traffic: packed nibbles + scales + bias."""
+        n = self.weight.size * self.weight.dtype.itemsize
+        n += self.scales.size * self.scales.dtype.itemsize
+        if self.bias is not None:
+            n += self.bias.size * self.bias.dtype.itemsize
+        return int(n)
+
+
+# ----------------------------------------------------------------- validation
+
+
+def check_groupsize(groupsize: Any, in_features: int) -> int:
+    """Returns ``groupsize`` as an int, or raises a ValueError naming it."""
+    if isinstance(groupsize, bool) or not isinstance(groupsize, (int, np.integer)):
+        raise TypeError(f"groupsize must be an int, got {groupsize!r}")
+    groupsize = int(groupsize)
+    if in_features <= 0 or in_features % 2:
+        raise ValueError(f"in_features must be positive and even (two 4-bit weights per byte), got {in_features=}")
+    if groupsize != in_features and (groupsize <= 0 or groupsize % 32):
+        raise ValueError(f"groupsize must be a multiple of 32 or equal to in_features, got {groupsize=}, {in_features=}")
+    if in_features % groupsize:
+        raise ValueError(f"groupsize must divide in_features, got {groupsize=}, {in_features=}")
+    if groupsize % 32 and groupsize != in_features:
+        raise ValueError(f"{groupsize=} must be a multiple of 32")
+    return groupsize
+
+
+def check_packed(packed: Any) -> PackedInt4Weight:
+    """Checks the shapes and dtypes of a `PackedInt4Weight`'s leaves."""
+    if not isinstance(packed, PackedInt4Weight):
+        raise TypeError(f"packed must be a PackedInt4Weight (from dyn_quant_pack_4bit_weight), got {type(packed).__name__}")
+    K, N, g = packed.in_features, packed.out_features, packed.groupsize
+    check_groupsize(g, K)
+    w, s, b = packed.weight, packed.scales, packed.bias
+    if w.dtype != jnp.uint8:
+        raise TypeError(f"packed.weight must be uint8 (two nibbles per byte), got {w.dtype}")
+    if w.shape != (N, K // 2):
+        raise ValueError(f"packed.weight must have shape (out_features, in_features // 2) = {(N, K // 2)}, got {w.shape}")
+    if s.dtype != jnp.float32:
+        raise TypeError(f"packed.scales must be float32, got {s.dtype}")
+    if s.shape != (N, K // g):
+        raise ValueError(f"packed.scales must have shape (out_features, in_features // groupsize) = {(N, K // g)}, got {s.shape}")
+    if b is not None:
+        if b.dtype != jnp.float32:
+            raise TypeError(f"packed.bias must be float32, got {b.dtype}")
+        if b.shape != (N,):
+            raise ValueError(f"packed.bias must have shape (out_features,) = {(N,)}, got {b.shape}")
+    return packed
+
+
+def check_input(x: Any, packed: PackedInt4Weight, *, allowed=(jnp.float32, jnp.bfloat16), name: str = "input") -> jax.Array:
+    """Checks ``x[..., K]`` against ``packed``; returns it as an array."""
+    x = jnp.asarray(x)
+    if x.dtype not in tuple(jnp.dtype(d) for d in allowed):
+        names = ", ".join(jnp.dtype(d).name for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != packed.in_features:
+        raise ValueError(f"{name}.shape[-1] must equal in_features={packed.in_features}, got {name}.shape={x.shape}")
+    return x
+
+
+# ------------------------------------------------------------ weight packing
+
+
+def _round_half_up(y: jax.Array) -> jax.Array:
+    # floor(y + 0.5) rounds 0.49999997 up in float32; this does not.
+    f = jnp.floor(y)
+    return f + (y - f >= 0.5).astype(y.dtype)
+
+
+def _round_half_away(y: jax.Array) -> jax.Array:
+    # std::round. y - trunc(y) is exact in floating point.
+    t = jnp.trunc(y)
+    return t + jnp.where(jnp.abs(y - t) >= 0.5, jnp.sign(y), 0).astype(y.dtype)
+
+
+def pack_nibbles(q: jax.Array) -> jax.Array:
+    """int ``[N, K]`` in -8..7 -> uint8 ``[N, K/2]`` (low nibble = even k)."""
+    u = (q.astype(jnp.int32) + 8).astype(jnp.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """uint8 ``[N, K/2]`` -> int32 ``[N, K]`` in -8..7."""
+    lo = (packed & 0x0F).astype(jnp.int32) - 8
+    hi = (packed >> 4).astype(jnp.int32) - 8
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def quantize_4bit(weight: jax.Array, groupsize: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric 4-bit quantization of ``weight[N, K]`` per group along K.
+
+    ``scale = max|w_group| / 7`` (float32; 0 for an all-zero group, whose q is
+    0), ``q = round_half_up(w / scale)`` clipped to -8..7.
+
+    Args:
+      weight: float ``[out_features, in_features]``.
+      groupsize: a multiple of 32 dividing ``in_features``, or
+        ``in_features`` for channel-wise scales.
+
+    Returns:
+      ``(packed uint8 [N, K/2], scales float32 [N, K/groupsize])``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q, s = quantize_4bit(jnp.arange(64.0).reshape(1, 64) - 32, 32)
+      >>> q.dtype, q.shape, s.shape
+      (dtype('uint8'), (1, 32), (1, 2))
+    """
+    weight = jnp.asarray(weight)
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {weight.shape}")
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    N, K = weight.shape
+    groupsize = check_groupsize(groupsize, K)
+    w = weight.astype(jnp.float32).reshape(N, K // groupsize, groupsize)
+    scale = jnp.max(jnp.abs(w), axis=-1) / jnp.float32(7)
+    safe = jnp.where(scale == 0, jnp.float32(1), scale)
+    q = jnp.clip(_round_half_up(w / safe[..., None]), -8, 7).astype(jnp.int32)
+    return pack_nibbles(q.reshape(N, K)), scale
+
+
+def dequantize(weight: jax.Array, scales: jax.Array, groupsize: int) -> jax.Array:
+    """uint8 ``[N, K/2]`` + scales ``[N, K/g]`` -> float32 ``[N, K]``."""
+    q = unpack_nibbles(weight).astype(jnp.float32)
+    N, K = q.shape
+    return (q.reshape(N, K // groupsize, groupsize) * scales.astype(jnp.float32)[..., None]).reshape(N, K)
+
+
+# ------------------------------------------------------- dynamic quantization
+
+
+def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """KleidiAI ``qai8dx`` per row of ``x[..., K]`` (float32 math).
+
+    Returns ``(qa int32 [..., K] in -128..127, zp int32 [...], recip f32 [...])``
+    with ``x ~= (qa - zp) * recip``. The zero-point test is written as torch
+    writes it: ``(qmin + dmin) + (qmax + dmax) > 0`` in its channel-wise kernel,
+    ``((qmin + dmin) + qmax) + dmax > 0`` in its group-wise one.
+    """
+    x = x.astype(jnp.float32)
+    qmin, qmax = jnp.float32(-128), jnp.float32(127)
+    rmin = jnp.minimum(jnp.float32(0), jnp.min(x, axis=-1, initial=np.inf))
+    rmax = jnp.maximum(jnp.float32(0), jnp.max(x, axis=-1, initial=-np.inf))
+    scale = jnp.where(rmin == rmax, jnp.float32(1), (qmax - qmin) / (rmax - rmin))
+    recip = jnp.where(scale != 0, jnp.float32(1) / scale, jnp.float32(0))
+    dmin = rmin * scale
+    dmax = rmax * scale
+    if channelwise:
+        from_min = (qmin + dmin) + (qmax + dmax) > 0
+    else:
+        from_min = ((qmin + dmin) + qmax) + dmax > 0
+    zpf = jnp.clip(jnp.where(from_min, qmin - dmin, qmax - dmax), qmin, qmax)
+    zp = jnp.round(zpf).astype(jnp.int32)  # lrintf: ties to even
+    v = _round_half_away(x * scale[..., None]).astype(jnp.int32)
+    qa = jnp.clip(v + zp[..., None], -128, 127)
+    return qa, zp, recip
+
+
+def _rounded_mul(a: jax.Array, b: jax.Array, guard: jax.Array) -> jax.Array:
+    """``a * b`` rounded to float32 on its own: never fused into an FMA.
+
+    XLA (CPU and GPU) and Triton contract ``a * b + c`` inside a fusion. The
+    product goes through an integer ``or`` with a runtime value that is always
+    0 (``guard == INT32_MIN`` never holds for the int32 sums passed as guard),
+    which the compiler cannot see through.
+    """
+    p = lax.bitcast_convert_type(a * b, jnp.int32)
+    p = p | (guard == _INT32_MIN).astype(jnp.int32)
+    return lax.bitcast_convert_type(p, jnp.float32)
+
+
+def group_dots(qa: jax.Array, zp: jax.Array, q: jax.Array, groupsize: int) -> jax.Array:
+    """Exact int32 ``sum_{k in g} (qa_k - zp) * q[n, k]``: ``[M, N, G]``."""
+    M, K = qa.shape
+    N = q.shape[0]
+    G = K // groupsize
+    a = (qa - zp[:, None]).reshape(M, 1, G, groupsize)
+    return jnp.sum(a * q.reshape(1, N, G, groupsize), axis=-1, dtype=jnp.int32)
+
+
+def accumulate_groups(idots: jax.Array, scales: jax.Array, recip: jax.Array, zp: jax.Array,
+                      bias: jax.Array | None, channelwise: bool) -> jax.Array:
+    """The float tail of the dyn-quant matmul, in torch's order, no FMA.
+
+    Args:
+      idots: int32 ``[M, N, G]`` group sums.
+      scales: float32 ``[N, G]``.
+      recip: float32 ``[M]`` (1 / activation scale).
+      zp: int32 ``[M]`` (only a runtime guard for `_rounded_mul`).
+      bias: float32 ``[N]`` or None.
+      channelwise: ``G == 1`` with torch's channel-wise kernel (no ``0 +``).
+    """
+    G = idots.shape[-1]
+    fd = idots.astype(jnp.float32)
+    if channelwise:
+        acc = _rounded_mul(fd[..., 0], scales[None, :, 0], idots[..., 0])
+    else:
+        prods = _rounded_mul(fd, scales[None], idots)
+        acc = jnp.zeros(prods.shape[:-1], jnp.float32)
+        if G <= 1024:
+            for g in range(G):
+                acc = acc + prods[..., g]
+        else:
+            acc = lax.fori_loop(0, G, lambda g, a: a + lax.dynamic_index_in_dim(prods, g, -1, False), acc)
+    zpb = jnp.broadcast_to(zp[:, None], acc.shape)
+    if bias is None:
+        out = acc * recip[:, None]
+    else:
+        out = _rounded_mul(acc, recip[:, None], zpb) + bias[None, :]
+    return jnp.clip(out, -np.finfo(np.float32).max, np.finfo(np.float32).max)
+
+
+def truncate_to_bfloat16(x: jax.Array) -> jax.Array:
+    """float32 -> bfloat16 by dropping the low 16 bits (torch's fallback)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) >> 16
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _flatten(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
+    """Reference ``_dyn_quant_matmul_4bit``: ``x[..., K] -> [..., N]``.
+
+    float32 in -> float32 out; bfloat16 in -> bfloat16 out (truncated).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q, s = quantize_4bit(jnp.ones((4, 64)), 32)
+      >>> p = PackedInt4Weight(q, s, None, 32, 64, 4)
+      >>> dyn_quant_matmul(jnp.ones((2, 64)), p).shape
+      (2, 4)
+    """
+    check_packed(packed)
+    x = check_input(x, packed)
+    x2, lead = _flatten(x)
+    qa, zp, recip = quantize_activations(x2, packed.channelwise)
+    q = unpack_nibbles(packed.weight)
+    idots = group_dots(qa, zp, q, packed.groupsize)
+    out = accumulate_groups(idots, packed.scales, recip, zp, packed.bias, packed.channelwise)
+    out = out.reshape(*lead, packed.out_features)
+    return truncate_to_bfloat16(out) if x.dtype == jnp.bfloat16 else out
+
+
+def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
+    """Reference W4A16/W4A32: ``x @ dequantize(w).T + bias`` at highest precision."""
+    check_packed(packed)
+    x = check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
+    w = dequantize(packed.weight, packed.scales, packed.groupsize)
+    out = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+    if packed.bias is not None:
+        out = out + packed.bias
+    return out.astype(x.dtype)
