@@ -1,0 +1,62 @@
+"""Builds the optional C++ CPU kernels (XLA FFI) next to the Python packages.
+
+Metadata lives in pyproject.toml. The extension is optional: without a C++
+compiler, or without jaxlib's FFI headers at build time, the install still
+succeeds and the int4 matmul falls back to its pure-XLA implementation.
+"""
+import importlib.util
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _ffi_include_dir():
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
+        inc = os.path.join(base, "include")
+        if os.path.exists(os.path.join(inc, "xla", "ffi", "api", "ffi.h")):
+            return inc
+    return None
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that warns instead of failing (no compiler, no headers)."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as e:  # noqa: BLE001 - any build failure is non-fatal
+            print(f"warning: skipping the optional C++ kernels: {e}", file=sys.stderr)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001
+            print(f"warning: could not build {ext.name}: {e}", file=sys.stderr)
+
+
+def _extensions():
+    inc = _ffi_include_dir()
+    if inc is None or os.environ.get("JBACKENDS_NO_CPP"):
+        print("warning: jaxlib FFI headers not found; building without the C++ kernels", file=sys.stderr)
+        return []
+    return [
+        Extension(
+            "pallas_kernels.int4_matmul._int4_cpu",
+            sources=["csrc/int4_matmul.cc"],
+            include_dirs=[inc],
+            language="c++",
+            # -ffp-contract=off: the dyn-quant kernel is bit-exact with torch's
+            # reference only without FMA contraction.
+            extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
+            extra_link_args=["-lpthread"],
+            optional=True,
+        )
+    ]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})
