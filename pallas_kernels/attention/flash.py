@@ -325,8 +325,7 @@ def key_block_range(spec: Spec, q_start, q_stop, block_k: int, *, q_len=None, kv
     hi = jnp.minimum(hi, kv_len)
   if q_len is not None:
     hi = jnp.where(q_start >= q_len, 0, hi)
-  hi = jnp.maximum(hi, lo)
-  return lo // block_k, (hi + block_k - 1) // block_k
+  return block_range(lo, hi, block_k)
 
 
 def query_block_range(spec: Spec, k_start, k_stop, block_q: int, *, q_len=None, kv_len=None):
@@ -344,8 +343,13 @@ def query_block_range(spec: Spec, k_start, k_stop, block_q: int, *, q_len=None, 
   if kv_len is not None:
     hi = jnp.where(k_start >= kv_len, 0, hi)
   lo = jnp.clip(lo, 0, spec.T)
-  hi = jnp.maximum(hi, lo)
-  return lo // block_q, (hi + block_q - 1) // block_q
+  return block_range(lo, hi, block_q)
+
+
+def block_range(lo, hi, block: int):
+  """Blocks ``[lo // block, cdiv(hi, block))`` covering ``[lo, hi)``; empty when ``hi <= lo``."""
+  first = lo // block
+  return first, jnp.where(hi > lo, (hi + block - 1) // block, first)
 
 
 # ----------------------------------------------------------------------------------------------
