@@ -1,0 +1,120 @@
+"""cuDNN attention: a bridge to ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+The ``SDPBackend.CUDNN_ATTENTION`` implementation. It only runs on NVIDIA GPUs and is never chosen on
+CPU; :func:`unsupported` states every constraint of jax's cuDNN path as a reason, so dispatch and
+``explain`` can report why it was not taken, also for a GPU described from a CPU-only machine.
+
+Constraints (jax 0.10, cuDNN 9):
+
+* float16 / bfloat16 inputs; head dim a multiple of 8 and ``<= 128`` (``<= 256`` from sm90);
+  equal q/k and v head dims.
+* No dropout (jax's cuDNN API has no stateless-dropout key that matches the other backends), no
+  logits soft cap, no segment ids, no arbitrary boolean mask (an additive ``bias`` is fine; with a
+  bias the backward needs even ``T`` and ``S``).
+* Causal only with the top-left diagonal on square attention (``T == S``, ``diag_offset == 0``).
+* Sliding windows: only left windows ``(left, 0)`` with ``diag_offset == 0``. jax's cuDNN path with
+  ``local_window_size=(left, 0)`` and ``is_causal=False`` silently attends to the future (the bug fixed
+  by jax PR 39576); this bridge therefore always passes such windows *with* ``is_causal=True``, which
+  is the same mask and the path cuDNN gets right. Right windows are refused.
+* The returned LSE is cuDNN's softmax statistic; it carries no gradient (``stop_gradient``).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from pallas_kernels.attention import base, cudnn
+  >>> x = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+  >>> cudnn.unsupported(base.make_args(x, x, x), "cpu")
+  ['cuDNN attention runs only on NVIDIA GPUs (platform=cpu)']
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention import base
+
+__all__ = ["attention", "unsupported", "GPU_PLATFORMS"]
+
+GPU_PLATFORMS = ("cuda", "gpu")
+
+
+def _local_compute_capability() -> Optional[float]:
+  try:
+    d = jax.devices("gpu")[0]
+    return float(getattr(d, "compute_capability", "0") or 0)
+  except Exception:  # noqa: BLE001 - no GPU here: unknown
+    return None
+
+
+def unsupported(args: base.AttentionArgs, platform: str, *,
+                compute_capability: Optional[float] = None,
+                cudnn_version: Optional[int] = None) -> list:
+  """Reasons jax's cuDNN attention cannot run ``args`` on ``platform`` (empty if it can).
+
+  Args:
+    args: canonical arguments.
+    platform: lowering platform (``"cpu"``, ``"cuda"``, ...).
+    compute_capability: e.g. ``9.0``; default: the local GPU's when there is one (else sm80 limits).
+    cudnn_version: e.g. ``91000``; ``None`` skips the version check unless running on a GPU here.
+  """
+  reasons = []
+  if platform not in GPU_PLATFORMS:
+    reasons.append(f"cuDNN attention runs only on NVIDIA GPUs (platform={platform})")
+  dt = jnp.dtype(args.dtype)
+  if dt not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    reasons.append(f"cuDNN attention needs float16/bfloat16 inputs (got {dt.name})")
+  cc = compute_capability
+  if cc is None and platform in GPU_PLATFORMS:
+    cc = _local_compute_capability()
+  h_max = 256 if (cc or 0) >= 9.0 else 128
+  if args.head_dim % 8 or args.head_dim > h_max:
+    reasons.append(f"cuDNN attention needs a head dim that is a multiple of 8 and <= {h_max} "
+                   f"(got {args.head_dim})")
+  if args.v_head_dim != args.head_dim:
+    reasons.append(f"cuDNN attention needs equal q/k and v head dims "
+                   f"(got {args.head_dim} and {args.v_head_dim})")
+  if args.has_dropout:
+    reasons.append("cuDNN attention (through jax.nn) has no dropout matching the other backends")
+  if args.logits_soft_cap is not None:
+    reasons.append("cuDNN attention has no logits_soft_cap")
+  if args.q_segment_ids is not None:
+    reasons.append("cuDNN attention (through jax.nn) takes no segment ids")
+  if args.mask is not None:
+    reasons.append("cuDNN attention takes no arbitrary boolean mask (pass an additive bias)")
+  if args.causal and (args.diag_offset != 0 or args.q_len != args.kv_len):
+    reasons.append("cuDNN causal attention needs T == S with the top-left diagonal "
+                   f"(got T={args.q_len}, S={args.kv_len}, diag_offset={args.diag_offset})")
+  if args.window is not None:
+    left, right = args.window
+    if right != 0 and not args.causal:
+      reasons.append(f"cuDNN attention supports only left windows (left, 0); got window={args.window}")
+    if args.diag_offset != 0 or args.q_len != args.kv_len:
+      reasons.append("cuDNN sliding windows need T == S with the top-left diagonal")
+  if args.bias is not None and (args.q_len % 2 or args.kv_len % 2):
+    reasons.append(f"cuDNN attention with a bias needs even T and S for the backward "
+                   f"(got T={args.q_len}, S={args.kv_len})")
+  if cudnn_version is not None and cudnn_version < 8904:
+    reasons.append(f"cuDNN attention needs cuDNN >= 8.9.4 (got {cudnn_version})")
+  return reasons
+
+
+def attention(args: base.AttentionArgs, *, config=None, **opts):
+  """Runs ``jax.nn.dot_product_attention(implementation="cudnn")`` on canonical ``args``."""
+  del config, opts
+  reasons = unsupported(args, "cuda")
+  if reasons:
+    raise NotImplementedError("; ".join(reasons))
+  window = None
+  causal = args.causal
+  if args.window is not None:
+    left, right = args.window
+    # Work around jax PR 39576: (left, 0) without is_causal leaks the future in cuDNN.
+    window = (left, 0)
+    causal = True
+  out, lse = jax.nn.dot_product_attention(
+      args.q, args.k, args.v, bias=args.bias, scale=args.scale, is_causal=causal,
+      query_seq_lengths=args.q_seq_lengths, key_value_seq_lengths=args.kv_seq_lengths,
+      local_window_size=window, implementation="cudnn", return_residual=True)
+  lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
+  return out, lse
