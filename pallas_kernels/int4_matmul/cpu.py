@@ -1,0 +1,112 @@
+"""The C++ CPU kernels (``csrc/int4_matmul.cc``), called through the XLA FFI.
+
+The shared library is built by ``setup.py`` when the package is installed
+(``pip install -e .``); when it is absent (no compiler at install time, or a
+non-CPU-only wheel), `available()` is False and callers use `xla.py`.
+
+The kernels take ``x`` float32 ``[..., K]`` (any leading dims, flattened to
+rows), the packed weight ``[N, K/2]``, float32 scales ``[N, K/g]`` and a bias
+(zeros with ``has_bias=False`` when there is none). They are multi-threaded
+over N with ``std::thread`` and pick AVX512-VNNI / AVX512BW / scalar code at
+run time. ``vmap`` over ``x`` folds the batch into the rows; ``vmap`` over the
+weight runs the kernel once per weight (``lax.map``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .base import PackedInt4Weight
+
+__all__ = ["available", "isa", "dyn_quant_matmul", "weight_only_matmul", "supports"]
+
+_DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
+_WO_TARGET = "jb_int4_matmul_f32"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("JBACKENDS_NO_CPP"):
+        return None
+    spec = importlib.util.find_spec(f"{__package__}._int4_cpu")
+    if spec is None or not spec.origin or not os.path.exists(spec.origin):
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        jax.ffi.register_ffi_target(_DYN_TARGET, jax.ffi.pycapsule(lib.JbInt4DynQuantMatmulF32), platform="cpu")
+        jax.ffi.register_ffi_target(_WO_TARGET, jax.ffi.pycapsule(lib.JbInt4MatmulF32), platform="cpu")
+        lib.JbInt4Isa.restype = ctypes.c_char_p
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernels were built and load."""
+    return _library() is not None
+
+
+def isa() -> str:
+    """The instruction set the dyn-quant kernel uses here ("avx512vnni", ...)."""
+    lib = _library()
+    return lib.JbInt4Isa().decode() if lib is not None else "unavailable"
+
+
+def supports(packed: PackedInt4Weight) -> str | None:
+    """None when the kernels can run ``packed``, else the reason they cannot."""
+    if not available():
+        return "the C++ extension is not built (pip install -e . with a C++ compiler)"
+    if packed.in_features % 32:
+        return f"in_features={packed.in_features} is not a multiple of 32"
+    return None
+
+
+@functools.cache
+def _op(target: str, groupsize: int, has_bias: bool):
+    def call(x, w, s, b):
+        out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), jnp.float32)
+        return jax.ffi.ffi_call(target, out)(x, w, s, b, groupsize=groupsize, has_bias=has_bias)
+
+    @jax.custom_batching.custom_vmap
+    def op(x, w, s, b):
+        return call(x, w, s, b)
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, x, w, s, b):
+        xb, wb, sb, bb = in_batched
+        if not (wb or sb or bb):
+            # Batch of inputs, one weight: the batch is just more rows.
+            return op(x, w, s, b), True
+        bcast = lambda v, batched: v if batched else jnp.broadcast_to(v, (axis_size,) + v.shape)
+        args = (bcast(x, xb), bcast(w, wb), bcast(s, sb), bcast(b, bb))
+        return lax.map(lambda a: op(*a), args), True
+
+    return op
+
+
+def _call(target: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
+    if (why := supports(packed)) is not None:
+        raise NotImplementedError(f"C++ int4 kernel: {why}")
+    if x.dtype != jnp.float32:
+        raise TypeError(f"x must be float32 for the C++ kernel, got {x.dtype}")
+    bias = packed.bias
+    has_bias = bias is not None
+    if not has_bias:
+        bias = jnp.zeros((packed.out_features,), jnp.float32)
+    return _op(target, packed.groupsize, has_bias)(x, packed.weight, packed.scales, bias)
+
+
+def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
+    """torch-exact dyn-quant matmul of float32 ``x[..., K]`` (see base.py)."""
+    return _call(_DYN_TARGET, x, packed)
+
+
+def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
+    """``x @ dequantize(w).T + bias`` for float32 ``x[..., K]``, fp32 accumulation."""
+    return _call(_WO_TARGET, x, packed)
