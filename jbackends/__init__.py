@@ -42,6 +42,23 @@ from jbackends import mkldnn as mkldnn
 from jbackends import opt_einsum as opt_einsum
 
 # --- issue 6 exports (cpu, mps, einsum, fft, verbose, conv, nn, xeon, ...): owned by that work ---
+from jbackends import conv as conv
+from jbackends import cpu as cpu
+from jbackends import cusparselt as cusparselt
+from jbackends import fft as fft
+from jbackends import kleidiai as kleidiai
+from jbackends import linalg as linalg
+from jbackends import miopen as miopen
+from jbackends import mps as mps
+from jbackends import nn as nn
+from jbackends import nnpack as nnpack
+from jbackends import openmp as openmp
+from jbackends import xeon as xeon
+from jbackends import xnnpack as xnnpack
+from jbackends._src.einsum import einsum as einsum
+from jbackends._src.einsum import einsum_path as einsum_path
+from jbackends._src.verbose import timed as timed
+from jbackends._src.verbose import verbose as verbose
 # --- end issue 6 exports ---
 
 # --- attention / quantized exports: owned by the lead ---
