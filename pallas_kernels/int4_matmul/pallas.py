@@ -1,0 +1,357 @@
+"""Pallas (Triton) GPU kernels for the int4 matmul.
+
+Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
+
+* **W4A16** (`weight_only_matmul`): nibbles are unpacked and scaled in
+  registers (``(u - 8) * scale`` in the compute dtype, bf16/f16, or f32 with
+  IEEE dots), one MMA per nibble plane (low nibbles x even-k activations,
+  high nibbles x odd-k activations, so nothing is shuffled), fp32
+  accumulation. For decode (``M <= 16``) K is split across programs
+  (split-K) and the fp32 partials are summed by XLA.
+* **W4A8** (`dyn_quant_matmul`, the dynamic-quant semantics of base.py): the
+  activations are quantized to int8 by XLA (`base.quantize_activations`),
+  the kernel runs int8 x int8 -> int32 MMAs per group and restores the zero
+  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q``. Decode: the grid
+  is split over groups and each program writes the int32 group sums
+  (``[G, M, N]``); XLA then applies torch's ordered float tail, so split-K
+  stays bit-exact. Prefill: one program per ``[block_m, block_n]`` tile walks
+  every group in order and accumulates ``float(I) * scale`` in fp32 with no
+  FMA contraction (`base._rounded_mul`), again bit-exact.
+
+Both kernels take ``interpret: bool``: ``interpret=True`` runs them on CPU
+through the Pallas interpreter (tests); on a GPU leave it False.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import base
+from .base import PackedInt4Weight
+
+__all__ = ["Config", "heuristics", "dyn_quant_matmul", "weight_only_matmul", "unsupported", "DECODE_M"]
+
+DECODE_M = 16
+"""Rows up to which the decode configs (split-K) are used."""
+
+_GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes of one launch.
+
+    Attributes:
+      block_m: rows of x per program (>= 16: the MMA minimum).
+      block_n: output features per program.
+      block_k: k per inner step; a power of two (>= 32) dividing groupsize.
+      split_k: programs along K (W4A16: k-steps, W4A8 decode: groups); it
+        divides the number of steps (groups).
+      num_warps: Triton warps per program.
+      num_stages: software-pipelining depth.
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Config.{name} must be a power of two >= 16, got {name}={v}")
+        if self.block_k < 32:
+            raise ValueError(f"Config.block_k must be >= 32 (two nibble planes of >= 16), got block_k={self.block_k}")
+        if self.split_k < 1:
+            raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
+
+
+def _pow2_divisor(groupsize: int, cap: int) -> int:
+    b = 32
+    while b * 2 <= cap and groupsize % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    for d in range(max(1, min(n, cap)), 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def heuristics(M: int, N: int, K: int, groupsize: int, *, mode: str = "w4a16", num_sms: int = 132) -> Config:
+    """Tiles by M: decode (``M <= 16``: thin tiles + split-K) vs prefill.
+
+    Args:
+      M: rows of x (all leading dims flattened).
+      N: out_features.
+      K: in_features.
+      groupsize: quantization group.
+      mode: "w4a16" or "w4a8".
+      num_sms: streaming multiprocessors to fill (H100: 132).
+
+    Example:
+      >>> heuristics(1, 11008, 4096, 128).split_k > 1
+      True
+    """
+    if mode not in ("w4a16", "w4a8"):
+        raise ValueError(f"mode must be 'w4a16' or 'w4a8', got {mode=}")
+    if M <= DECODE_M:
+        block_m, block_n, cap_k, warps, stages = 16, 64, 256, 4, 3
+    else:
+        block_m = min(128, max(32, _next_pow2(M)))
+        block_n, cap_k, warps, stages = 128, 64, 8 if block_m >= 128 else 4, 3
+    block_k = _pow2_divisor(groupsize, cap_k)
+    split = 1
+    if M <= DECODE_M:
+        tiles = -(-N // block_n)
+        want = max(1, -(-2 * num_sms // tiles))
+        steps = K // block_k if mode == "w4a16" else K // groupsize
+        split = _largest_divisor(steps, min(want, 32))
+    return Config(block_m, block_n, block_k, split, warps, stages)
+
+
+def unsupported(packed: PackedInt4Weight, x_dtype, platform: str | None) -> list[str]:
+    """Reasons these kernels cannot run (empty when they can)."""
+    why = []
+    if platform is not None and platform not in _GPU_PLATFORMS:
+        why.append(f"Pallas Triton kernels need a GPU; platform={platform!r}")
+    if packed.groupsize % 32:
+        why.append(f"groupsize={packed.groupsize} is not a multiple of 32 (channel-wise K not a multiple of 32)")
+    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        why.append(f"dtype {jnp.dtype(x_dtype)} is not supported")
+    return why
+
+
+# -------------------------------------------------------------- kernel bodies
+
+
+def _load(ref, mask, other):
+    return plgpu.load(ref, mask=mask, other=other)
+
+
+def _planes(w):
+    """uint8 tile -> (low, high) nibble planes as int32 in -8..7."""
+    w = w.astype(jnp.int32)
+    return (w & 0x0F) - 8, (w >> 4) - 8
+
+
+def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groupsize, block_m, block_n,
+                 block_k, groups_per_prog, fused):
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rmask = pid_m * block_m + jnp.arange(block_m) < M
+    cmask = pid_n * block_n + jnp.arange(block_n) < N
+    bkh = block_k // 2
+    steps = groupsize // block_k
+    zp = _load(zp_ref, rmask, 0)
+
+    def group(j, acc):
+        g = pid_s * groups_per_prog + j
+
+        def step(t, carry):
+            idot, qsum = carry
+            k0 = g * (groupsize // 2) + t * bkh
+            ae = _load(ae_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
+            ao = _load(ao_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
+            lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
+            idot += jnp.dot(ae, lo.astype(jnp.int8).T, preferred_element_type=jnp.int32)
+            idot += jnp.dot(ao, hi.astype(jnp.int8).T, preferred_element_type=jnp.int32)
+            return idot, qsum + jnp.sum(lo + hi, axis=1)
+
+        idot, qsum = lax.fori_loop(
+            0, steps, step, (jnp.zeros((block_m, block_n), jnp.int32), jnp.zeros((block_n,), jnp.int32)))
+        isum = idot - zp[:, None] * qsum[None, :]  # exact: sum (qa - zp) * q
+        if not fused:
+            plgpu.store(out_ref.at[j], isum, mask=rmask[:, None] & cmask[None, :])
+            return acc
+        s = _load(st_ref.at[g], cmask, 0.0)
+        return acc + base._rounded_mul(isum.astype(jnp.float32), s[None, :], isum)
+
+    acc = lax.fori_loop(0, groups_per_prog, group, jnp.zeros((block_m, block_n), jnp.float32))
+    if fused:
+        plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+def _w4a16_kernel(xe_ref, xo_ref, w_ref, st_ref, out_ref, *, M, N, groupsize, block_m, block_n, block_k,
+                  steps_per_prog, compute_dtype):
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rmask = pid_m * block_m + jnp.arange(block_m) < M
+    cmask = pid_n * block_n + jnp.arange(block_n) < N
+    bkh = block_k // 2
+    prec = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+
+    def step(t, acc):
+        kstep = pid_s * steps_per_prog + t
+        k0 = kstep * bkh
+        g = (kstep * block_k) // groupsize
+        xe = _load(xe_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
+        xo = _load(xo_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
+        s = _load(st_ref.at[g], cmask, 0.0)[:, None]
+        lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
+        lo = (lo.astype(jnp.float32) * s).astype(compute_dtype)  # dequantized in registers
+        hi = (hi.astype(jnp.float32) * s).astype(compute_dtype)
+        acc += jnp.dot(xe, lo.T, preferred_element_type=jnp.float32, precision=prec)
+        acc += jnp.dot(xo, hi.T, preferred_element_type=jnp.float32, precision=prec)
+        return acc
+
+    acc = lax.fori_loop(0, steps_per_prog, step, jnp.zeros((block_m, block_n), jnp.float32))
+    plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+# ------------------------------------------------------------------- launches
+
+
+def _prepare(x2: jax.Array):
+    return x2[:, 0::2], x2[:, 1::2]
+
+
+def _specs(cfg: Config, Kh: int, G: int):
+    x_spec = pl.BlockSpec((cfg.block_m, Kh), lambda n, m, s: (m, 0))
+    w_spec = pl.BlockSpec((cfg.block_n, Kh), lambda n, m, s: (n, 0))
+    st_spec = pl.BlockSpec((G, cfg.block_n), lambda n, m, s: (0, n))
+    return x_spec, w_spec, st_spec
+
+
+def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret: bool, fused: bool):
+    M, K = qa.shape
+    N, g, G, Kh = packed.out_features, packed.groupsize, packed.num_groups, K // 2
+    if g % cfg.block_k:
+        raise ValueError(f"config.block_k={cfg.block_k} must divide groupsize={g}")
+    split = 1 if fused else cfg.split_k
+    if G % split:
+        raise ValueError(f"config.split_k={split} must divide the number of groups {G}")
+    gpp = G // split
+    ae, ao = _prepare(qa.astype(jnp.int8))
+    x_spec, w_spec, st_spec = _specs(cfg, Kh, G)
+    grid = (pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), split)
+    if fused:
+        out_shape = jax.ShapeDtypeStruct((M, N), jnp.float32)
+        out_spec = pl.BlockSpec((cfg.block_m, cfg.block_n), lambda n, m, s: (m, n))
+    else:
+        out_shape = jax.ShapeDtypeStruct((G, M, N), jnp.int32)
+        out_spec = pl.BlockSpec((gpp, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n))
+    kernel = functools.partial(_w4a8_kernel, M=M, N=N, groupsize=g, block_m=cfg.block_m, block_n=cfg.block_n,
+                               block_k=cfg.block_k, groups_per_prog=gpp, fused=fused)
+    return pl.pallas_call(
+        kernel, grid=grid,
+        in_specs=(x_spec, x_spec, pl.BlockSpec((cfg.block_m,), lambda n, m, s: (m,)), w_spec, st_spec),
+        out_specs=out_spec, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret, name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
+    )(ae, ao, zp, packed.weight, packed.scales.T)
+
+
+def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight, *, config: Config | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """W4A8 with torch's dyn-quant numerics (bit-exact with `base.dyn_quant_matmul`).
+
+    Args:
+      x: float32 or bfloat16 ``[..., K]``.
+      packed: the packed weight.
+      config: tiles; `heuristics` when None.
+      interpret: run in the Pallas interpreter (CPU tests).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q, s = base.quantize_4bit(jnp.ones((16, 64)), 32)
+      >>> p = base.PackedInt4Weight(q, s, None, 32, 64, 16)
+      >>> dyn_quant_matmul(jnp.ones((2, 64)), p, interpret=True).shape
+      (2, 16)
+    """
+    base.check_packed(packed)
+    x = base.check_input(x, packed)
+    if why := unsupported(packed, x.dtype, None):
+        raise NotImplementedError("; ".join(why))
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    cfg = config or heuristics(M, packed.out_features, packed.in_features, packed.groupsize, mode="w4a8")
+    qa, zp, recip = base.quantize_activations(x2, packed.channelwise)
+    if M == 0:
+        out = jnp.zeros((0, packed.out_features), jnp.float32)
+    elif M <= DECODE_M:
+        idots = _w4a8_idots_or_acc(qa, zp, packed, cfg, interpret, fused=False)
+        out = base.accumulate_groups(jnp.moveaxis(idots, 0, -1), packed.scales, recip, zp, packed.bias,
+                                     packed.channelwise)
+    else:
+        acc = _w4a8_idots_or_acc(qa, zp, packed, cfg, interpret, fused=True)
+        out = _finish(acc, recip, zp, packed.bias)
+    out = out.reshape(*x.shape[:-1], packed.out_features)
+    return base.truncate_to_bfloat16(out) if x.dtype == jnp.bfloat16 else out
+
+
+def _finish(acc, recip, zp, bias):
+    """``acc * recip (+ bias)`` clamped, as `base.accumulate_groups` ends."""
+    if bias is None:
+        out = acc * recip[:, None]
+    else:
+        out = base._rounded_mul(acc, recip[:, None], jnp.broadcast_to(zp[:, None], acc.shape)) + bias[None]
+    fmax = jnp.finfo(jnp.float32).max
+    return jnp.clip(out, -fmax, fmax)
+
+
+def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=None, config: Config | None = None,
+                       interpret: bool = False) -> jax.Array:
+    """W4A16 / W4A32: ``x @ dequantize(w).T + bias`` with fp32 accumulation.
+
+    Args:
+      x: ``[..., K]`` float32 / bfloat16 / float16.
+      packed: the packed weight.
+      compute_dtype: MMA operand dtype (default: x.dtype; float32 uses IEEE
+        dots).
+      config: tiles; `heuristics` when None.
+      interpret: run in the Pallas interpreter (CPU tests).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q, s = base.quantize_4bit(jnp.ones((16, 64)), 32)
+      >>> p = base.PackedInt4Weight(q, s, None, 32, 64, 16)
+      >>> weight_only_matmul(jnp.ones((2, 64)), p, interpret=True).shape
+      (2, 16)
+    """
+    base.check_packed(packed)
+    x = base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
+    if why := unsupported(packed, x.dtype, None):
+        raise NotImplementedError("; ".join(why))
+    cd = jnp.dtype(compute_dtype or x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    M, K = x2.shape
+    N, g = packed.out_features, packed.groupsize
+    cfg = config or heuristics(M, N, K, g, mode="w4a16")
+    if g % cfg.block_k:
+        raise ValueError(f"config.block_k={cfg.block_k} must divide groupsize={g}")
+    steps = K // cfg.block_k
+    if steps % cfg.split_k:
+        raise ValueError(f"config.split_k={cfg.split_k} must divide K // block_k = {steps}")
+    if M == 0:
+        out = jnp.zeros((0, N), jnp.float32)
+    else:
+        xe, xo = _prepare(x2)
+        x_spec, w_spec, st_spec = _specs(cfg, K // 2, packed.num_groups)
+        kernel = functools.partial(_w4a16_kernel, M=M, N=N, groupsize=g, block_m=cfg.block_m, block_n=cfg.block_n,
+                                   block_k=cfg.block_k, steps_per_prog=steps // cfg.split_k, compute_dtype=cd)
+        parts = pl.pallas_call(
+            kernel, grid=(pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), cfg.split_k),
+            in_specs=(x_spec, x_spec, w_spec, st_spec),
+            out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n)),
+            out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32),
+            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            interpret=interpret, name="jb_int4_w4a16",
+        )(xe, xo, packed.weight, packed.scales.T)
+        out = jnp.sum(parts, axis=0)
+    if packed.bias is not None:
+        out = out + packed.bias[None]
+    return out.reshape(*x.shape[:-1], N).astype(x.dtype)
