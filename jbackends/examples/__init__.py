@@ -1,0 +1,1 @@
+"""Runnable examples. `python -m jbackends.examples.train_gpt` is the main demo."""
