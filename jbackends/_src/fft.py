@@ -68,9 +68,10 @@ class PlanCache:
             self._evict()
 
     def clear(self) -> None:
-        """Drop every cached executable (and with it its FFT plans)."""
+        """Drop every cached executable (and with it its FFT plans); resets `hits` / `misses`."""
         with self._lock:
             self._entries.clear()
+            self.hits = self.misses = 0
 
     def keys(self) -> list[tuple]:
         """The cached keys, least recently used first."""

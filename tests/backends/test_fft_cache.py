@@ -1,0 +1,107 @@
+"""jb.fft and jb.cuda.cufft_plan_cache: an LRU of compiled FFT executables per device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jbackends as jb
+from jbackends._src import fft as fft_mod
+
+
+@pytest.fixture
+def cache():
+    c = jb.cuda.cufft_plan_cache
+    c.clear()
+    old = c.max_size
+    yield c
+    c.max_size = old
+    c.clear()
+    for i in range(len(jax.devices())):
+        c[i].clear()
+        c[i].max_size = fft_mod.DEFAULT_MAX_SIZE
+
+
+def test_results_match_numpy(cache):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    np.testing.assert_allclose(jb.fft.rfft(x), np.fft.rfft(x.astype(np.float64)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(jb.fft.fft(x, n=8, axis=0, norm="ortho"),
+                               np.fft.fft(x.astype(np.float64), n=8, axis=0, norm="ortho"), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(jb.fft.irfft2(np.fft.rfft2(x)), x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(jb.fft.fftn(x, norm="forward"), np.fft.fftn(x, norm="forward"), rtol=1e-4, atol=1e-5)
+
+
+def test_hits_misses_and_key(cache):
+    x = jnp.ones((4, 16), jnp.float32)
+    jb.fft.rfft(x)
+    jb.fft.rfft(x)
+    jb.fft.rfft(x, axis=1)  # same key as axis=-1 after canonicalisation
+    assert cache.size == 1
+    per = cache[0]
+    assert (per.hits, per.misses) == (2, 1)
+    jb.fft.rfft(x, norm="ortho")
+    jb.fft.rfft(x.astype(jnp.float16).astype(jnp.float32)[:2])  # other shape
+    jb.fft.fft(x)  # other function
+    assert cache.size == 4
+    key = per.keys()[0]
+    assert key[:6] == ("rfft", (4, 16), "float32", None, 1, None) and key[6] == jax.devices()[0]
+
+
+def test_lru_eviction_and_max_size(cache):
+    cache.max_size = 2
+    a, b, c = jnp.ones(8), jnp.ones(16), jnp.ones(32)
+    jb.fft.fft(a)
+    jb.fft.fft(b)
+    jb.fft.fft(a)  # a becomes most recent
+    jb.fft.fft(c)  # evicts b
+    assert cache.size == 2
+    shapes = [k[1] for k in cache[0].keys()]
+    assert shapes == [(8,), (32,)]
+    cache.max_size = 1
+    assert cache.size == 1 and cache[0].keys()[0][1] == (32,)
+    cache.max_size = 0  # torch: 0 disables the cache
+    jb.fft.fft(a)
+    assert cache.size == 0
+    with pytest.raises(ValueError, match="max_size"):
+        cache.max_size = -1
+    with pytest.raises(TypeError, match="max_size"):
+        cache.max_size = 1.5
+
+
+def test_clear_and_per_device(cache):
+    assert len(jax.devices()) >= 2
+    x0 = jax.device_put(jnp.ones(8), jax.devices()[0])
+    x1 = jax.device_put(jnp.ones(8), jax.devices()[1])
+    jb.fft.fft(x0)
+    jb.fft.fft(x1)
+    jb.fft.ifft(x1)
+    assert cache[0].size == 1 and cache[1].size == 2 and cache.size == 1
+    out = jb.fft.fft(x1)
+    assert out.devices() == {jax.devices()[1]}
+    cache[1].max_size = 1
+    assert cache[1].size == 1 and cache[0].max_size == fft_mod.DEFAULT_MAX_SIZE
+    cache[1].clear()
+    assert cache[1].size == 0 and cache[0].size == 1
+    cache.clear()
+    assert cache.size == 0
+    assert cache[jax.devices()[1]] is cache[1]
+    with pytest.raises(IndexError, match="out of range"):
+        cache[len(jax.devices())]
+    with pytest.raises(TypeError, match="index"):
+        cache["cuda:0"]
+
+
+def test_traced_calls_do_not_touch_the_cache(cache):
+    f = jax.jit(lambda x: jb.fft.rfft(x))
+    np.testing.assert_allclose(f(jnp.ones(8)), np.fft.rfft(np.ones(8)), atol=1e-5)
+    assert cache.size == 0
+    g = jax.grad(lambda x: jnp.sum(jnp.abs(jb.fft.rfft(x)) ** 2))(jnp.arange(8.0))
+    assert g.shape == (8,) and cache.size == 0
+
+
+def test_bad_arguments(cache):
+    with pytest.raises(ValueError, match="norm"):
+        jb.fft.fft(jnp.ones(8), norm="unitary")
+    with pytest.raises(ValueError, match="axis"):
+        jb.fft.fft(jnp.ones(8), axis=3)
