@@ -1,0 +1,346 @@
+"""`torch.backends.quantized` for JAX, plus the int4 weight matmuls it selects.
+
+torch's dynamic-quantization int4 ops with the same numerics (bit-exact for
+float32 input), truly packed weights (0.5 byte per weight, a pytree), any
+leading batch dims, any layout:
+
+* `quantize_4bit(weight, groupsize)` -> ``(uint8 [N, K/2], float32 scales)``.
+* `dyn_quant_pack_4bit_weight(weights, scales_zeros, bias, groupsize,
+  in_features, out_features)` -> `PackedInt4Weight`
+  (``torch.ops.aten._dyn_quant_pack_4bit_weight``).
+* `dyn_quant_matmul_4bit(input, packed, groupsize, in_features,
+  out_features)` (``torch.ops.aten._dyn_quant_matmul_4bit``): int8 dynamic
+  activation quantization, int4 weights (W4A8 semantics).
+* `int4_matmul(x, packed, *, compute_dtype=None)`: weight-only (W4A16 /
+  W4A32), no activation quantization, more accurate.
+* `engine` (flag ``quantized_engine``): "auto" (Pallas on GPU, the C++/XLA
+  kernels on CPU), "pallas" (the Pallas kernels; interpreted on CPU, for
+  testing), "xla" (XLA-compiled paths only: the C++ FFI kernel on CPU when
+  built, else pure XLA). The platform part is decided **per lowering
+  platform** (`jax.lax.platform_dependent`), so ``jax.export(...,
+  platforms=["cuda"])`` from a CPU host carries the Pallas (Triton) kernel.
+
+Example:
+  >>> import jax, jax.numpy as jnp, jbackends as jb
+  >>> w = jax.random.normal(jax.random.key(0), (64, 128))
+  >>> q, s = jb.quantized.quantize_4bit(w, 32)
+  >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, 32, 128, 64)
+  >>> x = jnp.ones((2, 3, 128))
+  >>> jb.quantized.dyn_quant_matmul_4bit(x, p, 32, 128, 64).shape
+  (2, 3, 64)
+  >>> jb.quantized.int4_matmul(x, p).shape
+  (2, 3, 64)
+"""
+from __future__ import annotations
+
+import sys as _sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jbackends._src import mirror as _mirror
+from jbackends._src.flags import trace_flags as _trace_flags
+from pallas_kernels.int4_matmul import base as _base
+from pallas_kernels.int4_matmul import cpu as _cpu
+from pallas_kernels.int4_matmul import pallas as _pallas
+from pallas_kernels.int4_matmul import xla as _xla
+from pallas_kernels.int4_matmul.base import PackedInt4Weight as PackedInt4Weight
+
+__all__ = [
+    "PackedInt4Weight",
+    "quantize_4bit",
+    "dequantize_4bit",
+    "dyn_quant_pack_4bit_weight",
+    "dyn_quant_matmul_4bit",
+    "int4_matmul",
+    "supported_engines",
+    "IMPLEMENTATIONS",
+]
+
+#: Implementations a call can be pinned to with ``implementation=``.
+IMPLEMENTATIONS = ("pallas", "pallas_interpret", "cpp", "xla", "reference")
+
+#: Lowering platforms given their own branch; any other gets the default one.
+_GPU = ("cuda", "rocm")
+
+#: Weight-only rows above which the CPU path is XLA's dequantize + GEMM.
+CPP_WEIGHT_ONLY_MAX_M = 32
+
+
+def supported_engines() -> list[str]:
+    """The values ``engine`` accepts (torch: ``supported_engines``)."""
+    return ["auto", "pallas", "xla"]
+
+
+def quantize_4bit(weight: Any, groupsize: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int4 quantization of ``weight[N, K]`` in groups of ``groupsize`` along K.
+
+    ``scale = max|w_group| / 7``, ``q = round_half_up(w / scale)`` stored as
+    ``q + 8``, two per byte, the low nibble the even k.
+
+    Args:
+      weight: float ``[out_features, in_features]``.
+      groupsize: a multiple of 32 dividing in_features, or in_features.
+
+    Returns:
+      ``(uint8 [N, K/2], float32 scales [N, K/groupsize])``.
+
+    Example:
+      >>> import jax.numpy as jnp, jbackends as jb
+      >>> q, s = jb.quantized.quantize_4bit(jnp.ones((4, 64)), 64)
+      >>> q.shape, s.shape, int(q[0, 0])
+      ((4, 32), (4, 1), 255)
+    """
+    return _base.quantize_4bit(weight, groupsize)
+
+
+def dequantize_4bit(packed: PackedInt4Weight) -> jax.Array:
+    """The float32 ``[N, K]`` weight a `PackedInt4Weight` stands for.
+
+    Example:
+      >>> import jax.numpy as jnp, jbackends as jb
+      >>> q, s = jb.quantized.quantize_4bit(jnp.full((2, 32), 0.5), 32)
+      >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, 32, 32, 2)
+      >>> float(jb.quantized.dequantize_4bit(p)[0, 0])
+      0.5
+    """
+    _base.check_packed(packed)
+    return _base.dequantize(packed.weight, packed.scales, packed.groupsize)
+
+
+def _check_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    if v <= 0:
+        raise ValueError(f"{name} must be positive, got {name}={v}")
+    return int(v)
+
+
+def dyn_quant_pack_4bit_weight(weights: Any, scales_zeros: Any, bias: Any, groupsize: int, in_features: int,
+                               out_features: int) -> PackedInt4Weight:
+    """Packs int4 weights, scales and an optional bias (``torch.ops.aten._dyn_quant_pack_4bit_weight``).
+
+    Unlike torch's x86 fallback (which stores every byte as a float32), the
+    result is truly packed: the uint8 nibbles, float32 scales and bias.
+
+    Args:
+      weights: uint8 nibbles ``[out_features, in_features // 2]`` (or any
+        shape with that many bytes in that order, e.g. torch's
+        ``[N, K / groupsize, groupsize / 2]``), as from `quantize_4bit`.
+      scales_zeros: scales ``[out_features, in_features // groupsize]``,
+        float32 or bfloat16 (torch: float32 channel-wise, bfloat16
+        group-wise); there are no zero points.
+      bias: float ``[out_features]`` or None.
+      groupsize: a multiple of 32 dividing in_features, or in_features.
+      in_features: K.
+      out_features: N.
+
+    Returns:
+      A `PackedInt4Weight` pytree.
+
+    Example:
+      >>> import jax.numpy as jnp, jbackends as jb
+      >>> q, s = jb.quantized.quantize_4bit(jnp.ones((8, 64)), 32)
+      >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, jnp.zeros(8), 32, 64, 8)
+      >>> p.nbytes  # 8*32 nibble bytes + 8*2 scales * 4 + 8 bias * 4
+      352
+    """
+    K = _check_int("in_features", in_features)
+    N = _check_int("out_features", out_features)
+    g = _base.check_groupsize(groupsize, K)
+    w = jnp.asarray(weights)
+    if w.dtype != jnp.uint8:
+        raise TypeError(f"weights must be uint8 (two 4-bit values per byte, q + 8), got {w.dtype}")
+    if w.size != N * K // 2:
+        raise ValueError(f"weights must hold out_features * in_features / 2 = {N * K // 2} bytes "
+                         f"([{N}, {K // 2}]), got shape {w.shape}")
+    if w.ndim < 1 or w.shape[0] != N:
+        raise ValueError(f"weights.shape[0] must be out_features={N}, got shape {w.shape}")
+    s = jnp.asarray(scales_zeros)
+    if s.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"scales_zeros must be float32 or bfloat16, got {s.dtype}")
+    if s.shape not in ((N, K // g), (N * (K // g),)):
+        raise ValueError(f"scales_zeros must have shape (out_features, in_features // groupsize) = "
+                         f"{(N, K // g)}, got {s.shape}")
+    b = None
+    if bias is not None:
+        b = jnp.asarray(bias)
+        if not jnp.issubdtype(b.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point, got {b.dtype}")
+        if b.shape != (N,):
+            raise ValueError(f"bias must have shape (out_features,) = {(N,)}, got {b.shape}")
+        b = b.astype(jnp.float32)
+    return PackedInt4Weight(w.reshape(N, K // 2), s.reshape(N, K // g).astype(jnp.float32), b, g, K, N)
+
+
+def _check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: Any) -> PackedInt4Weight:
+    _base.check_packed(packed)
+    given = dict(groupsize=groupsize, in_features=in_features, out_features=out_features)
+    for name, v in given.items():
+        if getattr(packed, name) != v:
+            raise ValueError(f"{name}={v!r} does not match the packed weight's {name}={getattr(packed, name)}")
+    return packed
+
+
+# ------------------------------------------------------------------- dispatch
+
+
+def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, choose, run) -> jax.Array:
+    """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them."""
+    from jbackends._src.verbose import report_dispatch  # noqa: PLC0415 - avoid an import cycle
+
+    flags = _trace_flags()
+    branches, chosen_all, rejected = {}, [], {}
+    for platform in ("cpu",) + _GPU + ("default",):
+        chosen, reasons = choose(flags.quantized_engine, platform)
+        name = "other" if platform == "default" else platform
+        chosen_all.append(f"{chosen}@{name}")
+        rejected.update({f"{k}@{name}": v for k, v in reasons.items()})
+        branches[platform] = (lambda c: lambda a, p: run(c, a, p))(chosen)
+    report_dispatch(op, ",".join(chosen_all), rejected,
+                    (tuple(x.shape), tuple(packed.weight.shape)), (str(x.dtype), "uint4"))
+    default = branches.pop("default")
+    return jax.lax.platform_dependent(x, packed, default=default, **branches)
+
+
+def _choose_dyn(engine: str, platform: str, packed: PackedInt4Weight, x_dtype) -> tuple[str, dict[str, str]]:
+    reasons: dict[str, str] = {}
+    gpu = platform in _GPU
+    if engine in ("auto", "pallas"):
+        why = _pallas.unsupported(packed, x_dtype, None)
+        if not why:
+            if gpu:
+                return "pallas", reasons
+            if engine == "pallas":
+                return "pallas_interpret", {"pallas": f"no GPU when lowering for {platform}: interpreted"}
+            reasons["pallas"] = f"Pallas Triton needs a GPU (lowering for {platform})"
+        else:
+            reasons["pallas"] = "; ".join(why)
+    elif gpu:
+        reasons["pallas"] = f"quantized_engine={engine!r}"
+    if platform == "cpu":
+        why = _cpu.supports(packed)
+        if why is None:
+            return "cpp", reasons
+        reasons["cpp"] = why
+    else:
+        reasons["cpp"] = f"CPU only (lowering for {platform})"
+    return "xla", reasons
+
+
+def _run_dyn(impl: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
+    if impl in ("pallas", "pallas_interpret"):
+        return _pallas.dyn_quant_matmul(x, packed, interpret=impl == "pallas_interpret")
+    if impl == "cpp":
+        out = _cpu.dyn_quant_matmul(x.astype(jnp.float32), packed)
+        return _base.truncate_to_bfloat16(out) if x.dtype == jnp.bfloat16 else out
+    if impl == "xla":
+        return _xla.dyn_quant_matmul(x, packed)
+    return _base.dyn_quant_matmul(x, packed)
+
+
+def _check_impl(implementation: Any) -> str | None:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    return implementation
+
+
+def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, in_features: int,
+                          out_features: int, *, implementation: str | None = None) -> jax.Array:
+    """``torch.ops.aten._dyn_quant_matmul_4bit`` with torch's numerics, for any batch dims and layout.
+
+    Each input row is quantized to int8 asymmetrically over K (KleidiAI
+    qai8dx), multiplied by the int4 weight in int32 per group, the groups are
+    summed in float32 in order times their scales, then ``* (1 / scale) +
+    bias``. Bit-exact with torch for float32 input; bfloat16 input gives a
+    bfloat16 output truncated like torch's (any groupsize here; torch's x86
+    fallback takes bfloat16 channel-wise only).
+
+    Args:
+      input: float32 or bfloat16 ``[..., in_features]``.
+      packed: from `dyn_quant_pack_4bit_weight`.
+      groupsize, in_features, out_features: must match ``packed`` (torch's
+        signature; checked).
+      implementation: pin one of `IMPLEMENTATIONS` instead of following the
+        ``quantized_engine`` flag (tests, benchmarks).
+
+    Returns:
+      ``[..., out_features]`` in the input dtype.
+
+    Example:
+      >>> import jax.numpy as jnp, jbackends as jb
+      >>> q, s = jb.quantized.quantize_4bit(jnp.eye(64), 64)
+      >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, 64, 64, 64)
+      >>> y = jb.quantized.dyn_quant_matmul_4bit(jnp.ones((1, 64)), p, 64, 64, 64)
+      >>> float(y[0, 0])
+      1.0
+    """
+    _check_sizes(packed, groupsize, in_features, out_features)
+    x = _base.check_input(input, packed)
+    impl = _check_impl(implementation)
+    if impl is not None:
+        return _run_dyn(impl, x, packed)
+    choose = lambda engine, platform: _choose_dyn(engine, platform, packed, x.dtype)
+    return _lowering_branches("dyn_quant_matmul_4bit", x, packed, choose, _run_dyn)
+
+
+def _choose_wo(engine: str, platform: str, packed: PackedInt4Weight, x: jax.Array) -> tuple[str, dict[str, str]]:
+    chosen, reasons = _choose_dyn(engine, platform, packed, x.dtype)
+    if chosen == "cpp":
+        M = int(np.prod(x.shape[:-1], dtype=np.int64))
+        if M > CPP_WEIGHT_ONLY_MAX_M:
+            reasons["cpp"] = f"M={M} > {CPP_WEIGHT_ONLY_MAX_M}: XLA's GEMM on the dequantized weight is faster"
+            return "xla", reasons
+    return chosen, reasons
+
+
+def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
+                implementation: str | None = None) -> jax.Array:
+    """Weight-only int4 matmul (W4A16 / W4A32): ``x @ dequantize(w).T + bias``.
+
+    No activation quantization: more accurate than `dyn_quant_matmul_4bit`.
+    Float32 accumulation everywhere.
+
+    Args:
+      x: ``[..., in_features]`` float32, bfloat16 or float16.
+      packed: from `dyn_quant_pack_4bit_weight`.
+      compute_dtype: operand dtype of the GPU MMA / large-M GEMM (default:
+        x.dtype on GPU, float32 on CPU).
+      implementation: pin one of `IMPLEMENTATIONS` (tests, benchmarks).
+
+    Returns:
+      ``[..., out_features]`` in x.dtype.
+
+    Example:
+      >>> import jax.numpy as jnp, jbackends as jb
+      >>> q, s = jb.quantized.quantize_4bit(jnp.eye(64), 64)
+      >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, 64, 64, 64)
+      >>> float(jb.quantized.int4_matmul(jnp.ones((64,)), p)[3])
+      1.0
+    """
+    _base.check_packed(packed)
+    x = _base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
+    if compute_dtype is not None and jnp.dtype(compute_dtype) not in (
+            jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, got {compute_dtype!r}")
+    impl = _check_impl(implementation)
+
+    def run(impl: str, a: jax.Array, p: PackedInt4Weight) -> jax.Array:
+        if impl in ("pallas", "pallas_interpret"):
+            return _pallas.weight_only_matmul(a, p, compute_dtype=compute_dtype,
+                                              interpret=impl == "pallas_interpret")
+        if impl == "cpp":
+            return _cpu.weight_only_matmul(a.astype(jnp.float32), p).astype(a.dtype)
+        if impl == "xla":
+            return _xla.weight_only_matmul(a, p, compute_dtype=compute_dtype)
+        return _base.weight_only_matmul(a, p)
+
+    if impl is not None:
+        return run(impl, x, packed)
+    choose = lambda engine, platform: _choose_wo(engine, platform, packed, x)
+    return _lowering_branches("int4_matmul", x, packed, choose, run)
+
+
+_mirror.install(_sys.modules[__name__])
