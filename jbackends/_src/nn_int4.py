@@ -1,0 +1,156 @@
+"""flax nnx int4 layers: `Int4Linear` and `quantize_4bit(model, groupsize=...)`.
+
+`Int4Linear` holds a truly packed 4-bit weight (uint8 nibbles, float32
+scales, optional float32 bias) as `Int4Weight` variables, not `nnx.Param`:
+they are checkpointed with the model (``nnx.state``/orbax) but an optimizer
+filtering on `nnx.Param` leaves them alone. The matmul goes through
+`jbackends.quantized`, so it follows the ``quantized_engine`` flag (Pallas on
+GPU, the C++/XLA kernels on CPU).
+
+Two modes:
+
+* ``"weight_only"`` (default): `jbackends.quantized.int4_matmul` (W4A16 /
+  W4A32), no activation quantization.
+* ``"dyn_quant"``: `jbackends.quantized.dyn_quant_matmul_4bit` (torch's
+  int8 dynamic activation quantization, W4A8 numerics).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jbackends import quantized as _q
+
+__all__ = ["Int4Weight", "Int4Linear", "quantize_4bit"]
+
+_MODES = ("weight_only", "dyn_quant")
+
+
+class Int4Weight(nnx.Variable):
+    """A frozen leaf of a packed int4 weight (nibbles, scales, bias)."""
+
+
+class Int4Linear(nnx.Module):
+    """``y = x @ W.T + b`` with ``W`` stored as packed int4 (0.5 byte per weight).
+
+    Build one from a float layer with `Int4Linear.from_linear`, or a whole
+    model with `quantize_4bit`.
+
+    Args:
+      packed: a `jbackends.quantized.PackedInt4Weight`.
+      mode: "weight_only" (int4_matmul) or "dyn_quant" (dyn_quant_matmul_4bit).
+      compute_dtype: operand dtype for weight-only matmuls (None: default).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> lin = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
+      >>> q = Int4Linear.from_linear(lin, groupsize=32)
+      >>> q(jnp.ones((2, 64))).shape
+      (2, 8)
+    """
+
+    def __init__(self, packed: _q.PackedInt4Weight, *, mode: str = "weight_only", compute_dtype: Any = None):
+        if not isinstance(packed, _q.PackedInt4Weight):
+            raise TypeError(f"packed must be a PackedInt4Weight, got {type(packed).__name__}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode=!r}")
+        self.weight = Int4Weight(packed.weight)
+        self.scales = Int4Weight(packed.scales)
+        self.bias = Int4Weight(packed.bias) if packed.bias is not None else None
+        self.groupsize = packed.groupsize
+        self.in_features = packed.in_features
+        self.out_features = packed.out_features
+        self.mode = mode
+        self.compute_dtype = compute_dtype
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, groupsize: int, *, mode: str = "weight_only",
+                    compute_dtype: Any = None) -> "Int4Linear":
+        """Quantizes an `nnx.Linear` (kernel ``[in, out]``) to int4 with `quantize_4bit` rules."""
+        if not isinstance(linear, nnx.Linear):
+            raise TypeError(f"linear must be an nnx.Linear, got {type(linear).__name__}")
+        w = jnp.asarray(linear.kernel[...]).T  # [out, in]
+        K, N = linear.in_features, linear.out_features
+        q, s = _q.quantize_4bit(w, groupsize)
+        b = None if linear.bias is None else jnp.asarray(linear.bias[...])
+        return cls(_q.dyn_quant_pack_4bit_weight(q, s, b, groupsize, K, N), mode=mode, compute_dtype=compute_dtype)
+
+    @property
+    def packed(self) -> _q.PackedInt4Weight:
+        """The layer's weight as a `PackedInt4Weight`."""
+        bias = None if self.bias is None else self.bias[...]
+        return _q.PackedInt4Weight(self.weight[...], self.scales[...], bias, self.groupsize, self.in_features,
+                                   self.out_features)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(jnp.float32)
+        if self.mode == "dyn_quant":
+            xd = x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.float32)
+            y = _q.dyn_quant_matmul_4bit(xd, self.packed, self.groupsize, self.in_features, self.out_features)
+            return y.astype(x.dtype)
+        return _q.int4_matmul(x, self.packed, compute_dtype=self.compute_dtype)
+
+
+def _set(root: Any, path: tuple, value: Any) -> None:
+    parent = root
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    key = path[-1]
+    if isinstance(key, int):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weight_only", compute_dtype: Any = None,
+                  filter: Any = None, channelwise_fallback: bool = True) -> nnx.Module:
+    """Replaces ``model``'s `nnx.Linear` layers by `Int4Linear`, in place (inference).
+
+    Args:
+      model: any nnx module graph (also a bare `nnx.Linear`, which is
+        returned converted).
+      groupsize: quantization group along in_features (a multiple of 32).
+      mode: "weight_only" or "dyn_quant" (see `Int4Linear`).
+      compute_dtype: forwarded to `Int4Linear`.
+      filter: ``filter(path, linear) -> bool``; only layers it accepts are
+        converted (default: all).
+      channelwise_fallback: a layer whose in_features is not a multiple of
+        ``groupsize`` gets channel-wise scales (``groupsize = in_features``)
+        instead of raising.
+
+    Returns:
+      The model (the same object unless ``model`` itself is an `nnx.Linear`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> mlp = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
+      >>> mlp = quantize_4bit(mlp, groupsize=32)
+      >>> type(mlp.layers[0]).__name__, mlp(jnp.ones((1, 64))).shape
+      ('Int4Linear', (1, 4))
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode=!r}")
+
+    def convert(path, lin: nnx.Linear) -> Int4Linear:
+        g = groupsize
+        if lin.in_features % g:
+            if not channelwise_fallback or lin.in_features % 2:
+                where = "/".join(map(str, path)) or "<root>"
+                raise ValueError(f"layer {where}: groupsize={g} does not divide in_features={lin.in_features}")
+            g = lin.in_features
+        return Int4Linear.from_linear(lin, g, mode=mode, compute_dtype=compute_dtype)
+
+    if isinstance(model, nnx.Linear):
+        return convert((), model)
+    targets = [(path, node) for path, node in nnx.iter_graph(model)
+               if isinstance(node, nnx.Linear) and path and (filter is None or filter(path, node))]
+    for path, lin in targets:
+        _set(model, path, convert(path, lin))
+    return model
