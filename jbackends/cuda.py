@@ -126,6 +126,46 @@ def preferred_rocm_fa_library(backend: str | None = None) -> str:
 
 
 
+def is_ck_sdpa_available() -> bool:
+    """False: JAX has no ROCm composable-kernel (CK) attention; use `jb.attention.sdpa_kernel` backends.
+
+    Example:
+      >>> import jbackends as jb
+      >>> jb.cuda.is_ck_sdpa_available()
+      False
+    """
+    return False
+
+
+_WORKSPACE_DOC = """None: XLA sizes the {lib} workspace itself, per GEMM call (a scratch output of each cuBLAS /
+    cuBLASLt custom call in the compiled HLO, sized by XLA for the GPU); there is no process-wide size
+    to read or set (torch reads
+    CUBLAS_WORKSPACE_CONFIG / CUBLASLT_WORKSPACE_SIZE, which XLA ignores). Inspect an executable's memory
+    with `jax.jit(f).lower(...).compile().memory_analysis()`.
+
+    Example:
+      >>> import jbackends as jb
+      >>> jb.cuda.{name}() is None
+      True
+    """
+
+
+def cublas_workspace_size() -> None:
+    return None
+
+
+def cublaslt_workspace_size() -> None:
+    return None
+
+
+def blas_workspace_size() -> None:
+    return None
+
+
+cublas_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="cuBLAS", name="cublas_workspace_size")
+cublaslt_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="cuBLASLt", name="cublaslt_workspace_size")
+blas_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="BLAS", name="blas_workspace_size")
+
 # --- end issue 6 ---
 
 _mirror.install(_sys.modules[__name__])

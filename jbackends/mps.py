@@ -12,10 +12,12 @@ Example:
 from __future__ import annotations
 
 import platform as _platform
+import re as _re
+import subprocess as _subprocess
 
 from jbackends._src import platforms as _platforms
 
-__all__ = ["is_available", "is_built", "is_macos_or_newer", "is_macos13_or_newer"]
+__all__ = ["get_core_count", "get_name", "is_available", "is_built", "is_macos_or_newer", "is_macos13_or_newer"]
 
 
 def is_built() -> bool:
@@ -61,3 +63,41 @@ def is_macos_or_newer(major: int, minor: int) -> bool:
 def is_macos13_or_newer(minor: int = 0) -> bool:
     """torch's older spelling of `is_macos_or_newer(13, minor)`."""
     return is_macos_or_newer(13, minor)
+
+
+_NOT_AVAILABLE = ("MPS is not available: JAX reaches Apple GPUs through the jax-metal plugin "
+                  "(pip install jax-metal on Apple silicon macOS); jb.mps.is_available() is False here")
+
+
+def get_name() -> str:
+    """The Metal GPU's name (the METAL device's `device_kind`); `RuntimeError` when MPS is unavailable.
+
+    Example:
+      >>> import jbackends as jb
+      >>> jb.mps.get_name() if jb.mps.is_available() else "no mps"  # doctest: +ELLIPSIS
+      '...'
+    """
+    devices = _platforms.devices("METAL") or _platforms.devices("metal")
+    if not devices:
+        raise RuntimeError(_NOT_AVAILABLE)
+    return str(devices[0].device_kind)
+
+
+def get_core_count() -> int:
+    """GPU core count from the macOS IORegistry (`gpu-core-count`); `RuntimeError` when unavailable.
+
+    Example:
+      >>> import jbackends as jb
+      >>> jb.mps.get_core_count() > 0 if jb.mps.is_available() else True
+      True
+    """
+    if not is_available():
+        raise RuntimeError(_NOT_AVAILABLE)
+    try:
+        out = _subprocess.run(["ioreg", "-rc", "AGXAccelerator"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, _subprocess.SubprocessError) as e:
+        raise RuntimeError(f"cannot read the GPU core count from ioreg: {e}") from None
+    match = _re.search(r'"gpu-core-count"\s*=\s*(\d+)', out)
+    if not match:
+        raise RuntimeError("ioreg lists no gpu-core-count for the AGXAccelerator")
+    return int(match.group(1))

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-__all__ = ["Instance", "available_cores", "main", "plan", "physical_cores"]
+__all__ = ["Instance", "available_cores", "create_args", "main", "plan", "physical_cores"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +114,19 @@ def _parser() -> argparse.ArgumentParser:
                "--steps 10. XLA:CPU's thread pool follows each instance's pinned cores; with one core per "
                "instance --xla_cpu_multi_thread_eigen=false is added to XLA_FLAGS.",
     )
+    return create_args(p)
+
+
+def create_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the launcher's arguments to `parser` (torch's `run_cpu.create_args`) and return it.
+
+    Example:
+      >>> import argparse
+      >>> from jbackends.xeon import run_cpu
+      >>> run_cpu.create_args(argparse.ArgumentParser()).parse_args(["--ninstances", "2", "x.py"]).ninstances
+      2
+    """
+    p = parser
     p.add_argument("--ninstances", type=int, default=None,
                    help="number of instances (default: all cores / --ncores-per-instance, or 1)")
     p.add_argument("--ncores-per-instance", type=int, default=None,
