@@ -1,0 +1,64 @@
+"""Each implementation against the reference, through the shared `Int4Suite`."""
+import functools
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.int4_matmul import cpu, pallas, xla
+
+from tests.int4.int4_base import GRID, Int4Suite
+
+
+class TestXla(Int4Suite):
+    impl = staticmethod(xla.dyn_quant_matmul)
+    weight_only = staticmethod(xla.weight_only_matmul)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+class TestCpp(Int4Suite):
+    impl = staticmethod(lambda x, p: cpu.dyn_quant_matmul(x, p))
+    weight_only = staticmethod(cpu.weight_only_matmul)
+    supports_odd_channelwise = False
+    supports_bf16 = False
+
+
+# Interpret mode is slow: small tiles so that several ragged blocks and split-K are exercised.
+_DECODE = pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
+
+
+def _pallas_dyn(x, p):
+    M = x.size // x.shape[-1] if x.ndim else 1
+    cfg = _DECODE if M <= pallas.DECODE_M else pallas.Config(block_m=32, block_n=16, block_k=32)
+    if p.num_groups % cfg.split_k:
+        cfg = pallas.Config(cfg.block_m, cfg.block_n, cfg.block_k, 1)
+    return pallas.dyn_quant_matmul(x, p, config=cfg, interpret=True)
+
+
+def _pallas_wo(x, p):
+    return pallas.weight_only_matmul(x, p, config=pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2),
+                                     interpret=True)
+
+
+class TestPallasInterpret(Int4Suite):
+    impl = staticmethod(_pallas_dyn)
+    weight_only = staticmethod(_pallas_wo)
+    supports_odd_channelwise = False
+    grid = GRID[:7]  # the M=128 prefill case is covered by test_prefill_heuristic_config below
+
+    def test_prefill_heuristic_config(self):
+        from tests.int4.int4_base import make_case
+        from pallas_kernels.int4_matmul import base
+        import numpy as np
+        x, p = make_case(40, 128, 24, 64, True)
+        got = pallas.dyn_quant_matmul(x, p, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(base.dyn_quant_matmul(x, p)))
+
+    def test_weight_only_bf16_compute(self):
+        from tests.int4.int4_base import make_case
+        from pallas_kernels.int4_matmul import base
+        import numpy as np
+        x, p = make_case(3, 128, 16, 64, False)
+        got = _pallas_wo(x.astype(jnp.bfloat16), p)
+        want = base.weight_only_matmul(x, p)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
