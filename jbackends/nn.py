@@ -12,9 +12,5 @@ Example:
 
 from jbackends._src.nn_attention import MultiHeadAttention as MultiHeadAttention
 from jbackends._src.nn_attention import attention_fn as attention_fn
-
-try:  # the int4 layers live in another engineer's module; re-exported plainly once it exists
-    from jbackends._src.nn_int4 import Int4Linear as Int4Linear
-    from jbackends._src.nn_int4 import quantize_4bit as quantize_4bit
-except ImportError:  # pragma: no cover - only while jbackends._src.nn_int4 is not written yet
-    pass
+from jbackends._src.nn_int4 import Int4Linear as Int4Linear
+from jbackends._src.nn_int4 import quantize_4bit as quantize_4bit

@@ -65,8 +65,13 @@ def test_fast_and_plain_paths_agree(sdpa, caplog, causal, with_mask):
         fast = jb.nn.attention_fn(q, k, v, mask=mask, is_causal=causal)
         with jb.with_backends(mha_fastpath=False):
             plain = jb.nn.attention_fn(q, k, v, mask=mask, is_causal=causal)
-    chosen = [m.split()[3] for m in (r.getMessage() for r in caplog.records) if "op=mha" in m]
+    msgs = [r.getMessage() for r in caplog.records]
+    chosen = [m.split()[3] for m in msgs if "op=mha" in m]
     assert chosen == ["chosen=fastpath:sdpa", "chosen=plain"]
+    if sdpa == "real":  # the fast path went through the SDPA dispatch, the plain path did not
+        sdpa_lines = [i for i, m in enumerate(msgs) if "dispatch op=sdpa" in m]
+        mha_lines = [i for i, m in enumerate(msgs) if "op=mha" in m]
+        assert sdpa_lines and all(mha_lines[0] < i < mha_lines[1] for i in sdpa_lines)
     chex.assert_trees_all_close(fast, plain, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(plain), _reference(q, k, v, mask, causal), atol=1e-5, rtol=1e-5)
 
@@ -76,6 +81,7 @@ def test_plain_path_is_explicit_weights_in_jaxpr(sdpa):
     with jb.with_backends(mha_fastpath=False):
         jaxpr = str(jax.make_jaxpr(jb.nn.attention_fn)(q, k, v))
     assert "dot_general" in jaxpr and "exp" in jaxpr  # softmax(QK^T) V spelled out
+    assert str(jax.make_jaxpr(jb.nn.attention_fn)(q, k, v)) != jaxpr  # the fast path traces differently
     jb.mha.set_fastpath_enabled(False)
     try:
         assert jb.mha.get_fastpath_enabled() is False
