@@ -121,8 +121,6 @@ def check_groupsize(groupsize: Any, in_features: int) -> int:
         raise ValueError(f"groupsize must be a multiple of 32 or equal to in_features, got {groupsize=}, {in_features=}")
     if in_features % groupsize:
         raise ValueError(f"groupsize must divide in_features, got {groupsize=}, {in_features=}")
-    if groupsize % 32 and groupsize != in_features:
-        raise ValueError(f"{groupsize=} must be a multiple of 32")
     return groupsize
 
 
@@ -216,9 +214,11 @@ def quantize_4bit(weight: jax.Array, groupsize: int) -> tuple[jax.Array, jax.Arr
     N, K = weight.shape
     groupsize = check_groupsize(groupsize, K)
     w = weight.astype(jnp.float32).reshape(N, K // groupsize, groupsize)
-    scale = jnp.max(jnp.abs(w), axis=-1) / jnp.float32(7)
+    amax = jnp.max(jnp.abs(w), axis=-1)
+    scale = amax / _opaque(jnp.full(amax.shape, 7, jnp.float32), amax)
     safe = jnp.where(scale == 0, jnp.float32(1), scale)
-    q = jnp.clip(_round_half_up(w / safe[..., None]), -8, 7).astype(jnp.int32)
+    q = jnp.clip(_round_half_up(w / _opaque(jnp.broadcast_to(safe[..., None], w.shape), w)), -8, 7)
+    q = q.astype(jnp.int32)
     return pack_nibbles(q.reshape(N, K)), scale
 
 
@@ -257,6 +257,19 @@ def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, ja
     v = _round_half_away(x * scale[..., None]).astype(jnp.int32)
     qa = jnp.clip(v + zp[..., None], -128, 127)
     return qa, zp, recip
+
+
+def _opaque(v: jax.Array, like: jax.Array) -> jax.Array:
+    """``v`` unchanged, but not recognisable as a broadcast or a constant.
+
+    XLA rewrites ``a / broadcast(b)`` as ``a * broadcast(1 / b)``, which is
+    not correctly rounded; torch divides. The value goes through an integer
+    ``or`` with a runtime term that is 0 unless ``like`` holds the one NaN
+    bit pattern 0x7FFFFFFF.
+    """
+    guard = lax.bitcast_convert_type(like.astype(jnp.float32), jnp.int32) == 0x7FFFFFFF
+    bits = lax.bitcast_convert_type(v, jnp.int32) | guard.astype(jnp.int32)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _rounded_mul(a: jax.Array, b: jax.Array, guard: jax.Array) -> jax.Array:
@@ -353,5 +366,5 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
     w = dequantize(packed.weight, packed.scales, packed.groupsize)
     out = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
     if packed.bias is not None:
-        out = out + packed.bias
+        out = out + packed.bias.reshape((1,) * (out.ndim - 1) + (-1,))
     return out.astype(x.dtype)
