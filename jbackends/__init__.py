@@ -62,6 +62,13 @@ from jbackends._src.verbose import verbose as verbose
 # --- end issue 6 exports ---
 
 # --- attention / quantized exports: owned by the lead ---
+from jbackends import attention as attention
+from jbackends import quantized as quantized
+from jbackends.attention import SDPBackend as SDPBackend
+from jbackends.attention import dot_product_attention as dot_product_attention
+from jbackends.attention import explain as explain
+from jbackends.attention import scaled_dot_product_attention as scaled_dot_product_attention
+from jbackends.attention import sdpa_kernel as sdpa_kernel
 # --- end attention / quantized exports ---
 
 import types as _types

@@ -168,5 +168,14 @@ blas_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="BLAS", name="blas_works
 
 # --- end issue 6 ---
 
+# --- SDPA helpers (torch.backends.cuda.SDPAParams, can_use_*, sdp_kernel): owned by the lead ---
+from jbackends.attention import SDPAParams as SDPAParams  # noqa: E402
+from jbackends.attention import can_use_cudnn_attention as can_use_cudnn_attention  # noqa: E402
+from jbackends.attention import can_use_efficient_attention as can_use_efficient_attention  # noqa: E402
+from jbackends.attention import can_use_flash_attention as can_use_flash_attention  # noqa: E402
+from jbackends.attention import is_flash_attention_available as is_flash_attention_available  # noqa: E402
+from jbackends.attention import sdp_kernel as sdp_kernel  # noqa: E402
+# --- end SDPA helpers ---
+
 _mirror.install(_sys.modules[__name__])
 

@@ -7,7 +7,6 @@ failure in one is printed in place and does not hide the others.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import platform
 import sys
@@ -44,22 +43,43 @@ def _devices() -> Iterator[tuple[str, str]]:
         yield f"device {d.id}", f"{d.platform}: {getattr(d, 'device_kind', '?')}"
 
 
-def _optional_section(module: str, func: str) -> Callable[[], Iterator[tuple[str, str]]]:
-    """A section provided by another module's `report_rows()`-style function, if that module is present."""
+def _cpu_rows() -> Iterator[tuple[str, str]]:
+    from jbackends import cpu
 
-    def rows() -> Iterator[tuple[str, str]]:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            yield module, f"not available ({e})"
-            return
-        fn = getattr(mod, func, None)
-        if fn is None:
-            yield module, f"has no {func}()"
-            return
-        yield from fn()
+    yield "capability (torch spelling)", cpu.get_cpu_capability()
+    for name in ("get_xla_cpu_target", "xla_cpu_target"):
+        if hasattr(cpu, name):
+            yield "XLA CPU target", str(getattr(cpu, name)())
 
-    return rows
+
+def _attention_rows() -> Iterator[tuple[str, str]]:
+    import jax
+    import jax.numpy as jnp
+
+    from jbackends import attention
+
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.bfloat16)
+    calls = (("causal, L=4096, bf16", dict(is_causal=True)), ("additive bias", dict(bias=bias)))
+    targets = (("this machine", {}), ("cuda sm90", dict(platform="cuda", compute_capability=9.0)))
+    for where, target in targets:
+        for label, kw in calls:
+            e = attention.explain(q, q, q, **target, **kw)
+            chosen = e.chosen.name if e.chosen is not None else "none"
+            yield f"{where}: {label}", f"{chosen} ({e.implementation})"
+            for backend, reason in e.reasons.items():
+                yield f"    not {backend.name}", reason
+
+
+def _int4_rows() -> Iterator[tuple[str, str]]:
+    from jbackends import quantized
+    from pallas_kernels.int4_matmul import cpu as int4_cpu
+
+    yield "engines", ", ".join(quantized.supported_engines())
+    yield "C++ CPU kernel (XLA FFI)", (
+        f"built, {int4_cpu.isa()}" if int4_cpu.available()
+        else "not built (no compiler at install time?): pure-XLA fallback in use")
+    yield "Pallas GPU kernels", "W4A16 and W4A8 (Triton), chosen per lowering platform"
 
 
 def _flag_rows() -> Iterator[tuple[str, str]]:
@@ -73,9 +93,9 @@ def _flag_rows() -> Iterator[tuple[str, str]]:
 SECTIONS: tuple[tuple[str, Callable[[], Iterator[tuple[str, str]]]], ...] = (
     ("Versions", _versions),
     ("Devices", _devices),
-    ("CPU", _optional_section("jbackends.cpu", "report_rows")),
-    ("Attention backends (this platform)", _optional_section("jbackends.attention", "report_rows")),
-    ("int4 matmul engines", _optional_section("jbackends.quantized", "report_rows")),
+    ("CPU", _cpu_rows),
+    ("Attention backends", _attention_rows),
+    ("int4 matmul engines", _int4_rows),
     ("Flags (value, kind, torch name)", _flag_rows),
 )
 
