@@ -17,6 +17,9 @@ import pytest
 
 from pallas_kernels.int4_matmul import base
 
+_quantize = jax.jit(base.quantize_4bit, static_argnums=1)
+reference = jax.jit(base.dyn_quant_matmul)
+
 # (M, K, N, groupsize, bias): every feature of the full grid, shrunk.
 GRID = [
     (0, 64, 16, 32, False),
@@ -36,7 +39,7 @@ def make_case(M, K, N, g, bias, *, seed=0, lead=()):
     rng = np.random.default_rng(seed + 1000 * M + K + N + g)
     w = rng.standard_normal((N, K)).astype(np.float32)
     w[0, :] = 0.0                                   # an all-zero weight row (scale 0)
-    packed, scales = base.quantize_4bit(jnp.asarray(w), g)
+    packed, scales = _quantize(jnp.asarray(w), g)
     packed = np.array(packed)
     packed[1 % N, 0] &= 0xF0                          # q = -8 in a low nibble
     packed[2 % N, 1] &= 0x0F                          # q = -8 in a high nibble
@@ -55,7 +58,7 @@ def make_case(M, K, N, g, bias, *, seed=0, lead=()):
 class Int4Suite:
     """Subclasses set `impl` (``(x, packed) -> y``), `weight_only` and the `supports_*` switches."""
 
-    impl = staticmethod(lambda x, p: base.dyn_quant_matmul(x, p))
+    impl = staticmethod(lambda x, p: reference(x, p))
     weight_only = staticmethod(lambda x, p: base.weight_only_matmul(x, p))
     grid = GRID
     supports_odd_channelwise = True
@@ -70,7 +73,7 @@ class Int4Suite:
 
     def test_bit_exact(self, case):
         x, p = make_case(*case)
-        want = base.dyn_quant_matmul(x, p)
+        want = reference(x, p)
         got = jax.jit(self.impl)(x, p)
         assert got.shape == want.shape and got.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -78,7 +81,7 @@ class Int4Suite:
     def test_batch_dims_and_layouts(self):
         M, K, N, g, bias = 3, 192, 24, 64, True
         x, p = make_case(M, K, N, g, bias, lead=(2,))
-        want = np.asarray(base.dyn_quant_matmul(x, p))
+        want = np.asarray(reference(x, p))
         np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)), want)
         # transposed: the kernel sees x through a transpose inside the jit
         xt = jnp.swapaxes(x, -1, -2)
@@ -97,7 +100,7 @@ class Int4Suite:
             pytest.skip("channel-wise K % 32 != 0 not supported here")
         x, p = make_case(*CHANNELWISE_ODD_K)
         np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)),
-                                      np.asarray(base.dyn_quant_matmul(x, p)))
+                                      np.asarray(reference(x, p)))
 
     def test_bfloat16_truncated(self):
         if not self.supports_bf16:
@@ -107,7 +110,7 @@ class Int4Suite:
         got = jax.jit(self.impl)(xb, p)
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                      np.asarray(base.dyn_quant_matmul(xb, p).astype(jnp.float32)))
+                                      np.asarray(reference(xb, p).astype(jnp.float32)))
 
     @pytest.mark.parametrize("M,K,N,g", [(1, 256, 40, 32), (5, 192, 24, 64), (40, 128, 16, 128)])
     def test_weight_only(self, M, K, N, g):

@@ -1,0 +1,142 @@
+"""The public API (`jb.quantized`, `jb.nn` int4 layers): engine choice per lowering platform, export
+for CUDA from CPU carrying the Pallas (Triton) kernel, pytrees under jit / vmap, flax layers."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+import jbackends as jb
+import jbackends.quantized as Q
+from jbackends._src import nn_int4
+from pallas_kernels.int4_matmul import cpu
+from tests.int4.int4_base import make_case, reference
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.mark.parametrize("engine", ["auto", "xla", "pallas"])
+def test_engines_bit_exact(engine):
+    x, p = make_case(3, 128, 24, 32, True, lead=(2,))
+    f = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, 32, 128, 24))
+    with jb.with_backends(quantized_engine=engine):
+        got = f(x, p)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
+
+
+def test_engine_attribute_and_flag():
+    assert Q.engine == "auto"
+    assert Q.supported_engines() == ["auto", "pallas", "xla"]
+    with jb.with_backends(quantized_engine="xla"):
+        assert Q.engine == "xla"
+    assert Q.engine == "auto"
+
+
+@pytest.mark.parametrize("M,g,mode", [(1, 64, "dyn_quant"), (40, 32, "dyn_quant"), (1, 128, "weight_only"),
+                                      (64, 64, "weight_only")])
+def test_export_for_cuda_carries_triton(M, g, mode):
+    K, N = 256, 96
+    p = jax.eval_shape(lambda: Q.dyn_quant_pack_4bit_weight(jnp.zeros((N, K // 2), jnp.uint8),
+                                                            jnp.zeros((N, K // g)), jnp.zeros(N), g, K, N))
+    x = jax.ShapeDtypeStruct((2, M, K), jnp.float32 if mode == "dyn_quant" else jnp.bfloat16)
+    if mode == "dyn_quant":
+        f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N)
+    else:
+        f = lambda x, p: Q.int4_matmul(x, p)
+    exp = export.export(jax.jit(f), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(x, p)
+    text = exp.mlir_module()
+    assert TRITON in text
+    assert "jb_int4_dyn_quant_matmul_f32" not in text and "jb_int4_matmul_f32" not in text
+    assert exp.out_avals[0].shape == (2, M, N)
+
+
+def test_vmap_over_weights_and_inputs():
+    x, p = make_case(2, 64, 16, 32, True)
+    x2, p2 = make_case(2, 64, 16, 32, False, seed=5)
+    p2 = Q.PackedInt4Weight(p2.weight, p2.scales, jnp.zeros(16), 32, 64, 16)
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), p, p2)
+    xs = jnp.stack([x, x2])
+    f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, 32, 64, 16)
+    got = jax.jit(jax.vmap(f))(xs, stacked)
+    for i, (xi, pi) in enumerate([(x, p), (x2, p2)]):
+        np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(reference(xi, pi)))
+    got = jax.vmap(f, in_axes=(None, 0))(x, stacked)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(reference(x, p2)))
+
+
+def test_pytree_and_checkpoint_roundtrip():
+    _, p = make_case(1, 64, 16, 32, True)
+    leaves, treedef = jax.tree.flatten(p)
+    assert [l.dtype for l in leaves] == [jnp.uint8, jnp.float32, jnp.float32]
+    q = jax.tree.unflatten(treedef, [np.asarray(l) for l in leaves])
+    assert q.groupsize == 32 and q.in_features == 64 and q.out_features == 16
+    assert p.nbytes == 16 * 32 + 16 * 2 * 4 + 16 * 4
+
+
+@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built")
+def test_cpu_auto_uses_cpp():
+    x, p = make_case(1, 64, 16, 32, False)
+    f = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, 32, 64, 16))
+    assert "jb_int4_dyn_quant_matmul_f32" in f.lower(x, p).as_text()
+    with jb.with_backends(quantized_engine="pallas"):
+        assert "jb_int4_dyn_quant_matmul_f32" not in f.lower(x, p).as_text()
+
+
+def test_int4_matmul_weight_only_public():
+    x, p = make_case(3, 128, 24, 64, True, lead=(2,))
+    w = np.asarray(Q.dequantize_4bit(p), np.float64)
+    want = np.asarray(x, np.float64) @ w.T + np.asarray(p.bias, np.float64)
+    got = jax.jit(lambda x, p: Q.int4_matmul(x, p))(x, p)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    gb = jax.jit(lambda x, p: Q.int4_matmul(x, p))(x.astype(jnp.bfloat16), p)
+    assert gb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(gb, np.float64), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------- flax nnx
+
+
+def _mlp(seed=0):
+    r = nnx.Rngs(seed)
+    return nnx.Sequential(nnx.Linear(128, 96, rngs=r), nnx.relu, nnx.Linear(96, 64, rngs=r), nnx.relu,
+                          nnx.Linear(64, 8, rngs=r))
+
+
+@pytest.mark.parametrize("mode", ["weight_only", "dyn_quant"])
+def test_quantized_mlp_within_tolerance(mode):
+    model = _mlp()
+    x = jax.random.normal(jax.random.key(1), (16, 128))
+    want = model(x)
+    # the same model with every kernel replaced by its int4 round trip: the int4 layers must match it
+    deq = _mlp()
+    qmodel = nn_int4.quantize_4bit(model, groupsize=32, mode=mode)
+    for i in (0, 2, 4):
+        layer = qmodel.layers[i]
+        assert isinstance(layer, nn_int4.Int4Linear)
+        assert layer.weight[...].dtype == jnp.uint8 and layer.weight[...].shape[1] * 2 == layer.in_features
+        deq.layers[i].kernel[...] = Q.dequantize_4bit(layer.packed).T
+    got = nnx.jit(lambda m, x: m(x))(qmodel, x)
+    rel = float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2)))
+    # int4 with groups of 32 on LeCun-normal weights: ~10% relative RMS; stated tolerance 20%.
+    assert rel < 0.2, rel
+    if mode == "weight_only":
+        np.testing.assert_allclose(np.asarray(got), np.asarray(deq(x)), rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_model_groupsize_rules():
+    r = nnx.Rngs(0)
+    m = nnx.Sequential(nnx.Linear(96, 48, rngs=r), nnx.Linear(48, 4, rngs=r))
+    q = nn_int4.quantize_4bit(m, groupsize=64)  # 96 % 64 != 0 -> channel-wise
+    assert q.layers[0].groupsize == 96 and q.layers[1].groupsize == 48
+    m = nnx.Sequential(nnx.Linear(96, 48, rngs=r))
+    with pytest.raises(ValueError, match="layers/0"):
+        nn_int4.quantize_4bit(m, groupsize=64, channelwise_fallback=False)
+    with pytest.raises(ValueError, match="mode"):
+        nn_int4.quantize_4bit(m, groupsize=32, mode="int8")
+    lin = nn_int4.quantize_4bit(nnx.Linear(64, 8, rngs=r), groupsize=32)
+    assert isinstance(lin, nn_int4.Int4Linear)
+    state = nnx.state(lin)
+    leaves = jax.tree.leaves(state)
+    assert sum(l.nbytes for l in leaves) == 8 * 32 + 8 * 2 * 4 + 8 * 4
