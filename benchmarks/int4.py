@@ -1,0 +1,133 @@
+"""int4 matmul benchmark: M in {1, 16, 256} x (K x N) in {4096 x 4096, 4096 x 11008}.
+
+Rows per shape: jbackends dyn-quant (W4A8, the ``auto`` engine: the C++ kernel on CPU), the same
+pinned to pure XLA, the weight-only int4_matmul (W4A32), dense float32 and bfloat16 ``jnp.dot``, and
+when torch is installed its ``_dyn_quant_matmul_4bit`` (x86: a scalar single-threaded reference) and
+``_weight_int4pack_mm_for_cpu`` (AVX-512 tinygemm, float32 activations).
+
+Columns: median time, effective GB/s of weight traffic (the bytes of the weight the op reads:
+packed nibbles + scales for int4, 4 or 2 bytes per weight for dense), and speed-ups (>1 is faster)
+of each row over dense f32, dense bf16, torch dyn-quant and torch int4pack.
+
+    python benchmarks/int4.py                 # the full table (a few minutes on 2 cores)
+    python benchmarks/int4.py --quick         # M=1 only
+    python benchmarks/int4.py --groupsize 32
+
+The CPU is often shared: timings are medians of short runs; rerun for stable numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jbackends.quantized as Q
+from pallas_kernels.int4_matmul import cpu as _cpu
+
+try:
+    import torch
+except ImportError:  # torch is optional
+    torch = None
+
+
+def _time(fn, *, min_iters=3, budget_s=1.0, max_iters=50) -> float:
+    fn()  # warm up / compile
+    times = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < min_iters or (time.perf_counter() < t_end and len(times) < max_iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _jax(f, *args):
+    f = jax.jit(f)
+    return lambda: jax.block_until_ready(f(*args))
+
+
+def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
+    rows = []
+    rng = np.random.default_rng(0)
+    for K, N in shapes:
+        w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+        q, s = Q.quantize_4bit(w, groupsize)
+        packed = Q.dyn_quant_pack_4bit_weight(q, s, None, groupsize, K, N)
+        int4_bytes = packed.nbytes
+        wt32 = jnp.asarray(w.T)
+        wt16 = wt32.astype(jnp.bfloat16)
+        if torch is not None:
+            tq = np.asarray(q)
+            qi = np.stack([tq & 15, tq >> 4], -1).reshape(N, K).astype(np.int32)
+            sb = torch.tensor(np.asarray(s)).to(torch.bfloat16 if groupsize != K else torch.float32)
+            tpk = torch.ops.aten._dyn_quant_pack_4bit_weight(torch.tensor(tq), sb, None, groupsize, K, N)
+            t4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.tensor(qi), 2)
+            # tinygemm: w = (q - 8) * scale with zero = 0 in its (scale, zero) layout [K/g, N, 2]
+            sz = torch.zeros(K // groupsize, N, 2)
+            sz[..., 0] = torch.tensor(np.asarray(s)).T
+            sz[..., 1] = -8 * sz[..., 0]
+        t_dyn_m16 = None
+        for M in ms:
+            x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+            r = {}
+            r["jb dyn-quant (auto)"] = (_time(_jax(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N), x, packed),
+                                              budget_s=budget_s), int4_bytes)
+            r["jb dyn-quant (xla)"] = (_time(_jax(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N,
+                                                                                      implementation="xla"), x, packed),
+                                             budget_s=budget_s), int4_bytes)
+            r["jb int4_matmul (auto)"] = (_time(_jax(lambda x, p: Q.int4_matmul(x, p), x, packed), budget_s=budget_s),
+                                          int4_bytes)
+            r["dense f32 jnp.dot"] = (_time(_jax(jnp.dot, x, wt32), budget_s=budget_s), N * K * 4)
+            xb = x.astype(jnp.bfloat16)
+            r["dense bf16 jnp.dot"] = (_time(_jax(jnp.dot, xb, wt16), budget_s=budget_s), N * K * 2)
+            if torch is not None:
+                tx = torch.tensor(np.asarray(x))
+                if M <= torch_dyn_max_m:
+                    t = _time(lambda: torch.ops.aten._dyn_quant_matmul_4bit(tx, tpk, groupsize, K, N),
+                              min_iters=1, budget_s=budget_s)
+                    if M == 16:
+                        t_dyn_m16 = t
+                    r["torch _dyn_quant_matmul_4bit"] = (t, int4_bytes)
+                elif t_dyn_m16 is not None:
+                    r["torch _dyn_quant_matmul_4bit (est.)"] = (t_dyn_m16 * M / 16, int4_bytes)
+                r["torch _weight_int4pack_mm"] = (_time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    tx, t4, groupsize, sz), budget_s=budget_s), int4_bytes)
+            rows.append(((K, N, M), r))
+            _print_block((K, N, M), r)
+    return rows
+
+
+def _print_block(key, r):
+    K, N, M = key
+    f32 = r["dense f32 jnp.dot"][0]
+    bf16 = r["dense bf16 jnp.dot"][0]
+    tdyn = next((v[0] for k, v in r.items() if k.startswith("torch _dyn")), None)
+    t4 = r.get("torch _weight_int4pack_mm", (None,))[0]
+    print(f"\nK={K} N={N} M={M}")
+    print(f"  {'impl':38s} {'ms':>9s} {'GB/s':>7s} {'vs f32':>7s} {'vs bf16':>8s} {'vs t.dyn':>9s} {'vs t.i4pk':>9s}")
+    for name, (t, nbytes) in r.items():
+        ratio = lambda ref: f"{ref / t:.2f}x" if ref else "-"
+        print(f"  {name:38s} {t * 1e3:9.3f} {nbytes / t / 1e9:7.1f} {ratio(f32):>7s} {ratio(bf16):>8s} "
+              f"{ratio(tdyn):>9s} {ratio(t4):>9s}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="M=1 only")
+    ap.add_argument("--groupsize", type=int, default=128)
+    ap.add_argument("--ms", type=int, nargs="*", default=None)
+    ap.add_argument("--torch-dyn-max-m", type=int, default=16,
+                    help="largest M to time torch's scalar _dyn_quant_matmul_4bit on (above: scaled estimate)")
+    ap.add_argument("--budget", type=float, default=1.0, help="seconds of timing per cell")
+    a = ap.parse_args()
+    ms = a.ms or ([1] if a.quick else [1, 16, 256])
+    print(f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpu.isa()}, "
+          f"torch: {getattr(torch, '__version__', 'absent')}, groupsize={a.groupsize}")
+    run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget)
+
+
+if __name__ == "__main__":
+    main()
