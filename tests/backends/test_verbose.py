@@ -93,3 +93,29 @@ def test_listener_registered_once():
     before = jax.monitoring._jbackends_verbose_listener
     importlib.reload(verbose_mod)
     assert jax.monitoring._jbackends_verbose_listener is before
+
+
+def test_unconfigured_logging_still_shows_the_region_on_stderr_only_inside():
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, jax.numpy as jnp, jbackends as jb\n"
+        "def before(x): return x - 1\n"
+        "def inside(x): return x * 5\n"
+        "def after(x): return x * 7\n"
+        "jax.jit(before)(jnp.float32(1))\n"
+        "with jb.verbose(1):\n"
+        "    jax.jit(inside)(jnp.float32(3))\n"
+        "jax.jit(after)(jnp.float32(2))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.startswith("jbackends ")]
+    assert lines and all(LINE.match(l) for l in lines), res.stderr
+    assert {l.split()[1] for l in lines} >= {"trace", "lower", "compile"}
+    funs = {l.split()[2] for l in lines}
+    assert funs == {"fun=inside", "fun=jit(inside)"}, lines
