@@ -11,9 +11,9 @@ keeps torch's order and avoids FMA contraction.
 Two formulations, chosen by the number of rows M:
 
 * ``M <= SMALL_M`` (decode): the nibbles are unpacked, multiplied by the
-  (de-interleaved) activations and reduced per group in one XLA reduce
-  fusion, so the dequantized weight is never materialized; read the
-  optimized HLO with `lowered_hlo`.
+  (de-interleaved) int32 activations and reduced per group in int32 in one
+  XLA reduce fusion, so the dequantized weight is never materialized; read
+  the optimized HLO with `lowered_hlo`.
 * larger M (prefill): nibbles are expanded to a float32 ``[G, N, g]`` operand
   and one batched dot per group runs on XLA's GEMM (materializes 4 bytes per
   weight, amortized over M rows).
@@ -57,19 +57,20 @@ def _sub_block(groupsize: int) -> int:
 
 
 def _group_dots_small(a: jax.Array, w: jax.Array, groupsize: int) -> jax.Array:
-    """Fused form: ``a`` float32 ``[M, K]`` (exact ints), -> ``[M, N, G]`` int32."""
+    """Fused form: ``a`` int32 ``[M, K]`` (qa - zp) -> ``[M, N, G]`` int32.
+
+    Integer multiply-reduce over the nibble planes: XLA fuses the unpack into
+    the reduction (the float form gets split into a materialized f32 weight
+    plus a YNNPACK reduction, 3x slower).
+    """
     M, K = a.shape
     N = w.shape[0]
-    b = _sub_block(groupsize)
-    nb = K // b
-    ae = a[:, 0::2].reshape(M, 1, nb, b // 2)
-    ao = a[:, 1::2].reshape(M, 1, nb, b // 2)
-    lo, hi = _split_nibbles(w)
-    lo = lo.reshape(1, N, nb, b // 2)
-    hi = hi.reshape(1, N, nb, b // 2)
-    s = jnp.sum(ae * lo + ao * hi, axis=-1)  # exact: integers < 2**24
-    s = s.astype(jnp.int32)
-    return jnp.sum(s.reshape(M, N, K // groupsize, groupsize // b), axis=-1)
+    G = K // groupsize
+    ae = a[:, 0::2].reshape(M, 1, G, groupsize // 2)
+    ao = a[:, 1::2].reshape(M, 1, G, groupsize // 2)
+    lo = ((w & 0x0F).astype(jnp.int32) - 8).reshape(1, N, G, groupsize // 2)
+    hi = ((w >> 4).astype(jnp.int32) - 8).reshape(1, N, G, groupsize // 2)
+    return jnp.sum(ae * lo + ao * hi, axis=-1, dtype=jnp.int32)
 
 
 def _group_dots_large(a: jax.Array, w: jax.Array, groupsize: int) -> jax.Array:
@@ -95,9 +96,11 @@ def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
     x = base.check_input(x, packed)
     x2, lead = _flatten(x)
     qa, zp, recip = base.quantize_activations(x2, packed.channelwise)
-    a = (qa - zp[:, None]).astype(jnp.float32)
-    dots = _group_dots_small if x2.shape[0] <= SMALL_M else _group_dots_large
-    idots = dots(a, packed.weight, packed.groupsize)
+    a = qa - zp[:, None]
+    if x2.shape[0] <= SMALL_M:
+        idots = _group_dots_small(a, packed.weight, packed.groupsize)
+    else:
+        idots = _group_dots_large(a.astype(jnp.float32), packed.weight, packed.groupsize)
     out = base.accumulate_groups(idots, packed.scales, recip, zp, packed.bias, packed.channelwise)
     out = out.reshape(*lead, packed.out_features)
     return base.truncate_to_bfloat16(out) if x.dtype == jnp.bfloat16 else out
