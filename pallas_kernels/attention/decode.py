@@ -129,7 +129,7 @@ def _decode_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_
       keep = flash.dropout_keep(spec, seed_ref, b, heads, rows, cols)
       p = jnp.where(keep, p, 0.0)
     v = flash.load_tile(v_ref, k_start, block_k, spec.S, spec.Hv, spec.Hvp, ragged=ragged_k)
-    acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v, precision=spec.precision)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=spec.precision)
     return acc, m_new, l_new
 
   # Keys this split owns, intersected with what any of the T query rows can see.

@@ -299,7 +299,7 @@ def scores(spec: Spec, q, k, rows, cols, *, bias_tile=None, mask=None):
   Returns ``(s, t)`` with ``t = tanh(x / cap)`` (None without softcap) for the backward chain rule.
   """
   del rows, cols
-  s = pl.dot(q, k, trans_b=True, precision=spec.precision) * spec.scale
+  s = plgpu.dot(q, k, trans_b=True, precision=spec.precision) * spec.scale
   t = None
   if spec.softcap is not None:
     t = jnp.tanh(s * (1.0 / spec.softcap))
@@ -404,7 +404,7 @@ def _fwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
       keep = dropout_keep(spec, seed_ref, b, n, rows, cols)
       p = jnp.where(keep, p, 0.0)
     v = load_tile(v_ref, k_start, block_k, spec.S, spec.Hv, spec.Hvp, ragged=ragged_k)
-    acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v, precision=spec.precision)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=spec.precision)
     return acc, m_new, l_new
 
   lo, hi = key_block_range(spec, q_start, q_start + block_q, block_k, q_len=q_len, kv_len=kv_len)

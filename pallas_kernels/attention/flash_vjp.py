@@ -129,7 +129,7 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
                              kv_seg=kv_seg, mask_tile=mask_tile, force_bounds=ragged_q)
     s, t = flash.scores(spec, q, k, rows, cols, bias_tile=bias_tile, mask=mask)
     p = jnp.exp2((s - lse[:, None]) * _LOG2E)
-    dp = pl.dot(do, v, trans_b=True, precision=spec.precision)
+    dp = plgpu.dot(do, v, trans_b=True, precision=spec.precision)
     if spec.dropout_rate > 0:
       keep = flash.dropout_keep(spec, seed_ref, b, kh * G + g, rows, cols)
       p_drop = jnp.where(keep, p * spec.keep_scale, 0.0)
@@ -171,8 +171,8 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
         q_start = qb * block_q
         q, do, lse, delta, q_seg = load_q_side(g, q_start)
         p_drop, _, dx = tile_grads(g, q_start, k_start, q, k, v, do, lse, delta, q_seg, kv_seg)
-        dv = dv + pl.dot(p_drop.astype(do.dtype), do, trans_a=True, precision=spec.precision)
-        dk = dk + pl.dot(dx.astype(q.dtype), q, trans_a=True, precision=spec.precision)
+        dv = dv + plgpu.dot(p_drop.astype(do.dtype), do, trans_a=True, precision=spec.precision)
+        dk = dk + plgpu.dot(dx.astype(q.dtype), q, trans_a=True, precision=spec.precision)
         return dk, dv
       return lax.fori_loop(qlo, qhi, per_qblock, carry)
 
@@ -197,7 +197,7 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
         k_start = kb * block_k
         k, v, kv_seg = load_k_side(k_start)
         _, ds, dx = tile_grads(g, q_start, k_start, q, k, v, do, lse, delta, q_seg, kv_seg)
-        dq = dq + pl.dot(dx.astype(k.dtype), k, precision=spec.precision)
+        dq = dq + plgpu.dot(dx.astype(k.dtype), k, precision=spec.precision)
         if dbias_mode == "full":
           cols1 = k_start + jnp.arange(block_k, dtype=jnp.int32)
           plgpu.store(dbias_ref.at[g, pl.ds(0, block_q), pl.ds(k_start, block_k)],
