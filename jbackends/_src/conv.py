@@ -48,8 +48,7 @@ def conv_general_dilated(lhs: Any, rhs: Any, window_strides: Any, padding: Any, 
         chosen, reasons = "precision=explicit", {"flags": "precision= given by the caller"}
     _verbose.report_dispatch("conv", chosen, reasons, (getattr(lhs, "shape", ()), getattr(rhs, "shape", ())),
                              (getattr(lhs, "dtype", None), getattr(rhs, "dtype", None)))
-    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-                                    rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-                                    feature_group_count=feature_group_count,
-                                    batch_group_count=batch_group_count, precision=precision,
-                                    preferred_element_type=preferred_element_type, **kwargs)
+    return _verbose.call("conv", lax.conv_general_dilated, lhs, rhs, window_strides, padding,
+                         lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                         feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+                         precision=precision, preferred_element_type=preferred_element_type, **kwargs)

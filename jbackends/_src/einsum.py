@@ -130,5 +130,5 @@ def einsum(
     kwargs = {}
     if out_sharding is not None:
         kwargs["out_sharding"] = out_sharding
-    return jnp.einsum(subs, *ops, optimize=path, precision=precision,
-                      preferred_element_type=preferred_element_type, _dot_general=_dot_general, **kwargs)
+    return _verbose.call("einsum", jnp.einsum, subs, *ops, optimize=path, precision=precision,
+                         preferred_element_type=preferred_element_type, _dot_general=_dot_general, **kwargs)

@@ -51,8 +51,8 @@ def _eig(a: Any, *, vectors: bool, platform: str | None = None) -> Any:
     impl, reasons = eig_implementation(pref, platform)
     _verbose.report_dispatch("linalg.eig", impl.value if impl is not None else "default", reasons,
                              (a.shape,), (a.dtype,))
-    return lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=vectors,
-                          implementation=impl)
+    return _verbose.call("linalg.eig", lax.linalg.eig, a, compute_left_eigenvectors=False,
+                         compute_right_eigenvectors=vectors, implementation=impl)
 
 
 def eig(a: Any) -> tuple[Any, Any]:

@@ -125,10 +125,10 @@ def attention_fn(
     dtypes = (query.dtype, key.dtype, value.dtype)
     if reasons:
         _verbose.report_dispatch("mha", "plain", reasons, shapes, dtypes)
-        return _plain(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
-                      deterministic, dtype, precision, module, promote_dtype, is_causal)
+        return _verbose.call("mha", _plain, query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+                             dropout_rate, deterministic, dtype, precision, module, promote_dtype, is_causal)
     _verbose.report_dispatch("mha", "fastpath:sdpa", {"plain": "fast path allowed and applicable"}, shapes, dtypes)
-    return _fused(query, key, value, bias, mask, is_causal)
+    return _verbose.call("mha", _fused, query, key, value, bias, mask, is_causal)
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):

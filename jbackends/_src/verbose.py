@@ -12,8 +12,11 @@ which is last):
     jbackends retrace fun=<name> count=<n>         level >= 1: the n-th trace of a function of that name
     jbackends lower fun=<name> secs=<s>            level >= 1: jaxpr -> StableHLO
     jbackends compile fun=<name> secs=<s>          level >= 1: XLA backend compilation
-    jbackends call op=<op> secs=<s>                level >= 2: one call, timed to completion
-                                                   (`block_until_ready`: device time plus dispatch)
+    jbackends call op=<op> secs=<s>                level >= 2: one eager call of a jbackends op (jb.fft.*,
+                                                   jb.einsum, jb.linalg, jb.conv, jb.nn.attention_fn) or of
+                                                   a `jb.timed` function, timed to completion
+                                                   (`block_until_ready`: device time plus dispatch); calls
+                                                   inside a trace are not timed (the trace has no device)
 
 Compilation events come from `jax.monitoring` duration listeners registered once per process. When the
 flag is 0, `report_dispatch` is one attribute read and each listener call (compile time only, never per
@@ -162,7 +165,8 @@ def verbose(level: int) -> Any:
     """Scoped verbose region: report dispatch decisions and compilations to the `jbackends` logger.
 
     `level` 0 is off, 1 reports dispatch decisions, traces, retraces, lowerings and XLA compilations,
-    2 adds per-call times for jbackends eager entry points and functions wrapped with `jb.timed`.
+    2 adds per-call times for eager calls of jbackends ops (`jb.fft.*`, `jb.einsum`, `jb.linalg`,
+    `jb.conv`, `jb.nn.attention_fn`) and of functions wrapped with `jb.timed`.
     A context manager and a decorator; nests and restores the previous level.
 
     Example:

@@ -54,8 +54,8 @@ def test_max_isa_names_are_accepted_by_installed_xla():
 
 
 def test_cuda_cudnn_rows_agree_with_jax():
-    has_cuda = any(d.platform == "gpu" for d in jax.devices()) if jax.default_backend() == "gpu" else False
-    assert jb.cuda.is_available() == has_cuda
+    cuda_devices = [d for d in jax.devices() if d.platform == "gpu" and "cuda" in d.client.platform_version.lower()]
+    assert jb.cuda.is_available() == bool(cuda_devices)
     if jb.cuda.is_available():
         assert jb.cuda.is_built()
     if not jb.cuda.is_built():
@@ -64,6 +64,7 @@ def test_cuda_cudnn_rows_agree_with_jax():
         v = jb.cudnn.version()
         assert v is None or v > 8000
     assert jb.cudnn.is_acceptable(jax.numpy.ones(2)) == (jb.cudnn.is_available() and jax.default_backend() == "gpu")
+    assert jb.cudnn.is_acceptable(jax.numpy.ones(2, jax.numpy.int32)) is False
 
 
 def test_mps_and_miopen_rows():

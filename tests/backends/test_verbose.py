@@ -67,8 +67,12 @@ def test_level_two_adds_call_times(log):
     with jb.verbose(2):
         f(x)
         jb.fft.rfft(x)
+        jb.einsum("i,i->", x, x)
+        jb.linalg.eigvals(jnp.eye(2))
+        jb.nn.attention_fn(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)))
+        jax.jit(lambda x: jb.einsum("i,i->", x, x))(x)  # traced: no per-call line from inside a trace
     calls = [m for m in _msgs(log) if m.startswith("jbackends call")]
-    assert [c.split()[2] for c in calls] == ["op=plus_one", "op=fft.rfft"]
+    assert [c.split()[2] for c in calls] == ["op=plus_one", "op=fft.rfft", "op=einsum", "op=linalg.eig", "op=mha"]
     assert all(re.fullmatch(r"jbackends call op=\S+ secs=\d+\.\d+", c) for c in calls)
     jb.cuda.cufft_plan_cache.clear()
 
