@@ -45,19 +45,22 @@ def test_two_pinned_instances(tmp_path):
     assert seen == [str(cores[0]), str(cores[1])]  # disjoint, one core each
 
 
-def test_failure_status_and_rank(tmp_path):
-    (tmp_path / "fail.py").write_text("import os, sys; sys.exit(3 if os.environ['JBACKENDS_INSTANCE_INDEX']=='0' else 0)")
-    res = _run(["--ninstances", "1", "--ncores-per-instance", "1", "fail.py"], tmp_path)
-    assert res.returncode == 3
-    res = _run(["--ninstances", "1", "--rank", "5", "fail.py"], tmp_path)
-    assert res.returncode == 2 and "--rank 5 out of range" in res.stderr
+def test_failure_status_and_rank(tmp_path, capsys):
+    fail = tmp_path / "fail.py"
+    fail.write_text("import os, sys; sys.exit(3 if os.environ['JBACKENDS_INSTANCE_INDEX'] == '0' else 0)")
+    assert run_cpu.main(["--ninstances", "1", "--ncores-per-instance", "1", str(fail)]) == 3
+    with pytest.raises(SystemExit) as exc:
+        run_cpu.main(["--ninstances", "1", "--rank", "5", str(fail)])
+    assert exc.value.code == 2 and "--rank 5 out of range" in capsys.readouterr().err
 
 
-def test_help_and_plan_errors(tmp_path):
-    res = _run(["--help"], tmp_path)
-    assert res.returncode == 0
+def test_help_and_plan_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cpu.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
     for word in ("--ninstances", "--ncores-per-instance", "xla_cpu_multi_thread_eigen", "--log-path"):
-        assert word in res.stdout
+        assert word in out
     assert run_cpu.plan([0, 1, 2, 3], 2, None) == [run_cpu.Instance(0, (0, 1)), run_cpu.Instance(1, (2, 3))]
     assert run_cpu.plan([4, 5, 6], None, 1)[2].cores == (6,)
     with pytest.raises(ValueError, match="needs 6 cores"):
