@@ -198,11 +198,11 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   out_specs = (pl.BlockSpec((None, None, None, Mp, spec.Hvp), lambda s, h, b: (b, h, s, 0, 0)),
                pl.BlockSpec((None, None, None, Mp), lambda s, h, b: (b, h, s, 0)))
   kernel = functools.partial(_decode_kernel, spec=spec, M=M, Mp=Mp, block_k=block_k, chunk=chunk)
-  o_part, lse_part = pl.pallas_call(
+  make_call = lambda interp: pl.pallas_call(  # noqa: E731
       kernel, grid=(splits, K, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      interpret=interpret, name="jb_decode_fwd",
-  )(*operands)
+      interpret=interp, name="jb_decode_fwd")
+  o_part, lse_part = flash.triton_call(make_call, operands, interpret=interpret)
   # Combine step: rescale each split's normalised partial by its share of the total softmax mass.
   lse_max = jnp.max(lse_part, axis=2, keepdims=True)
   lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)

@@ -40,11 +40,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import batching
+from jax.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -353,6 +356,87 @@ def block_range(lo, hi, block: int):
 
 
 # ----------------------------------------------------------------------------------------------
+# Multi-platform lowering of a Triton pallas_call.
+# ----------------------------------------------------------------------------------------------
+#
+# `jax.lax.platform_dependent(cpu=xla_path, cuda=triton_path)` lowers *both* branches for every
+# lowering platform of the module, and a Triton `pallas_call` refuses to lower for "cpu" ("Only
+# interpret mode is supported on CPU backend"), so an export for ("cpu", "cuda") failed. This
+# primitive wraps the pallas_call: on "cuda" it lowers to the Triton kernel; in a multi-platform
+# lowering its other-platform branch (never selected by the dispatch's platform_dependent) is the
+# same kernel in interpret mode, i.e. plain, correct HLO. Lowered for "cpu" alone it raises, like
+# Pallas does.
+
+_gpu_call_p = jex_core.Primitive("jb_pallas_triton_call")
+_gpu_call_p.multiple_results = True
+
+
+def _gpu_call_impl(*args, gpu, cpu):
+  del cpu
+  return jex_core.jaxpr_as_fun(gpu)(*args)
+
+
+def _gpu_call_abstract_eval(*avals, gpu, cpu):
+  del avals, cpu
+  return list(gpu.out_avals)
+
+
+def _gpu_call_lower_gpu(ctx, *args, gpu, cpu):
+  del cpu
+  return mlir.lower_fun(jex_core.jaxpr_as_fun(gpu), multiple_results=True)(ctx, *args)
+
+
+def _gpu_call_lower_other(ctx, *args, gpu, cpu):
+  del gpu
+  platforms = ctx.platforms or ctx.module_context.platforms
+  if len(ctx.module_context.platforms) == 1:
+    raise ValueError(f"the Pallas Triton attention kernels lower for CUDA only, not for "
+                     f"{tuple(platforms)}; pass interpret=True (testing) or use the XLA backend")
+  return mlir.lower_fun(jex_core.jaxpr_as_fun(cpu), multiple_results=True)(ctx, *args)
+
+
+def _gpu_call_batch(args, dims, *, gpu, cpu):
+  axes = [d if isinstance(d, int) else None for d in dims]  # not-mapped dims are None here
+  fg = jax.vmap(jex_core.jaxpr_as_fun(gpu), in_axes=axes)
+  fc = jax.vmap(jex_core.jaxpr_as_fun(cpu), in_axes=axes)
+  outs = _bind_gpu_call(fg, fc, args)
+  return outs, [0] * len(outs)
+
+
+def _bind_gpu_call(fn_gpu, fn_cpu, leaves):
+  gpu = jax.make_jaxpr(lambda *a: tuple(fn_gpu(*a)))(*leaves)
+  cpu = jax.make_jaxpr(lambda *a: tuple(fn_cpu(*a)))(*leaves)
+  return _gpu_call_p.bind(*leaves, gpu=gpu, cpu=cpu)
+
+
+_gpu_call_p.def_impl(_gpu_call_impl)
+_gpu_call_p.def_abstract_eval(_gpu_call_abstract_eval)
+mlir.register_lowering(_gpu_call_p, _gpu_call_lower_other)
+for _p in ("cuda", "rocm"):
+  mlir.register_lowering(_gpu_call_p, _gpu_call_lower_gpu, platform=_p)
+batching.primitive_batchers[_gpu_call_p] = _gpu_call_batch
+
+
+def triton_call(make_call: Callable, operands: tuple, *, interpret: bool):
+  """Runs ``make_call(interpret)(*operands)`` (a ``pl.pallas_call``; ``None`` operands allowed).
+
+  With ``interpret=False`` the call is wrapped so that it also lowers inside a multi-platform
+  (e.g. ``platforms=("cpu", "cuda")``) export; see the comment above.
+  """
+  if interpret:
+    return make_call(True)(*operands)
+  leaves, tree = jax.tree.flatten(operands)
+  out_tree = jax.tree.structure(jax.eval_shape(lambda *a: make_call(False)(
+      *jax.tree.unflatten(tree, a)), *leaves))
+
+  def flat(interp):
+    return lambda *a: jax.tree.leaves(make_call(interp)(*jax.tree.unflatten(tree, a)))
+
+  outs = _bind_gpu_call(flat(False), flat(True), leaves)
+  return jax.tree.unflatten(out_tree, outs)
+
+
+# ----------------------------------------------------------------------------------------------
 # Forward kernel.
 # ----------------------------------------------------------------------------------------------
 
@@ -476,11 +560,11 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   out_specs = (pl.BlockSpec((None, block_q, None, spec.Hvp), lambda i, n, b: (b, i, n, 0)),
                pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, i)))
   kernel = functools.partial(_fwd_kernel, spec=spec, block_q=block_q, block_k=block_k)
-  out, lse = pl.pallas_call(
+  make_call = lambda interp: pl.pallas_call(  # noqa: E731
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      interpret=interpret, name=name,
-  )(*operands)
+      interpret=interp, name=name)
+  out, lse = triton_call(make_call, operands, interpret=interpret)
   return out, lse
 
 

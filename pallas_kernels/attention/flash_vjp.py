@@ -324,12 +324,12 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
     aliases = {sum(x is not None for x in operands) - 1: 3}
   kernel = functools.partial(_bwd_kernel, spec=spec, block_q=block_q, block_k=block_k, nq=nq,
                              nk=nk, dbias_mode=dbias_mode)
-  dq, dk, dv, dbias = pl.pallas_call(
+  make_call = lambda interp: pl.pallas_call(  # noqa: E731
       kernel, grid=(P, K, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      interpret=interpret, name=name,
-  )(*operands)
+      interpret=interp, name=name)
+  dq, dk, dv, dbias = flash.triton_call(make_call, operands, interpret=interpret)
   if dbias is not None:
     bb, nb, tb, sb = spec.bias_shape
     axes = tuple(ax for ax, keep in ((0, bb != 1), (1, nb != 1), (2, tb != 1)) if not keep)
