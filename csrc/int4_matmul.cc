@@ -135,12 +135,15 @@ void QuantizeRow(const float* x, int64_t K, bool channelwise, QRow* r) {
 
 // ---------------------------------------------------------- 32-k block dots
 //
-// BlockDots(w, qrows, nrows_m, K, out): for one weight row `w` ([K/2] bytes)
-// and `nm` quantized rows, writes out[m * (K/32) + j] =
-// sum_{k in block j} (qa_k - zp) * q_k, exactly.
+// BlockDots(w, rows, nm, K, dots): for one weight row `w` ([K/2] bytes) and
+// nm <= kRowBlock quantized rows, writes the exact int32
+//   dots[j * kRowBlock + m] = sum_{k in 32-block j} (qa_k - zp_m) * q_k
+// (block-major, so that the float tail runs with one SIMD lane per row m).
+
+constexpr int kRowBlock = 16;  // input rows sharing one pass over a weight row
 
 void BlockDotsScalar(const uint8_t* w, const QRow* const* rows, int nm,
-                     int64_t K, int32_t* out) {
+                     int64_t K, int32_t* dots) {
   const int64_t nb = K / 32;
   for (int64_t j = 0; j < nb; ++j) {
     int32_t su = 0;
@@ -152,23 +155,40 @@ void BlockDotsScalar(const uint8_t* w, const QRow* const* rows, int nm,
       int32_t d = 0;
       for (int i = 0; i < 16; ++i) d += (wb[i] & 15) * e[i] + (wb[i] >> 4) * o[i];
       const int32_t zp = rows[m]->zp;
-      out[m * nb + j] = d - zp * su - 8 * rows[m]->block_sum[j] + 8 * zp * 32;
+      dots[j * kRowBlock + m] = d - zp * su - 8 * rows[m]->block_sum[j] + 8 * zp * 32;
     }
   }
 }
 
-#if JB_X86
-// Sum of each 128-bit lane of a 16 x int32 vector, stored as 4 int32.
-__attribute__((target("avx512f,avx512bw"))) inline void StoreLaneSums(
-    __m512i v, int32_t* dst, __mmask16 keep) {
-  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
-  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        0, 0, 0, 0);
-  __m512i p = _mm512_permutexvar_epi32(idx, v);
-  _mm512_mask_storeu_epi32(dst, keep, p);
+// out[m] = sum_{g} float(isum_g) * s[g], * recip[m] (+ bias), clamped: torch's
+// float tail, in order, no FMA.
+void TailScalar(const int32_t* dots, int64_t nb, int64_t per_group,
+                bool channelwise, const float* s, const float* recip,
+                const float* bias, int nm, float* out) {
+  for (int m = 0; m < nm; ++m) {
+    float acc;
+    if (channelwise) {
+      int32_t iacc = 0;
+      for (int64_t j = 0; j < nb; ++j) iacc += dots[j * kRowBlock + m];
+      acc = static_cast<float>(iacc) * s[0];
+    } else {
+      acc = 0.0f;
+      for (int64_t g = 0; g < nb / per_group; ++g) {
+        int32_t iacc = 0;
+        for (int64_t j = 0; j < per_group; ++j)
+          iacc += dots[(g * per_group + j) * kRowBlock + m];
+        acc += static_cast<float>(iacc) * s[g];
+      }
+    }
+    acc = acc * recip[m];
+    if (bias) acc += *bias;
+    acc = std::max(acc, -FLT_MAX);
+    acc = std::min(acc, FLT_MAX);
+    out[m] = acc;
+  }
 }
 
+#if JB_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline __m512i
 DotVnni(__m512i acc, __m512i u, __m512i a) {
   return _mm512_dpbusd_epi32(acc, u, a);
@@ -180,40 +200,71 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i DotBw(
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), ones));
 }
 
-// The same body compiled twice: with and without AVX512-VNNI.
+// Four 16 x int32 vectors (four 64-byte chunks, each 128-bit lane one 32-k
+// block) -> the 16 block sums in order.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i
+ReduceBlocks(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  // r[4 l + i] = sum of lane l of vector i; we want [4 i + l].
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(idx, r);
+}
+
+// The same body compiled twice: with and without AVX512-VNNI. 256 weight
+// bytes (512 k, 16 blocks) per step; the tail is masked.
 #define JB_DEFINE_BLOCK_DOTS(NAME, TARGET, DOT)                                 \
   __attribute__((target(TARGET))) void NAME(                                   \
       const uint8_t* w, const QRow* const* rows, int nm, int64_t K,            \
-      int32_t* out) {                                                          \
-    const int64_t nb = K / 32;                                                 \
+      int32_t* dots) {                                                         \
     const int64_t bytes = K / 2;                                               \
     const __m512i mask4 = _mm512_set1_epi8(0x0F);                              \
     const __m512i ones8 = _mm512_set1_epi8(1);                                 \
     const __m512i zero = _mm512_setzero_si512();                               \
-    int32_t su_buf[4];                                                         \
-    for (int64_t c = 0; c < bytes; c += 64) {                                  \
-      const int64_t left = bytes - c; /* multiple of 16 */                     \
-      const __mmask64 lm =                                                     \
-          left >= 64 ? ~__mmask64{0} : ((__mmask64{1} << left) - 1);          \
-      const int nq = left >= 64 ? 4 : static_cast<int>(left / 16);             \
-      const __mmask16 keep = static_cast<__mmask16>((1u << nq) - 1);           \
-      const __m512i wv = _mm512_maskz_loadu_epi8(lm, w + c);                   \
-      const __m512i lo = _mm512_and_si512(wv, mask4);                          \
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);    \
-      /* Sum of u per 32-k block (weight side, shared by every row m). */      \
-      __m512i su = DOT(DOT(zero, lo, ones8), hi, ones8);                       \
-      StoreLaneSums(su, su_buf, keep);                                         \
+    const __m512i stride = _mm512_mullo_epi32(                                 \
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,    \
+                          15),                                                 \
+        _mm512_set1_epi32(kRowBlock));                                         \
+    for (int64_t c = 0; c < bytes; c += 256) {                                 \
+      __mmask64 lm[4];                                                         \
+      __m512i lo[4], hi[4];                                                    \
+      for (int i = 0; i < 4; ++i) {                                            \
+        const int64_t left = bytes - c - 64 * i;                               \
+        lm[i] = left >= 64 ? ~__mmask64{0}                                     \
+                           : (left <= 0 ? __mmask64{0}                         \
+                                        : ((__mmask64{1} << left) - 1));       \
+        const __m512i wv = _mm512_maskz_loadu_epi8(lm[i], w + c + 64 * i);     \
+        lo[i] = _mm512_and_si512(wv, mask4);                                   \
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);             \
+      }                                                                        \
+      const int64_t nq_left = (bytes - c) / 16;                                \
+      const __mmask16 qm = nq_left >= 16                                       \
+                               ? static_cast<__mmask16>(0xFFFF)                \
+                               : static_cast<__mmask16>((1u << nq_left) - 1);  \
+      const __m512i su = ReduceBlocks(                                         \
+          DOT(DOT(zero, lo[0], ones8), hi[0], ones8),                          \
+          DOT(DOT(zero, lo[1], ones8), hi[1], ones8),                          \
+          DOT(DOT(zero, lo[2], ones8), hi[2], ones8),                          \
+          DOT(DOT(zero, lo[3], ones8), hi[3], ones8));                         \
       const int64_t j0 = c / 16;                                               \
       for (int m = 0; m < nm; ++m) {                                           \
         const QRow* r = rows[m];                                               \
-        const __m512i ae = _mm512_maskz_loadu_epi8(lm, r->even.data() + c);    \
-        const __m512i ao = _mm512_maskz_loadu_epi8(lm, r->odd.data() + c);     \
-        __m512i d = DOT(DOT(zero, lo, ae), hi, ao);                            \
-        int32_t* o = out + m * nb + j0;                                        \
-        StoreLaneSums(d, o, keep);                                             \
-        const int32_t zp = r->zp;                                              \
-        for (int q = 0; q < nq; ++q)                                           \
-          o[q] = o[q] - zp * su_buf[q] - 8 * r->block_sum[j0 + q] + 256 * zp;  \
+        const int8_t* e = r->even.data() + c;                                  \
+        const int8_t* o = r->odd.data() + c;                                   \
+        __m512i d[4];                                                          \
+        for (int i = 0; i < 4; ++i) {                                          \
+          const __m512i ae = _mm512_maskz_loadu_epi8(lm[i], e + 64 * i);       \
+          const __m512i ao = _mm512_maskz_loadu_epi8(lm[i], o + 64 * i);       \
+          d[i] = DOT(DOT(zero, lo[i], ae), hi[i], ao);                         \
+        }                                                                      \
+        const __m512i zp = _mm512_set1_epi32(r->zp);                           \
+        __m512i v = ReduceBlocks(d[0], d[1], d[2], d[3]);                      \
+        v = _mm512_sub_epi32(v, _mm512_mullo_epi32(zp, su));                   \
+        const __m512i bs = _mm512_maskz_loadu_epi32(qm, r->block_sum.data() + j0); \
+        v = _mm512_sub_epi32(v, _mm512_slli_epi32(bs, 3));                     \
+        v = _mm512_add_epi32(v, _mm512_slli_epi32(zp, 8));                     \
+        _mm512_mask_i32scatter_epi32(dots + j0 * kRowBlock + m, qm, stride, v, 4); \
       }                                                                        \
     }                                                                          \
   }
@@ -221,20 +272,69 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i DotBw(
 JB_DEFINE_BLOCK_DOTS(BlockDotsAvx512Vnni, "avx512f,avx512bw,avx512vl,avx512vnni", DotVnni)
 JB_DEFINE_BLOCK_DOTS(BlockDotsAvx512Bw, "avx512f,avx512bw,avx512vl", DotBw)
 #undef JB_DEFINE_BLOCK_DOTS
+
+// TailScalar with one lane per row m (the same operations per lane).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void TailAvx512(
+    const int32_t* dots, int64_t nb, int64_t per_group, bool channelwise,
+    const float* s, const float* recip, const float* bias, int nm, float* out) {
+  static_assert(kRowBlock == 16, "one zmm of rows");
+  __m512 acc;
+  if (channelwise) {
+    __m512i iacc = _mm512_setzero_si512();
+    for (int64_t j = 0; j < nb; ++j)
+      iacc = _mm512_add_epi32(iacc, _mm512_loadu_si512(dots + j * kRowBlock));
+    acc = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(s[0]));
+  } else {
+    acc = _mm512_setzero_ps();
+    const int64_t G = nb / per_group;
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t* d = dots + g * per_group * kRowBlock;
+      __m512i iacc = _mm512_loadu_si512(d);
+      for (int64_t j = 1; j < per_group; ++j)
+        iacc = _mm512_add_epi32(iacc, _mm512_loadu_si512(d + j * kRowBlock));
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(s[g])));
+    }
+  }
+  acc = _mm512_mul_ps(acc, _mm512_loadu_ps(recip));
+  if (bias) acc = _mm512_add_ps(acc, _mm512_set1_ps(*bias));
+  // std::max(acc, lo) / std::min(acc, hi) keep a NaN acc: max_ps/min_ps
+  // return their second operand when either is NaN.
+  acc = _mm512_max_ps(_mm512_set1_ps(-FLT_MAX), acc);
+  acc = _mm512_min_ps(_mm512_set1_ps(FLT_MAX), acc);
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << nm) - 1), acc);
+}
 #endif
 
 using BlockDotsFn = void (*)(const uint8_t*, const QRow* const*, int, int64_t,
                              int32_t*);
+using TailFn = void (*)(const int32_t*, int64_t, int64_t, bool, const float*,
+                        const float*, const float*, int, float*);
+
+bool HasAvx512() {
+#if JB_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
 
 BlockDotsFn PickBlockDots() {
 #if JB_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+  if (HasAvx512()) {
     if (__builtin_cpu_supports("avx512vnni")) return &BlockDotsAvx512Vnni;
     return &BlockDotsAvx512Bw;
   }
 #endif
   return &BlockDotsScalar;
+}
+
+TailFn PickTail() {
+#if JB_X86
+  if (HasAvx512()) return &TailAvx512;
+#endif
+  return &TailScalar;
 }
 
 const char* BlockDotsName() {
@@ -249,8 +349,6 @@ const char* BlockDotsName() {
 
 // ---------------------------------------------------------------- dyn quant
 
-constexpr int kRowBlock = 8;  // input rows sharing one pass over a weight row
-
 void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
                     const float* bias, float* out, int64_t M, int64_t N,
                     int64_t K, int64_t groupsize) {
@@ -262,36 +360,22 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   std::vector<QRow> rows(M);
   for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
   static const BlockDotsFn block_dots = PickBlockDots();
+  static const TailFn tail = PickTail();
   ParallelFor(N, M * N * K / 2, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<int32_t> dots(kRowBlock * nb);
+    std::vector<int32_t> dots((nb + 16) * kRowBlock);
     const QRow* rp[kRowBlock];
+    float recip[kRowBlock], res[kRowBlock];
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int nm = static_cast<int>(std::min<int64_t>(kRowBlock, M - m0));
-      for (int i = 0; i < nm; ++i) rp[i] = &rows[m0 + i];
+      for (int i = 0; i < kRowBlock; ++i) {
+        rp[i] = i < nm ? &rows[m0 + i] : nullptr;
+        recip[i] = i < nm ? rows[m0 + i].recip : 0.f;
+      }
       for (int64_t n = n0; n < n1; ++n) {
         block_dots(w + n * (K / 2), rp, nm, K, dots.data());
-        const float* s = scales + n * G;
-        for (int i = 0; i < nm; ++i) {
-          const int32_t* d = dots.data() + i * nb;
-          float acc;
-          if (channelwise) {
-            int32_t iacc = 0;
-            for (int64_t j = 0; j < nb; ++j) iacc += d[j];
-            acc = static_cast<float>(iacc) * s[0];
-          } else {
-            acc = 0.0f;
-            for (int64_t g = 0; g < G; ++g) {
-              int32_t iacc = 0;
-              for (int64_t j = 0; j < per_group; ++j) iacc += d[g * per_group + j];
-              acc += static_cast<float>(iacc) * s[g];
-            }
-          }
-          acc = acc * rows[m0 + i].recip;
-          if (bias) acc += bias[n];
-          acc = std::max(acc, -FLT_MAX);
-          acc = std::min(acc, FLT_MAX);
-          out[(m0 + i) * N + n] = acc;
-        }
+        tail(dots.data(), nb, per_group, channelwise, scales + n * G, recip,
+             bias ? bias + n : nullptr, nm, res);
+        for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] = res[i];
       }
     }
   });
@@ -299,7 +383,7 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
 
 // -------------------------------------------------------------- weight only
 
-constexpr int kWoRowBlock = 4;
+constexpr int kWoRowBlock = 8;  // rows sharing one unpacked weight row (L1)
 
 #if JB_X86
 __attribute__((target("avx512f,avx512bw"))) void UnpackRowAvx512(
@@ -316,53 +400,55 @@ __attribute__((target("avx512f,avx512bw"))) void UnpackRowAvx512(
   }
 }
 
-__attribute__((target("avx512f"))) inline float Dot16(const float* a,
-                                                      const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16),
-                           _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i < n; i += 16)
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
+// For each of nm rows m: out[m] = sum_g s[g] * sum_{k in g} x[m, k] q[k].
+// The row is unpacked once into L1 and shared by the rows; fp32 FMAs with one
+// horizontal sum per (n, m).
 __attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
-    const uint8_t* w, const float* xe, const float* xo, int64_t K,
+    const uint8_t* w, const float* xe, const float* xo, int nm, int64_t K,
     int64_t groupsize, const float* s, float* ue, float* uo, float* out) {
   UnpackRowAvx512(w, K, ue, uo);
-  const int64_t half = groupsize / 2;
-  float acc = 0.f;
-  for (int64_t g = 0; g < K / groupsize; ++g) {
-    const int64_t o = g * half;
-    acc += (Dot16(ue + o, xe + o, half) + Dot16(uo + o, xo + o, half)) * s[g];
+  const int64_t half = groupsize / 2;  // a multiple of 16
+  const int64_t G = K / groupsize;
+  for (int m = 0; m < nm; ++m) {
+    const float* e = xe + m * (K / 2);
+    const float* o = xo + m * (K / 2);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+      for (int64_t i = g * half; i < (g + 1) * half; i += 16) {
+        v0 = _mm512_fmadd_ps(_mm512_loadu_ps(ue + i), _mm512_loadu_ps(e + i), v0);
+        v1 = _mm512_fmadd_ps(_mm512_loadu_ps(uo + i), _mm512_loadu_ps(o + i), v1);
+      }
+      acc = _mm512_fmadd_ps(_mm512_add_ps(v0, v1), _mm512_set1_ps(s[g]), acc);
+    }
+    out[m] = _mm512_reduce_add_ps(acc);
   }
-  *out = acc;
 }
 #endif
 
 void WeightOnlyRowScalar(const uint8_t* w, const float* xe, const float* xo,
-                         int64_t K, int64_t groupsize, const float* s,
+                         int nm, int64_t K, int64_t groupsize, const float* s,
                          float* ue, float* uo, float* out) {
   for (int64_t c = 0; c < K / 2; ++c) {
     ue[c] = static_cast<float>((w[c] & 15) - 8);
     uo[c] = static_cast<float>((w[c] >> 4) - 8);
   }
   const int64_t half = groupsize / 2;
-  float acc = 0.f;
-  for (int64_t g = 0; g < K / groupsize; ++g) {
-    float d = 0.f;
-    for (int64_t i = g * half; i < (g + 1) * half; ++i) d += ue[i] * xe[i] + uo[i] * xo[i];
-    acc += d * s[g];
+  for (int m = 0; m < nm; ++m) {
+    const float* e = xe + m * (K / 2);
+    const float* o = xo + m * (K / 2);
+    float acc = 0.f;
+    for (int64_t g = 0; g < K / groupsize; ++g) {
+      float d = 0.f;
+      for (int64_t i = g * half; i < (g + 1) * half; ++i) d += ue[i] * e[i] + uo[i] * o[i];
+      acc += d * s[g];
+    }
+    out[m] = acc;
   }
-  *out = acc;
 }
 
-using WoRowFn = void (*)(const uint8_t*, const float*, const float*, int64_t,
-                         int64_t, const float*, float*, float*, float*);
+using WoRowFn = void (*)(const uint8_t*, const float*, const float*, int,
+                         int64_t, int64_t, const float*, float*, float*, float*);
 
 WoRowFn PickWoRow() {
 #if JB_X86
@@ -386,16 +472,14 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
     }
   static const WoRowFn row_fn = PickWoRow();
   ParallelFor(N, M * N * K, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> ue(K / 2), uo(K / 2);
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m = 0; m < M; ++m) {
-        float r;
-        // The unpack is repeated per m; it stays in L1 and is cheap next to
-        // the dot products, and large M goes to XLA's dense GEMM instead.
-        row_fn(w + n * (K / 2), xe.data() + m * (K / 2), xo.data() + m * (K / 2),
-               K, groupsize, scales + n * G, ue.data(), uo.data(), &r);
-        if (bias) r += bias[n];
-        out[m * N + n] = r;
+    std::vector<float> ue(K / 2), uo(K / 2), res(kWoRowBlock);
+    for (int64_t m0 = 0; m0 < M; m0 += kWoRowBlock) {
+      const int nm = static_cast<int>(std::min<int64_t>(kWoRowBlock, M - m0));
+      for (int64_t n = n0; n < n1; ++n) {
+        row_fn(w + n * (K / 2), xe.data() + m0 * (K / 2), xo.data() + m0 * (K / 2),
+               nm, K, groupsize, scales + n * G, ue.data(), uo.data(), res.data());
+        for (int i = 0; i < nm; ++i)
+          out[(m0 + i) * N + n] = bias ? res[i] + bias[n] : res[i];
       }
     }
   });

@@ -66,7 +66,7 @@ IMPLEMENTATIONS = ("pallas", "pallas_interpret", "cpp", "xla", "reference")
 _GPU = ("cuda", "rocm")
 
 #: Weight-only rows above which the CPU path is XLA's dequantize + GEMM.
-CPP_WEIGHT_ONLY_MAX_M = 32
+CPP_WEIGHT_ONLY_MAX_M = 16
 
 
 def supported_engines() -> list[str]:
