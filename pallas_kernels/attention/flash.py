@@ -620,7 +620,8 @@ def _check_config(config, cls):
 
 
 def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, interpret: bool = False,
-              allow_tf32: bool = False, bwd_config=None, **opts):
+              allow_tf32: bool = False, bwd_config=None, use_decode: Optional[bool] = None,
+              **opts):
   """Flash attention with the Pallas Triton kernels; differentiable w.r.t. q, k, v.
 
   Args:
@@ -629,6 +630,8 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, inte
     interpret: run the kernels in the Pallas interpreter (CPU testing).
     allow_tf32: float32 inputs use TF32 tensor-core dots (otherwise full IEEE float32).
     bwd_config: backward :class:`flash_vjp.Config`.
+    use_decode: run the split-K :mod:`decode` kernel instead (same results). ``None``: when no
+      ``config`` is given and ``T <= 16`` (decoding), where this grid would leave the GPU idle.
     **opts: ignored dispatch options.
 
   Returns:
@@ -645,11 +648,16 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, inte
     (1, 17, 4, 16)
   """
   del opts
-  from pallas_kernels.attention import flash_vjp  # the backward kernels
+  from pallas_kernels.attention import decode, flash_vjp  # noqa: PLC0415 (import cycle)
   _check_config(config, Config)
   reasons = unsupported(args, "cuda")
   if reasons:
     raise ValueError("flash (Pallas) cannot run this call: " + "; ".join(reasons))
+  if use_decode is None:
+    use_decode = config is None and not decode.unsupported(args, "cuda")
+  if use_decode:
+    return decode.attention(args, interpret=interpret, allow_tf32=allow_tf32,
+                            bwd_config=bwd_config)
   return flash_vjp.differentiable(args, fwd=functools.partial(forward, config=config,
                                                               interpret=interpret,
                                                               allow_tf32=allow_tf32),
