@@ -2,8 +2,8 @@
 
     python -m jbackends.xeon.run_cpu --ninstances 2 --ncores-per-instance 1 my_script.py --my-arg
 
-Each instance is a separate process pinned (Linux `sched_setaffinity`, else `taskset` when present) to
-its own cores, taken in order from the CPUs this launcher may use (physical cores only unless
+Each instance is a separate process pinned to its own cores (Linux: a two-line Python wrapper calls
+`os.sched_setaffinity` and then `exec`s the program; elsewhere `taskset` when present), taken in order from the CPUs this launcher may use (physical cores only unless
 `--use-logical-core`). XLA:CPU sizes its thread pool from the CPUs a process may run on, so pinning is
 what bounds its intra-op threads (there is no XLA flag for the count; `intra_op_parallelism_threads` is a
 TensorFlow option). With one core per instance `--xla_cpu_multi_thread_eigen=false` is added to
@@ -162,6 +162,11 @@ def _env_for(inst: Instance, ninstances: int, eigen: str) -> dict[str, str]:
     return env
 
 
+# Pins itself, then replaces itself with the program: no `preexec_fn` (unsafe in a threaded parent).
+_PIN_AND_EXEC = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); " \
+                "os.execvp(sys.argv[2], sys.argv[2:])"
+
+
 def _command(args: argparse.Namespace, inst: Instance, pin: str) -> list[str]:
     if args.no_python:
         cmd = [args.program]
@@ -172,6 +177,8 @@ def _command(args: argparse.Namespace, inst: Instance, pin: str) -> list[str]:
     cmd += list(args.program_args)
     if pin == "taskset":
         cmd = ["taskset", "-c", ",".join(map(str, inst.cores))] + cmd
+    elif pin == "affinity":
+        cmd = [sys.executable, "-c", _PIN_AND_EXEC, ",".join(map(str, inst.cores))] + cmd
     return cmd
 
 
@@ -205,11 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.log_path:
             name = f"{args.log_file_prefix}_instance_{inst.index}_cores_{'-'.join(map(str, inst.cores))}.log"
             out = open(os.path.join(args.log_path, name), "w", encoding="utf-8")  # noqa: SIM115
-        cores_set = set(inst.cores)
-        preexec = (lambda c=cores_set: os.sched_setaffinity(0, c)) if pin == "affinity" else None
         print(f"run_cpu: instance {inst.index} cores={list(inst.cores)} pin={pin}", file=sys.stderr)
-        proc = subprocess.Popen(_command(args, inst, pin), env=_env_for(inst, len(instances), args.multi_thread_eigen),
-                                stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=preexec)
+        proc = subprocess.Popen(_command(args, inst, pin),
+                                env=_env_for(inst, len(instances), args.multi_thread_eigen),
+                                stdout=out, stderr=subprocess.STDOUT if out else None)
         procs.append((proc, out))
     status = 0
     for proc, out in procs:
