@@ -108,6 +108,8 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
   hp = _pad_dim(head_dim)
   wide = jnp.dtype(dtype).itemsize >= 4
   if cc < 80:  # Turing: 64 KiB shared memory, no async copies.
+    if hp > 128 and wide:
+      return Config(block_q=32, block_k=16, num_warps=4, num_stages=1)
     return Config(block_q=64, block_k=32 if hp > 64 or wide else 64, num_warps=4, num_stages=1)
   if hp <= 64:
     return Config(block_q=128, block_k=64 if wide else 128, num_warps=4,
@@ -115,6 +117,8 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
   if hp <= 128:
     return Config(block_q=128, block_k=32 if wide else 64, num_warps=8 if cc >= 90 else 4,
                   num_stages=2)
+  if wide:  # float32 at head dim 256: 1 KiB per row
+    return Config(block_q=32, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
   return Config(block_q=64, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
 
 

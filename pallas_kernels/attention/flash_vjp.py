@@ -76,7 +76,9 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
   cc = 80 if compute_capability is None else compute_capability
   hp = flash._pad_dim(head_dim)
   wide = jnp.dtype(dtype).itemsize >= 4
-  if cc < 80:
+  if cc < 80:  # Turing: 64 KiB shared memory
+    if hp > 128 and wide:
+      return Config(block_q=16, block_k=16, num_warps=4, num_stages=1)
     return Config(block_q=32, block_k=32, num_warps=4, num_stages=1)
   if hp <= 64:
     return Config(block_q=64, block_k=64 if not wide else 32, num_warps=4, num_stages=2)
