@@ -77,7 +77,7 @@ def unsupported(args: base.AttentionArgs, platform: str, *,
   if args.has_dropout:
     reasons.append("cuDNN attention (through jax.nn) has no dropout matching the other backends")
   if args.logits_soft_cap is not None:
-    reasons.append("cuDNN attention has no logits_soft_cap")
+    reasons.append("cuDNN attention has no logits soft cap (logits_soft_cap)")
   if args.q_segment_ids is not None:
     reasons.append("cuDNN attention (through jax.nn) takes no segment ids")
   if args.mask is not None:

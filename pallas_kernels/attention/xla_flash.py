@@ -335,6 +335,15 @@ def _bwd_ranges(st, j, bq, bk):
   return ilo, ulo, uhi, ihi
 
 
+def _banded_loop(lo, ulo, uhi, hi, step, carry, masked_edges: bool):
+  """Runs ``step(masked)`` over blocks ``[lo, hi)``; blocks in ``[ulo, uhi)`` need no structural mask."""
+  if not masked_edges:
+    return lax.fori_loop(lo, hi, step(False), carry)
+  carry = lax.fori_loop(lo, ulo, step(True), carry)
+  carry = lax.fori_loop(ulo, uhi, step(False), carry)
+  return lax.fori_loop(uhi, hi, step(True), carry)
+
+
 # ---- per-block logits ------------------------------------------------------------------------
 
 def _block_logits(st, qb, kb, i, j, bq, bk, structural, data):
@@ -416,6 +425,26 @@ def _tile_data(d, i, j):
   return out
 
 
+def _varying_axes(*trees):
+  """shard_map axes along which any input varies (loop carries must vary along them too)."""
+  axes = set()
+  for x in jax.tree.leaves(trees):
+    t = getattr(jax.typeof(x), "manual_axis_type", None)
+    if t is not None:
+      axes |= set(t.varying)
+  return tuple(sorted(axes))
+
+
+def _vary(tree, axes):
+  if not axes:
+    return tree
+
+  def one(x):
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(one, tree)
+
+
 # ---- forward -----------------------------------------------------------------------------------
 
 def _forward(st, q, k, v, bias, aux):
@@ -426,6 +455,7 @@ def _forward(st, q, k, v, bias, aux):
   vb_all = _kv_blocks(v.astype(cdt), bk)
   d = _data_blocks(st, bias, aux, bq, bk)
   B, K, R = st.B, st.K, st.G * bq
+  axes = _varying_axes(q, k, v, bias, aux)
 
   def q_block(_, xs):
     i, qb = xs
@@ -448,14 +478,9 @@ def _forward(st, q, k, v, bias, aux):
       return body
 
     jlo, ulo, uhi, jhi = _fwd_ranges(st, i, bq, bk)
-    carry = (jnp.full((B, K, R), -jnp.inf, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
-             jnp.zeros((B, K, R, st.Hv), jnp.float32))
-    if st.structural or st.S % bk:
-      carry = lax.fori_loop(jlo, ulo, step(True), carry)
-      carry = lax.fori_loop(ulo, uhi, step(False), carry)
-      carry = lax.fori_loop(uhi, jhi, step(True), carry)
-    else:
-      carry = lax.fori_loop(jlo, jhi, step(False), carry)
+    carry = _vary((jnp.full((B, K, R), -jnp.inf, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
+                   jnp.zeros((B, K, R, st.Hv), jnp.float32)), axes)
+    carry = _banded_loop(jlo, ulo, uhi, jhi, step, carry, st.structural or st.S % bk > 0)
     m, l, acc = carry
     if st.rate > 0:
       acc = acc * (1.0 / (1.0 - st.rate))
@@ -489,8 +514,9 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
   lse_all = _row_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E), st, bq, jnp.inf)
   d = _data_blocks(st, bias, aux, bq, bk)
   nq, nk = qb_all.shape[0], kb_all.shape[0]
-  dq0 = jnp.zeros(qb_all.shape, jnp.float32)
-  db0 = None if d["bias"] is None else jnp.zeros(d["bias"].shape, jnp.float32)
+  axes = _varying_axes(q, k, v, bias, aux, out, lse, g_out, g_lse)
+  dq0 = _vary(jnp.zeros(qb_all.shape, jnp.float32), axes)
+  db0 = None if d["bias"] is None else _vary(jnp.zeros(d["bias"].shape, jnp.float32), axes)
 
   def k_block(carry, xs):
     dq_all, db_all = carry
@@ -530,14 +556,9 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
       return body
 
     ilo, ulo, uhi, ihi = _bwd_ranges(st, j, bq, bk)
-    c = (jnp.zeros((B, K, bk, st.H), jnp.float32), jnp.zeros((B, K, bk, st.Hv), jnp.float32),
-         dq_all, db_all)
-    if st.structural or st.S % bk:
-      c = lax.fori_loop(ilo, ulo, step(True), c)
-      c = lax.fori_loop(ulo, uhi, step(False), c)
-      c = lax.fori_loop(uhi, ihi, step(True), c)
-    else:
-      c = lax.fori_loop(ilo, ihi, step(False), c)
+    c = (*_vary((jnp.zeros((B, K, bk, st.H), jnp.float32),
+                 jnp.zeros((B, K, bk, st.Hv), jnp.float32)), axes), dq_all, db_all)
+    c = _banded_loop(ilo, ulo, uhi, ihi, step, c, st.structural or st.S % bk > 0)
     dk, dv, dq_all, db_all = c
     if st.cap is None:  # qb carries a log2(e) factor that the logits gradient must not.
       dk = dk * _LN2
