@@ -1,7 +1,8 @@
 """Train a small character-level GPT with jbackends, then decode it in int4.
 
     python -m jbackends.examples.train_gpt            # ~300 steps, a few minutes on a laptop CPU
-    python -m jbackends.examples.train_gpt --steps 100 --out /path/to/dir --seed 1
+    python -m jbackends.examples.train_gpt --steps 100 --out runs/gpt --seed 1
+    jbackends-demo --steps 100                        # the same, as a console script
 
 What it shows, end to end:
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -35,7 +35,6 @@ import optax
 from flax import nnx
 
 import jbackends as jb
-from jbackends import attention as jba
 from jbackends.examples.corpus import TEXT
 
 __all__ = ["GPT", "GPTConfig", "TrainConfig", "attention", "encode", "decode", "generate", "main", "train"]
@@ -111,13 +110,13 @@ def eval_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def attention(query, key, value, *, is_causal: bool = False, key_value_seq_lengths=None):
-    """The model's one attention call: `jbackends.attention.dot_product_attention`, the drop-in for
+    """The model's one attention call: `jb.dot_product_attention`, the drop-in for
     `jax.nn.dot_product_attention` (layout BTNH).
 
     Which backend runs (flash, mem_efficient, cudnn, math) is decided from the jbackends flags in force
-    while this is traced; `jba.explain(...)` says which and why.
+    while this is traced; `jb.explain(...)` says which and why.
     """
-    return jba.dot_product_attention(
+    return jb.dot_product_attention(
         query, key, value, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths
     )
 
@@ -390,7 +389,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model_cfg = GPTConfig()
     train_cfg = TrainConfig(steps=args.steps, seed=args.seed)
     dev = jax.devices()[0]
-    n_params = None
     print(f"jbackends {jb.__version__} | jax {jax.__version__} | {dev.platform} ({dev.device_kind})")
     print(f"corpus: {len(TEXT):,} chars | model: {model_cfg} | batch {train_cfg.batch_size}")
     print("attention:", _backend_summary(model_cfg, train_cfg.batch_size, len(PROMPTS)))
@@ -436,11 +434,11 @@ def _backend_summary(model_cfg: GPTConfig, batch_size: int, n_rows: int) -> str:
     n, h, t = model_cfg.n_heads, model_cfg.head_dim, model_cfg.seq_len
     seq = jax.ShapeDtypeStruct((batch_size, t, n, h), jnp.float32)
     with jb.with_backends(flash=True):  # the train step's scope
-        train = jba.explain(seq, seq, seq, is_causal=True)
+        train = jb.explain(seq, seq, seq, is_causal=True)
     one = jax.ShapeDtypeStruct((n_rows, 1, n, h), jnp.float32)
     cache = jax.ShapeDtypeStruct((n_rows, t, n, h), jnp.float32)
     lengths = jax.ShapeDtypeStruct((n_rows,), jnp.int32)
-    dec = jba.explain(one, cache, cache, key_value_seq_lengths=lengths)
+    dec = jb.explain(one, cache, cache, key_value_seq_lengths=lengths)
     return (f"train step -> {train.chosen.name} ({train.implementation}); "
             f"decode step -> {dec.chosen.name} ({dec.implementation})")
 
