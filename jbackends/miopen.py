@@ -45,8 +45,8 @@ class _MiopenModule(_types.ModuleType):
             raise TypeError(f"immediate must be a bool, got {type(value).__name__} {value!r}")
         if value:
             raise RuntimeError(
-                "XLA has no MIOpen immediate mode; to skip algorithm search use jb.cudnn.benchmark = False "
-                "(xla_gpu_autotune_level=0 through jb.jit), or bound it with jb.cudnn.benchmark_limit"
+                "XLA has no MIOpen immediate mode; to skip algorithm search pass "
+                "compiler_options={'xla_gpu_autotune_level': 0} to jb.jit, or bound it with jb.cudnn.benchmark_limit"
             )
 
 

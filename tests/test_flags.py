@@ -549,3 +549,15 @@ def test_compile_time_flag_inside_plain_jit_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jb.jit(body)(1.0)
+
+
+def test_jb_jit_reports_call_time_at_verbose_level_2(caplog):
+    f = jb.jit(lambda x: x * 2)
+    x = _x()
+    with caplog.at_level("INFO", logger="jbackends"):
+        f(x)
+        assert not [r for r in caplog.records if "call op=" in r.getMessage()]
+        with jb.verbose(2):
+            chex.assert_trees_all_close(f(x), 2 * x)
+    lines = [r.getMessage() for r in caplog.records if "call op=" in r.getMessage()]
+    assert len(lines) == 1 and "op=<lambda>" in lines[0] and "secs=" in lines[0]

@@ -266,9 +266,10 @@ _DECLARATIONS: tuple[Flag, ...] = (
           torch=("torch.backends.cudnn.deterministic",), mirrors=(("cudnn", "attr", "deterministic"),),
           compiler_options=lambda v: {"xla_gpu_deterministic_ops": v}),
     _bool("benchmark", False,
-          "Autotune GPU kernels at compile time (XLA: xla_gpu_autotune_level 4, else 0) through jb.jit.",
+          "Search GPU kernel configurations exhaustively at compile time (xla_gpu_exhaustive_tiling_search "
+          "through jb.jit). XLA autotunes with its default search either way, unlike cuDNN's heuristics.",
           torch=("torch.backends.cudnn.benchmark",), mirrors=(("cudnn", "attr", "benchmark"),), traced=False,
-          compiler_options=lambda v: {"xla_gpu_autotune_level": 4 if v else 0}),
+          compiler_options=lambda v: {"xla_gpu_exhaustive_tiling_search": v}),
     Flag("benchmark_limit", 10,
          "Most autotuning candidates tried per kernel when benchmark=True (xla_gpu_autotune_max_solutions).",
          functools.partial(_parse_int, minimum=0), torch=("torch.backends.cudnn.benchmark_limit",),
@@ -725,11 +726,17 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
                 f = jitted.setdefault(key, jax.jit(fun, compiler_options=opts, **jit_kwargs))
         return f
 
+    name = getattr(fun, "__name__", "jit")
+
     @functools.wraps(fun)
     def wrapper(*args, **kwargs):
         f = _for_current()
         token = _IN_JB_JIT.set(True)
         try:
+            if current_flags().verbose >= 2:  # per-call device time, inside jb.verbose(2) only
+                from jbackends._src import verbose
+
+                return verbose.call(name, f, *args, **kwargs)
             return f(*args, **kwargs)
         finally:
             _IN_JB_JIT.reset(token)

@@ -75,7 +75,7 @@ def test_cudnn_flags_become_compiler_options():
         assert jb.cudnn.deterministic and jb.cudnn.benchmark and not jb.cudnn.enabled
         opts = jb.compiler_options()
         f(jnp.float32(1))
-    assert opts == {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 4,
+    assert opts == {"xla_gpu_deterministic_ops": True, "xla_gpu_exhaustive_tiling_search": True,
                     "xla_gpu_autotune_max_solutions": 3, "xla_gpu_cudnn_gemm_fusion_level": 0,
                     "xla_gpu_enable_cublaslt": False}
     assert len(f.executables) == 2
