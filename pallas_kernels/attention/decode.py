@@ -163,10 +163,11 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   """Split-K forward: ``(out [B, T, N, Hv], lse [B, N, T] float32)``."""
   spec = flash.make_spec(args, allow_tf32=allow_tf32)
   B, T, S, N, K, G = spec.B, spec.T, spec.S, spec.N, spec.K, spec.G
-  cfg = config or heuristics(spec.H, args.dtype, batch_kv_heads=B * K, kv_len=S)
+  auto = heuristics(spec.H, args.dtype, flash.local_compute_capability(), batch_kv_heads=B * K,
+                    kv_len=S)
+  cfg = config or auto
   block_k = flash._block(cfg.block_k, S)
-  splits = cfg.num_splits or heuristics(spec.H, args.dtype, batch_kv_heads=B * K,
-                                        kv_len=S).num_splits
+  splits = cfg.num_splits or auto.num_splits
   chunk = pl.cdiv(pl.cdiv(S, splits), block_k) * block_k  # whole key blocks per split
   splits = pl.cdiv(S, chunk)
   M = T * G

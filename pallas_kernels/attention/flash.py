@@ -122,6 +122,16 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
   return Config(block_q=64, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
 
 
+@functools.lru_cache(maxsize=None)
+def local_compute_capability() -> Optional[int]:
+  """Compute capability of the first local GPU as an int (e.g. 90), None without a GPU."""
+  try:
+    dev = jax.devices("gpu")[0]
+    return int(str(dev.compute_capability).replace(".", ""))
+  except Exception:  # noqa: BLE001 - no GPU backend / attribute
+    return None
+
+
 def _pad_dim(h: int) -> int:
   return max(16, pl.next_power_of_2(h))
 
@@ -528,7 +538,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   Returns ``(out [B, T, N, Hv] in q.dtype, lse [B, N, T] float32)``.
   """
   spec = make_spec(args, allow_tf32=allow_tf32)
-  cfg = config or heuristics(spec.H, args.dtype)
+  cfg = config or heuristics(spec.H, args.dtype, local_compute_capability())
   block_q = _block(cfg.block_q, spec.T)
   block_k = _block(cfg.block_k, spec.S)
   G = spec.G

@@ -254,7 +254,7 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
     ``(dq, dk, dv, dbias)`` with ``dbias`` None without bias or when not needed.
   """
   spec = flash.make_spec(args, allow_tf32=allow_tf32)
-  cfg = config or heuristics(spec.H, args.dtype)
+  cfg = config or heuristics(spec.H, args.dtype, flash.local_compute_capability())
   block_q = flash._block(cfg.block_q, spec.T)
   block_k = flash._block(cfg.block_k, spec.S)
   nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)
