@@ -3,7 +3,7 @@
 Rows per shape: jbackends dyn-quant (W4A8, the ``auto`` engine: the C++ kernel on CPU), the same
 pinned to pure XLA, the weight-only int4_matmul (W4A32), dense float32 and bfloat16 ``jnp.dot``, and
 when torch is installed its ``_dyn_quant_matmul_4bit`` (x86: a scalar single-threaded reference) and
-``_weight_int4pack_mm_for_cpu`` (AVX-512 tinygemm, float32 activations).
+``_weight_int4pack_mm_for_cpu`` (AVX-512 tinygemm; timed with bfloat16 activations, its fast path).
 
 Columns: median time, effective GB/s of weight traffic (the bytes of the weight the op reads:
 packed nibbles + scales for int4, 4 or 2 bytes per weight for dense), and speed-ups (>1 is faster)
@@ -69,6 +69,7 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
             sz = torch.zeros(K // groupsize, N, 2)
             sz[..., 0] = torch.tensor(np.asarray(s)).T
             sz[..., 1] = -8 * sz[..., 0]
+            sz = sz.to(torch.bfloat16)  # its fast path: bf16 activations (f32 ones are ~10x slower)
         t_dyn_m16 = None
         for M in ms:
             x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
@@ -93,8 +94,9 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
                     r["torch _dyn_quant_matmul_4bit"] = (t, int4_bytes)
                 elif t_dyn_m16 is not None:
                     r["torch _dyn_quant_matmul_4bit (est.)"] = (t_dyn_m16 * M / 16, int4_bytes)
-                r["torch _weight_int4pack_mm"] = (_time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    tx, t4, groupsize, sz), budget_s=budget_s), int4_bytes)
+                txb = tx.to(torch.bfloat16)
+                r["torch _weight_int4pack_mm (bf16 x)"] = (_time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    txb, t4, groupsize, sz), budget_s=budget_s), int4_bytes)
             rows.append(((K, N, M), r))
             _print_block((K, N, M), r)
     return rows
@@ -105,7 +107,7 @@ def _print_block(key, r):
     f32 = r["dense f32 jnp.dot"][0]
     bf16 = r["dense bf16 jnp.dot"][0]
     tdyn = next((v[0] for k, v in r.items() if k.startswith("torch _dyn")), None)
-    t4 = r.get("torch _weight_int4pack_mm", (None,))[0]
+    t4 = r.get("torch _weight_int4pack_mm (bf16 x)", (None,))[0]
     print(f"\nK={K} N={N} M={M}")
     print(f"  {'impl':38s} {'ms':>9s} {'GB/s':>7s} {'vs f32':>7s} {'vs bf16':>8s} {'vs t.dyn':>9s} {'vs t.i4pk':>9s}")
     for name, (t, nbytes) in r.items():

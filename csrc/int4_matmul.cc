@@ -23,10 +23,12 @@
 // ones, so the activations are de-interleaved once per row instead of
 // shuffling the weights.
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -337,8 +339,11 @@ TailFn PickTail() {
   return &TailScalar;
 }
 
+std::atomic<BlockDotsFn> g_block_dots{PickBlockDots()};
+std::atomic<TailFn> g_tail{PickTail()};
+
 const char* BlockDotsName() {
-  BlockDotsFn f = PickBlockDots();
+  BlockDotsFn f = g_block_dots.load();
 #if JB_X86
   if (f == &BlockDotsAvx512Vnni) return "avx512vnni";
   if (f == &BlockDotsAvx512Bw) return "avx512bw";
@@ -359,8 +364,8 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   const int64_t per_group = groupsize / 32;
   std::vector<QRow> rows(M);
   for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
-  static const BlockDotsFn block_dots = PickBlockDots();
-  static const TailFn tail = PickTail();
+  const BlockDotsFn block_dots = g_block_dots.load();
+  const TailFn tail = g_tail.load();
   ParallelFor(N, M * N * K / 2, 16, [&](int64_t n0, int64_t n1) {
     std::vector<int32_t> dots((nb + 16) * kRowBlock);
     const QRow* rp[kRowBlock];
@@ -557,4 +562,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
                                   .Attr<int64_t>("groupsize")
                                   .Attr<bool>("has_bias"));
 
+// The instruction set the dyn-quant kernel uses ("avx512vnni", "avx512bw",
+// "scalar").
 extern "C" const char* JbInt4Isa() { return BlockDotsName(); }
+
+// Selects the dyn-quant code path (tests cover every path this CPU runs).
+// Returns 0 on success, -1 if the name is unknown or this CPU lacks it.
+extern "C" int JbInt4SetIsa(const char* name) {
+  const std::string n(name);
+  if (n == "scalar") {
+    g_block_dots = &BlockDotsScalar;
+    g_tail = &TailScalar;
+    return 0;
+  }
+#if JB_X86
+  if (HasAvx512() && (n == "avx512bw" || (n == "avx512vnni" && __builtin_cpu_supports("avx512vnni")))) {
+    g_block_dots = n == "avx512bw" ? &BlockDotsAvx512Bw : &BlockDotsAvx512Vnni;
+    g_tail = &TailAvx512;
+    return 0;
+  }
+#endif
+  return -1;
+}

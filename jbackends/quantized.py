@@ -93,7 +93,13 @@ def quantize_4bit(weight: Any, groupsize: int) -> tuple[jax.Array, jax.Array]:
       >>> q.shape, s.shape, int(q[0, 0])
       ((4, 32), (4, 1), 255)
     """
-    return _base.quantize_4bit(weight, groupsize)
+    weight = jnp.asarray(weight)
+    if weight.ndim == 2:
+        _base.check_groupsize(groupsize, weight.shape[1])
+    return _quantize_jit(weight, int(groupsize))
+
+
+_quantize_jit = jax.jit(_base.quantize_4bit, static_argnums=1)
 
 
 def dequantize_4bit(packed: PackedInt4Weight) -> jax.Array:

@@ -24,7 +24,7 @@ from jax import lax
 
 from .base import PackedInt4Weight
 
-__all__ = ["available", "isa", "dyn_quant_matmul", "weight_only_matmul", "supports"]
+__all__ = ["available", "isa", "set_isa", "dyn_quant_matmul", "weight_only_matmul", "supports"]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"
@@ -42,6 +42,8 @@ def _library() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(_DYN_TARGET, jax.ffi.pycapsule(lib.JbInt4DynQuantMatmulF32), platform="cpu")
         jax.ffi.register_ffi_target(_WO_TARGET, jax.ffi.pycapsule(lib.JbInt4MatmulF32), platform="cpu")
         lib.JbInt4Isa.restype = ctypes.c_char_p
+        lib.JbInt4SetIsa.restype = ctypes.c_int
+        lib.JbInt4SetIsa.argtypes = [ctypes.c_char_p]
     except (OSError, AttributeError):
         return None
     return lib
@@ -56,6 +58,16 @@ def isa() -> str:
     """The instruction set the dyn-quant kernel uses here ("avx512vnni", ...)."""
     lib = _library()
     return lib.JbInt4Isa().decode() if lib is not None else "unavailable"
+
+
+def set_isa(name: str) -> bool:
+    """Selects the dyn-quant code path: "avx512vnni", "avx512bw" or "scalar".
+
+    Returns False (and changes nothing) when this CPU cannot run it. For tests
+    and benchmarks; the default is the best path the CPU supports.
+    """
+    lib = _library()
+    return lib is not None and lib.JbInt4SetIsa(name.encode()) == 0
 
 
 def supports(packed: PackedInt4Weight) -> str | None:

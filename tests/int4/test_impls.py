@@ -21,6 +21,22 @@ class TestCpp(Int4Suite):
     supports_odd_channelwise = False
     supports_bf16 = False
 
+    @pytest.mark.parametrize("isa", ["avx512bw", "scalar"])
+    def test_other_code_paths(self, isa):
+        """The non-default paths (a CPU without VNNI / AVX-512) on the whole grid."""
+        from pallas_kernels.int4_matmul import base
+        from tests.int4.int4_base import make_case, reference
+        import numpy as np
+        default = cpu.isa()
+        if not cpu.set_isa(isa):
+            pytest.skip(f"this CPU cannot run {isa}")
+        try:
+            for case in GRID:
+                x, p = make_case(*case)
+                np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p)))
+        finally:
+            cpu.set_isa(default)
+
 
 # Interpret mode is slow: small tiles so that several ragged blocks and split-K are exercised.
 _DECODE = pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
