@@ -537,7 +537,8 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
           dp = jnp.where(keep, dp * inv, 0.0)
         else:
           pd = p
-        dv = dv + jnp.einsum("bkrc,bkrv->bkcv", pd.astype(cdt), dob, precision=_HIGHEST,
+        # dV^T and dK^T are accumulated transposed: XLA CPU runs X^T P ~4x faster than P^T X.
+        dv = dv + jnp.einsum("bkrv,bkrc->bkvc", dob, pd.astype(cdt), precision=_HIGHEST,
                              preferred_element_type=jnp.float32)
         ds = p * (dp - delta_all[i][..., None])
         if db_all is not None:
@@ -547,7 +548,7 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
         if t is not None:
           ds = ds * (1.0 - t * t)
         ds = ds.astype(cdt)
-        dk = dk + jnp.einsum("bkrc,bkrh->bkch", ds, qb, precision=_HIGHEST,
+        dk = dk + jnp.einsum("bkrh,bkrc->bkhc", qb, ds, precision=_HIGHEST,
                              preferred_element_type=jnp.float32)
         dq_i = jnp.einsum("bkrc,bkch->bkrh", ds, kb, precision=_HIGHEST,
                           preferred_element_type=jnp.float32)
@@ -556,10 +557,11 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
       return body
 
     ilo, ulo, uhi, ihi = _bwd_ranges(st, j, bq, bk)
-    c = (*_vary((jnp.zeros((B, K, bk, st.H), jnp.float32),
-                 jnp.zeros((B, K, bk, st.Hv), jnp.float32)), axes), dq_all, db_all)
+    c = (*_vary((jnp.zeros((B, K, st.H, bk), jnp.float32),
+                 jnp.zeros((B, K, st.Hv, bk), jnp.float32)), axes), dq_all, db_all)
     c = _banded_loop(ilo, ulo, uhi, ihi, step, c, st.structural or st.S % bk > 0)
     dk, dv, dq_all, db_all = c
+    dk, dv = jnp.swapaxes(dk, -1, -2), jnp.swapaxes(dv, -1, -2)
     if st.cap is None:  # qb carries a log2(e) factor that the logits gradient must not.
       dk = dk * _LN2
     return (dq_all, db_all), (dk, dv)
