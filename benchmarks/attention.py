@@ -1,0 +1,189 @@
+"""CPU attention benchmark: jbackends' XLA flash against jax.nn (xla), torch's CPU SDPA and tokamax.
+
+    python benchmarks/attention.py                      # L in {1k, 4k, 16k}, causal and not, fwd and fwd+bwd
+    python benchmarks/attention.py --lengths 1024 4096 --repeats 5
+
+Shapes follow the issue: float32, B=1, H=8 heads, D=64, self-attention, layout BTNH for JAX and
+(B, H, L, D) for torch. Time is the best of ``--repeats`` runs after one warm-up (compile excluded).
+
+Peak memory, and how it is measured:
+
+* JAX rows: ``jax.jit(f).lower(...).compile().memory_analysis()``: the executable's temporary
+  buffers plus its outputs (inputs excluded), i.e. what the call allocates at its peak. It needs no
+  run, so jax.nn at 16k is reported even where running it would not fit (its time is then "-").
+* torch rows: the growth of the resident set (``/proc/self/statm``, sampled every 0.5 ms) of a
+  fresh subprocess during one call after a warm-up call (inputs allocated before). Memory the
+  allocator kept from the warm-up is not counted again, so this is a lower bound of what the call
+  needs; comparable in magnitude with the JAX numbers, not byte-exact.
+
+Ratios are ``other / jbackends`` for both time and memory (> 1: jbackends is faster / smaller).
+The machine is usually shared: rerun for stable numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+B, N, D = 1, 8, 64
+
+
+def _jax_impls() -> dict:
+  from jbackends import attention as jba
+
+  impls = {
+      "jbackends flash": lambda q, k, v, c: jba.dot_product_attention(
+          q, k, v, is_causal=c, implementation="flash"),
+      "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(
+          q, k, v, is_causal=c, implementation="xla"),
+  }
+  try:
+    import tokamax  # noqa: PLC0415
+
+    impls["tokamax xla_chunked"] = lambda q, k, v, c: tokamax.dot_product_attention(
+        q, k, v, is_causal=c, implementation="xla_chunked")
+  except Exception:  # noqa: BLE001 - not installed / other API: column left out
+    pass
+  return impls
+
+
+def _fn(impl: Callable, causal: bool, mode: str) -> Callable:
+  if mode == "fwd":
+    return lambda q, k, v: impl(q, k, v, causal)
+  return jax.grad(lambda q, k, v: impl(q, k, v, causal).sum(), argnums=(0, 1, 2))
+
+
+def _best(f: Callable[[], Any], repeats: int) -> float:
+  f()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f()
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def bench_jax(name: str, impl, L: int, causal: bool, mode: str, repeats: int,
+              max_run_bytes: float) -> dict:
+  x = jax.ShapeDtypeStruct((B, L, N, D), jnp.float32)
+  compiled = jax.jit(_fn(impl, causal, mode)).lower(x, x, x).compile()
+  ma = compiled.memory_analysis()
+  mem = ma.temp_size_in_bytes + ma.output_size_in_bytes
+  row = dict(impl=name, mem=mem, time=None)
+  if mem > max_run_bytes:
+    return row
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, D)), jnp.float32) for _ in range(3))
+  row["time"] = _best(lambda: jax.block_until_ready(compiled(q, k, v)), repeats)
+  return row
+
+
+_TORCH_CHILD = r"""
+import json, os, sys, threading, time, torch
+L, causal, mode, repeats = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], int(sys.argv[4])
+g = mode != "fwd"
+q, k, v = (torch.randn(1, 8, L, 64, requires_grad=g) for _ in range(3))
+F = torch.nn.functional.scaled_dot_product_attention
+PAGE = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+def run():
+    if g:
+        F(q, k, v, is_causal=causal).sum().backward()
+        q.grad = k.grad = v.grad = None
+    else:
+        with torch.no_grad():
+            F(q, k, v, is_causal=causal)
+run()  # warm-up (allocator pools, OpenMP threads)
+base, peak, done = rss(), [0], [False]
+def poll():
+    while not done[0]:
+        peak[0] = max(peak[0], rss()); time.sleep(0.0005)
+th = threading.Thread(target=poll); th.start()
+run()
+done[0] = True; th.join()
+mem = max(peak[0] - base, 0)
+best = float("inf")
+for _ in range(repeats):
+    t = time.perf_counter(); run(); best = min(best, time.perf_counter() - t)
+print(json.dumps(dict(time=best, mem=mem, threads=torch.get_num_threads())))
+"""
+
+
+def bench_torch(L: int, causal: bool, mode: str, repeats: int) -> Optional[dict]:
+  try:
+    import torch  # noqa: F401, PLC0415
+  except Exception:  # noqa: BLE001
+    return None
+  out = subprocess.run([sys.executable, "-c", _TORCH_CHILD, str(L), "1" if causal else "0", mode,
+                        str(repeats)], capture_output=True, text=True, check=False)
+  if out.returncode != 0:
+    return dict(impl="torch sdpa (cpu)", time=None, mem=None, error=out.stderr[-300:])
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  return dict(impl="torch sdpa (cpu)", time=r["time"], mem=r["mem"])
+
+
+def _fmt_t(t):
+  return "-" if t is None else f"{t * 1e3:9.1f}"
+
+
+def _fmt_m(m):
+  return "-" if m is None else f"{m / 2**20:9.1f}"
+
+
+def _ratio(a, b):
+  return "-" if (a is None or b is None or b == 0) else f"{a / b:6.2f}x"
+
+
+def main(argv=None) -> list:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+  p.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
+  p.add_argument("--max-run-gb", type=float, default=6.0,
+                 help="do not run a JAX executable needing more than this (memory is still reported)")
+  p.add_argument("--no-torch", action="store_true")
+  a = p.parse_args(argv)
+  impls = _jax_impls()
+  print(f"attention on {jax.devices()[0].platform}: float32, B={B}, heads={N}, head_dim={D}; "
+        f"time = best of {a.repeats}; memory = JAX compiled temp+output bytes / torch peak-RSS growth")
+  rows = []
+  for L in a.lengths:
+    repeats = a.repeats if L <= 4096 else 1
+    for causal in (c == "yes" for c in a.causal):
+      for mode in a.modes:
+        res = [bench_jax(name, impl, L, causal, mode, repeats, a.max_run_gb * 2**30)
+               for name, impl in impls.items()]
+        t = None if a.no_torch else bench_torch(L, causal, mode, repeats)
+        if t is not None:
+          res.append(t)
+        ours = res[0]
+        for r in res:
+          r.update(L=L, causal=causal, mode=mode,
+                   time_ratio=None if r["time"] is None or ours["time"] is None
+                   else r["time"] / ours["time"],
+                   mem_ratio=None if r["mem"] is None or not ours["mem"] else r["mem"] / ours["mem"])
+        rows.extend(res)
+        print(f"\nL={L:5d} causal={'yes' if causal else 'no ':3s} {mode}")
+        print(f"  {'implementation':22s} {'time ms':>9s} {'t/ours':>7s} {'peak MiB':>9s} {'m/ours':>7s}")
+        for r in res:
+          print(f"  {r['impl']:22s} {_fmt_t(r['time'])} {_ratio(r['time'], ours['time']):>7s} "
+                f"{_fmt_m(r['mem'])} {_ratio(r['mem'], ours['mem']):>7s}", flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
