@@ -59,7 +59,6 @@ class TestPallasInterpret(Int4Suite):
     impl = staticmethod(_pallas_dyn)
     weight_only = staticmethod(_pallas_wo)
     supports_odd_channelwise = False
-    grid = GRID[:7]  # the M=128 prefill case is covered by test_prefill_heuristic_config below
 
     def test_prefill_heuristic_config(self):
         from tests.int4.int4_base import make_case
