@@ -2,7 +2,7 @@
 
     python -m benchmarks                   # quick: small sizes, a few minutes on a 2-core CPU
     python -m benchmarks --full            # the full sizes (tens of minutes on a CPU)
-    python -m benchmarks --only int4 --out bench_out
+    python -m benchmarks --only int4 --out /some/dir
 
 Two benchmarks:
 
@@ -69,7 +69,7 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
     # Summary table and plot: every int4 row against dense f32, per (K, N).
     by_shape: dict[tuple[int, int], dict[str, list[tuple[int, float]]]] = {}
     for (k, n, m), r in rows:
-        f32 = r["dense f32 jnp.dot"][0]
+        f32 = next(t for name, (t, _) in r.items() if name.startswith("dense f32"))
         for name, (t, _) in r.items():
             if not name.startswith("dense"):
                 by_shape.setdefault((k, n), {}).setdefault(name, []).append((m, f32 / t))
@@ -215,7 +215,7 @@ BENCHMARKS = {"attention": run_attention, "int4": run_int4}
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="the full sizes (slow on a CPU)")
-    parser.add_argument("--out", default="bench_out", help="directory for the PNG plots (default ./%(default)s)")
+    parser.add_argument("--out", default=os.path.join("out", "benchmarks"), help="directory for the PNG plots (default ./%(default)s)")
     parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
                         help="run only this benchmark (repeatable)")
     args = parser.parse_args(argv)
