@@ -21,6 +21,10 @@ What the anchors lack and this kernel has:
 * Fully masked rows give output 0 and ``lse = -inf`` (``m`` is clamped to 0 when a row has seen only
   ``-inf``, so no ``inf - inf``).
 
+Verification: CI has no GPU. The kernels run in the Pallas interpreter (``interpret=True``) against
+:func:`base.reference`, and are exported for CUDA from CPU with ``jax.export`` (the Triton IR is
+generated and passes the MLIR verifier); Triton's own compilation to PTX happens only on a GPU.
+
 The kernel body also reads additive-bias and boolean-mask tiles; that part is used by
 :mod:`mem_efficient`. This module's :func:`attention` (the ``flash`` backend) refuses bias / mask
 like torch's flash backend does.
