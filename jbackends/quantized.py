@@ -280,7 +280,7 @@ def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, 
       >>> q, s = jb.quantized.quantize_4bit(jnp.eye(64), 64)
       >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, 64, 64, 64)
       >>> y = jb.quantized.dyn_quant_matmul_4bit(jnp.ones((1, 64)), p, 64, 64, 64)
-      >>> float(y[0, 0])
+      >>> round(float(y[0, 0]), 4)  # int8 activations: not exact
       1.0
     """
     _check_sizes(packed, groupsize, in_features, out_features)
