@@ -294,7 +294,7 @@ def load_bias_like(ref, shape4, spec: Spec, q_start, block_q: int, k_start, bloc
 
 
 def logits_mask(spec: Spec, rows, cols, *, q_len=None, kv_len=None, q_seg=None, kv_seg=None,
-                mask_tile=None, force_bounds: bool = False):
+                mask_tile=None, force_bounds: bool = False, key_bounds: bool = True):
   """The "attend" mask of a ``[bq, bk]`` tile (None when nothing masks).
 
   ``rows [bq, 1]`` / ``cols [1, bk]`` are global indices. Keys ``>= S`` are always masked when the
@@ -306,7 +306,8 @@ def logits_mask(spec: Spec, rows, cols, *, q_len=None, kv_len=None, q_seg=None, 
   def _and(a, b):
     return b if a is None else a & b
 
-  m = _and(m, cols < spec.S)
+  if key_bounds:
+    m = _and(m, cols < spec.S)
   if force_bounds:
     m = _and(m, rows < spec.T)
   if mask_tile is not None:
@@ -473,7 +474,9 @@ def _fwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
   if qseg_ref is not None:
     q_seg = load_rows(qseg_ref, 0, block_q, spec.T - q_start, other=-1)[:, None]
 
-  def body(kb, carry):
+  def body(kb, carry, *, interior: bool):
+    # `interior`: a block wholly below the causal diagonal and inside [0, S): no causal / key-bound
+    # mask to build (FlashAttention-2's split of the diagonal blocks from the rest).
     acc, m_prev, l_prev = carry
     k_start = kb * block_k
     cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
@@ -489,10 +492,11 @@ def _fwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
       mask_tile = load_bias_like(mask_ref, spec.mask_shape, spec, q_start, block_q, k_start,
                                  block_k, other=False)
     mask = None
-    if (spec.causal or spec.window is not None or ragged_k or q_len is not None
-        or kv_len is not None or q_seg is not None or mask_tile is not None):
-      mask = logits_mask(spec, rows, cols, q_len=q_len, kv_len=kv_len, q_seg=q_seg,
-                         kv_seg=kv_seg, mask_tile=mask_tile)
+    mspec = dataclasses.replace(spec, causal=False) if interior else spec
+    if (mspec.causal or spec.window is not None or (ragged_k and not interior)
+        or q_len is not None or kv_len is not None or q_seg is not None or mask_tile is not None):
+      mask = logits_mask(mspec, rows, cols, q_len=q_len, kv_len=kv_len, q_seg=q_seg,
+                         kv_seg=kv_seg, mask_tile=mask_tile, key_bounds=not interior)
     s, _ = scores(spec, q, k, rows, cols, bias_tile=bias_tile, mask=mask)
     s = s * _LOG2E
     # Online softmax (FlashAttention-2, section 3.1.1), in base 2. `m_safe` stays finite for rows
@@ -513,7 +517,18 @@ def _fwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
   acc = jnp.zeros((block_q, spec.Hvp), jnp.float32)
   m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
   l_i = jnp.zeros((block_q,), jnp.float32)
-  acc, m_i, l_i = lax.fori_loop(lo, hi, body, (acc, m_i, l_i))
+  carry = (acc, m_i, l_i)
+  if spec.window is None and (spec.causal or ragged_k):
+    # Interior blocks [lo, mid): every key visible to every row of this query block.
+    mid = hi
+    if spec.causal:  # keys < q_start + diag_offset + 1 are visible to the first row already
+      mid = jnp.minimum(mid, jnp.maximum(q_start + spec.diag_offset + 1, 0) // block_k)
+    if ragged_k:
+      mid = jnp.minimum(mid, spec.S // block_k)
+    mid = jnp.clip(mid, lo, hi)
+    carry = lax.fori_loop(lo, mid, functools.partial(body, interior=True), carry)
+    lo = mid
+  acc, m_i, l_i = lax.fori_loop(lo, hi, functools.partial(body, interior=False), carry)
 
   empty = l_i == 0.0
   l_safe = jnp.where(empty, 1.0, l_i)
