@@ -190,6 +190,28 @@ void TailScalar(const int32_t* dots, int64_t nb, int64_t per_group,
   }
 }
 
+// TailScalar for a single row whose block sums are contiguous (dots[j]).
+float TailOne(const int32_t* dots, int64_t nb, int64_t per_group,
+              bool channelwise, const float* s, float recip, const float* bias) {
+  float acc;
+  if (channelwise) {
+    int32_t iacc = 0;
+    for (int64_t j = 0; j < nb; ++j) iacc += dots[j];
+    acc = static_cast<float>(iacc) * s[0];
+  } else {
+    acc = 0.0f;
+    for (int64_t g = 0; g < nb / per_group; ++g) {
+      int32_t iacc = 0;
+      for (int64_t j = 0; j < per_group; ++j) iacc += dots[g * per_group + j];
+      acc += static_cast<float>(iacc) * s[g];
+    }
+  }
+  acc = acc * recip;
+  if (bias) acc += *bias;
+  acc = std::max(acc, -FLT_MAX);
+  return std::min(acc, FLT_MAX);
+}
+
 #if JB_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline __m512i
 DotVnni(__m512i acc, __m512i u, __m512i a) {
@@ -244,11 +266,12 @@ ReduceBlocks(__m512i a, __m512i b, __m512i c, __m512i d) {
       const __mmask16 qm = nq_left >= 16                                       \
                                ? static_cast<__mmask16>(0xFFFF)                \
                                : static_cast<__mmask16>((1u << nq_left) - 1);  \
+      /* sum of u per block: lo + hi <= 30 still fits a byte */             \
       const __m512i su = ReduceBlocks(                                         \
-          DOT(DOT(zero, lo[0], ones8), hi[0], ones8),                          \
-          DOT(DOT(zero, lo[1], ones8), hi[1], ones8),                          \
-          DOT(DOT(zero, lo[2], ones8), hi[2], ones8),                          \
-          DOT(DOT(zero, lo[3], ones8), hi[3], ones8));                         \
+          DOT(zero, _mm512_add_epi8(lo[0], hi[0]), ones8),                     \
+          DOT(zero, _mm512_add_epi8(lo[1], hi[1]), ones8),                     \
+          DOT(zero, _mm512_add_epi8(lo[2], hi[2]), ones8),                     \
+          DOT(zero, _mm512_add_epi8(lo[3], hi[3]), ones8));                    \
       const int64_t j0 = c / 16;                                               \
       for (int m = 0; m < nm; ++m) {                                           \
         const QRow* r = rows[m];                                               \
@@ -266,7 +289,10 @@ ReduceBlocks(__m512i a, __m512i b, __m512i c, __m512i d) {
         const __m512i bs = _mm512_maskz_loadu_epi32(qm, r->block_sum.data() + j0); \
         v = _mm512_sub_epi32(v, _mm512_slli_epi32(bs, 3));                     \
         v = _mm512_add_epi32(v, _mm512_slli_epi32(zp, 8));                     \
-        _mm512_mask_i32scatter_epi32(dots + j0 * kRowBlock + m, qm, stride, v, 4); \
+        if (nm == 1) /* one row: block sums contiguous (see TailOne) */        \
+          _mm512_mask_storeu_epi32(dots + j0, qm, v);                          \
+        else                                                                   \
+          _mm512_mask_i32scatter_epi32(dots + j0 * kRowBlock + m, qm, stride, v, 4); \
       }                                                                        \
     }                                                                          \
   }
@@ -376,8 +402,14 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
         rp[i] = i < nm ? &rows[m0 + i] : nullptr;
         recip[i] = i < nm ? rows[m0 + i].recip : 0.f;
       }
+      const bool one = nm == 1 && block_dots != &BlockDotsScalar;
       for (int64_t n = n0; n < n1; ++n) {
         block_dots(w + n * (K / 2), rp, nm, K, dots.data());
+        if (one) {
+          out[m0 * N + n] = TailOne(dots.data(), nb, per_group, channelwise, scales + n * G,
+                                    recip[0], bias ? bias + n : nullptr);
+          continue;
+        }
         tail(dots.data(), nb, per_group, channelwise, scales + n * G, recip,
              bias ? bias + n : nullptr, nm, res);
         for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] = res[i];
