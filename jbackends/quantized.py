@@ -33,6 +33,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import sys as _sys
 from typing import Any
 
@@ -307,7 +308,9 @@ def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
     """Weight-only int4 matmul (W4A16 / W4A32): ``x @ dequantize(w).T + bias``.
 
     No activation quantization: more accurate than `dyn_quant_matmul_4bit`.
-    Float32 accumulation everywhere.
+    Float32 accumulation everywhere. Differentiable in ``x`` and in the
+    packed scales and bias (the backward pass is XLA on the dequantized
+    weight), e.g. for LoRA-style training on a frozen int4 base.
 
     Args:
       x: ``[..., in_features]`` float32, bfloat16 or float16.
@@ -344,9 +347,39 @@ def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
         return _base.weight_only_matmul(a, p)
 
     if impl is not None:
-        return run(impl, x, packed)
-    choose = lambda engine, platform: _choose_wo(engine, platform, packed, x)
-    return _lowering_branches("int4_matmul", x, packed, choose, run)
+        fwd = lambda a, p: run(impl, a, p)
+    else:
+        choose = lambda engine, platform: _choose_wo(engine, platform, packed, x)
+        fwd = lambda a, p: _lowering_branches("int4_matmul", a, p, choose, run)
+    return _weight_only_vjp(fwd, x, packed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _weight_only_vjp(fwd, x, packed):
+    return fwd(x, packed)
+
+
+def _weight_only_fwd(fwd, x, packed):
+    return fwd(x, packed), (x, packed)
+
+
+def _weight_only_bwd(fwd, res, g):
+    """Exact gradients of ``x @ (q * s).T + b`` for x, scales and bias (XLA)."""
+    x, p = res
+    gf = g.astype(jnp.float32).reshape(-1, p.out_features)
+    xf = x.astype(jnp.float32).reshape(-1, p.in_features)
+    hi = jax.lax.Precision.HIGHEST
+    w = _base.dequantize(p.weight, p.scales, p.groupsize)
+    dx = jnp.dot(gf, w, precision=hi).reshape(x.shape).astype(x.dtype)
+    q = _base.unpack_nibbles(p.weight).astype(jnp.float32)
+    gw = jnp.dot(gf.T, xf, precision=hi) * q  # d/d(scale * q) times q
+    ds = gw.reshape(p.out_features, p.num_groups, p.groupsize).sum(-1)
+    db = None if p.bias is None else gf.sum(0)
+    dw = np.zeros(p.weight.shape, jax.dtypes.float0)
+    return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
+
+
+_weight_only_vjp.defvjp(_weight_only_fwd, _weight_only_bwd)
 
 
 _mirror.install(_sys.modules[__name__])

@@ -140,3 +140,17 @@ def test_quantize_model_groupsize_rules():
     state = nnx.state(lin)
     leaves = jax.tree.leaves(state)
     assert sum(l.nbytes for l in leaves) == 8 * 32 + 8 * 2 * 4 + 8 * 4
+
+
+def test_int4_matmul_gradients():
+    x, p = make_case(3, 64, 16, 32, True, lead=(2,))
+    from pallas_kernels.int4_matmul import base
+
+    def loss(f, x, s, b):
+        pp = Q.PackedInt4Weight(p.weight, s, b, 32, 64, 16)
+        return jnp.sum(jnp.sin(f(x, pp)))
+
+    got = jax.jit(jax.grad(lambda *a: loss(Q.int4_matmul, *a), argnums=(0, 1, 2)))(x, p.scales, p.bias)
+    want = jax.grad(lambda *a: loss(base.weight_only_matmul, *a), argnums=(0, 1, 2))(x, p.scales, p.bias)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
