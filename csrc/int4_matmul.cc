@@ -423,43 +423,68 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
 constexpr int kWoRowBlock = 8;  // rows sharing one unpacked weight row (L1)
 
 #if JB_X86
-__attribute__((target("avx512f,avx512bw"))) void UnpackRowAvx512(
-    const uint8_t* w, int64_t K, float* ue, float* uo) {
+// One weight row -> the dequantized (q * scale) float32 even-k and odd-k
+// planes, in L1. 16 bytes are 32 consecutive k of a single group.
+__attribute__((target("avx512f,avx512bw"))) void UnpackScaledRowAvx512(
+    const uint8_t* w, int64_t K, int64_t groupsize, const float* s, float* ue,
+    float* uo) {
   const int64_t bytes = K / 2;
+  const __m512i eight = _mm512_set1_epi32(8);
+  const __m512i fifteen = _mm512_set1_epi32(15);
   for (int64_t c = 0; c < bytes; c += 16) {
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c));
-    __m512i v = _mm512_cvtepu8_epi32(b);
-    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
-    __m512i hi = _mm512_srli_epi32(v, 4);
-    const __m512i eight = _mm512_set1_epi32(8);
-    _mm512_storeu_ps(ue + c, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
-    _mm512_storeu_ps(uo + c, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+    const __m512 sv = _mm512_set1_ps(s[(2 * c) / groupsize]);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
+    const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, fifteen), eight);
+    const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
+    _mm512_storeu_ps(ue + c, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sv));
+    _mm512_storeu_ps(uo + c, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sv));
   }
 }
 
-// For each of nm rows m: out[m] = sum_g s[g] * sum_{k in g} x[m, k] q[k].
-// The row is unpacked once into L1 and shared by the rows; fp32 FMAs with one
-// horizontal sum per (n, m).
+// out[r] = <x_r, w> for MB rows sharing each weight load; 4 FMA chains per row.
+template <int MB>
+__attribute__((target("avx512f,avx512bw"))) inline void DotRowsAvx512(
+    const float* ue, const float* uo, const float* xe, const float* xo,
+    int64_t half, float* out) {
+  __m512 acc[MB][4];
+  for (int r = 0; r < MB; ++r)
+    for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= half; i += 32) {
+    const __m512 e0 = _mm512_loadu_ps(ue + i), o0 = _mm512_loadu_ps(uo + i);
+    const __m512 e1 = _mm512_loadu_ps(ue + i + 16), o1 = _mm512_loadu_ps(uo + i + 16);
+    for (int r = 0; r < MB; ++r) {
+      const float* xer = xe + r * half;
+      const float* xor_ = xo + r * half;
+      acc[r][0] = _mm512_fmadd_ps(e0, _mm512_loadu_ps(xer + i), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(o0, _mm512_loadu_ps(xor_ + i), acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(e1, _mm512_loadu_ps(xer + i + 16), acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(o1, _mm512_loadu_ps(xor_ + i + 16), acc[r][3]);
+    }
+  }
+  for (; i < half; i += 16) {  // half is a multiple of 16
+    const __m512 e0 = _mm512_loadu_ps(ue + i), o0 = _mm512_loadu_ps(uo + i);
+    for (int r = 0; r < MB; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(e0, _mm512_loadu_ps(xe + r * half + i), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(o0, _mm512_loadu_ps(xo + r * half + i), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MB; ++r)
+    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                                _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+// For each of nm rows m: out[m] = sum_k x[m, k] * q[k] * s[group(k)]. The row
+// is dequantized once into L1 and shared by the nm rows (blocks of 4).
 __attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
     const uint8_t* w, const float* xe, const float* xo, int nm, int64_t K,
     int64_t groupsize, const float* s, float* ue, float* uo, float* out) {
-  UnpackRowAvx512(w, K, ue, uo);
-  const int64_t half = groupsize / 2;  // a multiple of 16
-  const int64_t G = K / groupsize;
-  for (int m = 0; m < nm; ++m) {
-    const float* e = xe + m * (K / 2);
-    const float* o = xo + m * (K / 2);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
-      for (int64_t i = g * half; i < (g + 1) * half; i += 16) {
-        v0 = _mm512_fmadd_ps(_mm512_loadu_ps(ue + i), _mm512_loadu_ps(e + i), v0);
-        v1 = _mm512_fmadd_ps(_mm512_loadu_ps(uo + i), _mm512_loadu_ps(o + i), v1);
-      }
-      acc = _mm512_fmadd_ps(_mm512_add_ps(v0, v1), _mm512_set1_ps(s[g]), acc);
-    }
-    out[m] = _mm512_reduce_add_ps(acc);
-  }
+  UnpackScaledRowAvx512(w, K, groupsize, s, ue, uo);
+  const int64_t half = K / 2;
+  int m = 0;
+  for (; m + 4 <= nm; m += 4) DotRowsAvx512<4>(ue, uo, xe + m * half, xo + m * half, half, out + m);
+  for (; m + 2 <= nm; m += 2) DotRowsAvx512<2>(ue, uo, xe + m * half, xo + m * half, half, out + m);
+  for (; m < nm; ++m) DotRowsAvx512<1>(ue, uo, xe + m * half, xo + m * half, half, out + m);
 }
 #endif
 
