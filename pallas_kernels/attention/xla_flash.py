@@ -82,18 +82,24 @@ class Config:
 
   @classmethod
   def heuristics(cls, args: base.AttentionArgs, platform: str = "cpu") -> "Config":
-    """Block sizes for ``args``: 512 x 512 tiles (measured best on CPU for head dim 64-128),
-    shrunk to the (8-rounded) sequence lengths for short sequences; smaller key blocks for large
-    head dims / GQA groups so one ``[G * block_q, block_k]`` score tile stays a few MiB."""
+    """Tiles measured best on a 2-core x86 CPU (f32, head dim 64, L = 4k):
+
+    * forward: 1024 x 1024 without structure (fewest loop steps, GEMMs still cache friendly);
+      512 x 512 under causal / window masks (finer block skipping wins);
+    * backward: 256 query rows x 1024 keys (the five GEMMs per step stay in cache);
+    * the ``G`` heads of a GQA group share one tile, so ``block_q`` is divided by ``G``;
+    * every tile shrinks to the (8-rounded) sequence length for short sequences.
+    """
     del platform
 
     def fit(n, b):
       return max(1, min(b, -(-n // 8) * 8))
 
-    bq, bk = 512, 512
-    if args.groups * args.num_kv_heads * args.head_dim >= 2048:
-      bq = 256
-    return cls(block_q=fit(args.q_len, bq), block_k=fit(args.kv_len, bk))
+    structural = args.causal or args.window is not None
+    bq, bk = (512, 512) if structural else (1024, 1024)
+    g = args.groups
+    return cls(block_q=fit(args.q_len, max(64, bq // g)), block_k=fit(args.kv_len, bk),
+               block_q_bwd=fit(args.q_len, max(32, 256 // g)), block_k_bwd=fit(args.kv_len, 1024))
 
 
 def unsupported(args: base.AttentionArgs, platform: str) -> list:
@@ -198,46 +204,46 @@ def _pad_axis(x, axis, size, value=0):
 
 
 def _q_blocks(x, st, bq):
-  """[B, T, N, D] -> [nq, B, K, G * bq, D] (the G heads of a group stacked on the rows)."""
+  """[B, T, N, D] -> [B, K, nq, G * bq, D] (the G heads of a group stacked on the rows)."""
   B, T, N, D = x.shape
   nq = _cdiv(T, bq)
   x = _pad_axis(x, 1, nq * bq)
-  x = x.reshape(B, nq, bq, st.K, st.G, D).transpose(1, 0, 3, 4, 2, 5)
-  return x.reshape(nq, B, st.K, st.G * bq, D)
+  x = x.reshape(B, nq, bq, st.K, st.G, D).transpose(0, 3, 1, 4, 2, 5)
+  return x.reshape(B, st.K, nq, st.G * bq, D)
 
 
 def _q_unblock(xb, st, bq):
-  nq, B, K, _, D = xb.shape
-  x = xb.reshape(nq, B, K, st.G, bq, D).transpose(1, 0, 4, 2, 3, 5)
+  B, K, nq, _, D = xb.shape
+  x = xb.reshape(B, K, nq, st.G, bq, D).transpose(0, 2, 4, 1, 3, 5)
   return x.reshape(B, nq * bq, st.N, D)[:, :st.T]
 
 
 def _row_blocks(x, st, bq, value):
-  """[B, N, T] -> [nq, B, K, G * bq]."""
+  """[B, N, T] -> [B, K, nq, G * bq]."""
   B, N, T = x.shape
   nq = _cdiv(T, bq)
   x = _pad_axis(x, 2, nq * bq, value)
-  x = x.reshape(B, st.K, st.G, nq, bq).transpose(3, 0, 1, 2, 4)
-  return x.reshape(nq, B, st.K, st.G * bq)
+  x = x.reshape(B, st.K, st.G, nq, bq).transpose(0, 1, 3, 2, 4)
+  return x.reshape(B, st.K, nq, st.G * bq)
 
 
 def _row_unblock(xb, st, bq):
-  nq, B, K, _ = xb.shape
-  x = xb.reshape(nq, B, K, st.G, bq).transpose(1, 2, 3, 0, 4)
+  B, K, nq, _ = xb.shape
+  x = xb.reshape(B, K, nq, st.G, bq).transpose(0, 1, 3, 2, 4)
   return x.reshape(B, st.N, nq * bq)[:, :, :st.T]
 
 
 def _kv_blocks(x, bk):
-  """[B, S, K, D] -> [nk, B, K, bk, D]."""
+  """[B, S, K, D] -> [B, K, nk, bk, D]."""
   B, S, K, D = x.shape
   nk = _cdiv(S, bk)
   x = _pad_axis(x, 1, nk * bk)
-  return x.reshape(B, nk, bk, K, D).transpose(1, 0, 3, 2, 4)
+  return x.reshape(B, nk, bk, K, D).transpose(0, 3, 1, 2, 4)
 
 
 def _kv_unblock(xb, S):
-  nk, B, K, bk, D = xb.shape
-  return xb.transpose(1, 0, 3, 2, 4).reshape(B, nk * bk, K, D)[:, :S]
+  B, K, nk, bk, D = xb.shape
+  return xb.transpose(0, 2, 3, 1, 4).reshape(B, nk * bk, K, D)[:, :S]
 
 
 def _dense_prep(x, st, Tp, Sp, value):
@@ -251,22 +257,28 @@ def _dense_prep(x, st, Tp, Sp, value):
   return x
 
 
-def _dense_tile(xp, i, j, bq, bk):
+def _tile_starts(shape, b, kh, i, j, bq, bk):
   starts = [0, 0, 0, 0, 0]
-  sizes = list(xp.shape)
-  if xp.shape[3] > 1:
+  sizes = [1, 1, shape[2], 1, 1]
+  if shape[0] > 1:
+    starts[0] = b
+  if shape[1] > 1:
+    starts[1] = kh
+  if shape[3] > 1:
     starts[3], sizes[3] = i * bq, bq
-  if xp.shape[4] > 1:
+  if shape[4] > 1:
     starts[4], sizes[4] = j * bk, bk
+  return starts, sizes
+
+
+def _dense_tile(xp, b, kh, i, j, bq, bk):
+  """The [1, 1, Gb, bq|1, bk|1] tile of a prepared bias / mask for head (b, kh), block (i, j)."""
+  starts, sizes = _tile_starts(xp.shape, b, kh, i, j, bq, bk)
   return lax.dynamic_slice(xp, starts, sizes)
 
 
-def _dense_untile_add(acc, tile, i, j, bq, bk):
-  starts = [0, 0, 0, 0, 0]
-  if acc.shape[3] > 1:
-    starts[3] = i * bq
-  if acc.shape[4] > 1:
-    starts[4] = j * bk
+def _dense_untile_add(acc, tile, b, kh, i, j, bq, bk):
+  starts, _ = _tile_starts(acc.shape, b, kh, i, j, bq, bk)
   cur = lax.dynamic_slice(acc, starts, tile.shape)
   return lax.dynamic_update_slice(acc, cur + tile, starts)
 
@@ -346,8 +358,8 @@ def _banded_loop(lo, ulo, uhi, hi, step, carry, masked_edges: bool):
 
 # ---- per-block logits ------------------------------------------------------------------------
 
-def _block_logits(st, qb, kb, i, j, bq, bk, structural, data):
-  """Scores of one tile in base-2 units (``log2(e) * logits``), [B, K, G*bq, bk] f32.
+def _block_logits(st, qb, kb, b, kh, i, j, bq, bk, structural, data):
+  """Scores of one tile of head group (b, kh) in base-2 units (``log2(e) * logits``), [1, 1, G*bq, bk].
 
   Soft cap, bias and masks applied. ``qb`` is pre-scaled by :func:`_q_scale`. Returns ``(s, t)``
   where ``t`` is ``tanh`` of the soft cap (None without one). Base 2 because ``exp2`` is markedly
@@ -363,7 +375,7 @@ def _block_logits(st, qb, kb, i, j, bq, bk, structural, data):
     s = (st.cap * _LOG2E) * t
   s5 = s.reshape(B, K, G, bq, bk)
   if data.get("bias") is not None:
-    s5 = s5 + _dense_tile(data["bias"], i, j, bq, bk).astype(jnp.float32) * _LOG2E
+    s5 = s5 + _dense_tile(data["bias"], b, kh, i, j, bq, bk).astype(jnp.float32) * _LOG2E
   rows = (i * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
   cols = (j * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
   m = None
@@ -381,7 +393,7 @@ def _block_logits(st, qb, kb, i, j, bq, bk, structural, data):
   if extra is not None:
     m = extra if m is None else m & extra
   if data.get("mask") is not None:
-    mt = _dense_tile(data["mask"], i, j, bq, bk)
+    mt = _dense_tile(data["mask"], b, kh, i, j, bq, bk)
     m = mt if m is None else m & mt
   if m is not None:
     s5 = jnp.where(m, s5, -jnp.inf)
@@ -393,16 +405,14 @@ def _q_scale(st):
   return st.scale if st.cap is not None else st.scale * _LOG2E
 
 
-def _keep(st, seed, i, j, bq, bk):
-  B, K, G = st.B, st.K, st.G
-  b = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1, 1)
-  n = (jnp.arange(K, dtype=jnp.int32)[:, None] * G
-       + jnp.arange(G, dtype=jnp.int32)[None, :]).reshape(1, K, G, 1, 1)
+def _keep(st, seed, b, kh, i, j, bq, bk):
+  G = st.G
+  n = (kh * G + jnp.arange(G, dtype=jnp.int32)).reshape(1, 1, G, 1, 1)
   rows = (i * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
   cols = (j * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
-  keep = base.dropout_keep_from_seed(seed[0], seed[1], b, n, rows, cols,
-                                     base.dropout_threshold(st.rate))
-  return keep.reshape(B, K, G * bq, bk)
+  keep = base.dropout_keep_from_seed(seed[0], seed[1], jnp.reshape(b, (1, 1, 1, 1, 1)), n, rows,
+                                     cols, base.dropout_threshold(st.rate))
+  return keep.reshape(1, 1, G * bq, bk)
 
 
 def _data_blocks(st, bias, aux, bq, bk):
@@ -417,11 +427,13 @@ def _data_blocks(st, bias, aux, bq, bk):
   return d
 
 
-def _tile_data(d, i, j):
-  out = dict(bias=d["bias"], mask=d["mask"], q_len=d["q_len"], kv_len=d["kv_len"])
+def _tile_data(d, b, i, j):
+  out = dict(bias=d["bias"], mask=d["mask"],
+             q_len=None if d["q_len"] is None else d["q_len"][b],
+             kv_len=None if d["kv_len"] is None else d["kv_len"][b])
   if "q_seg_all" in d:
-    out["q_seg"] = d["q_seg_all"][i]
-    out["kv_seg"] = d["kv_seg_all"][j]
+    out["q_seg"] = d["q_seg_all"][i, b]
+    out["kv_seg"] = d["kv_seg_all"][j, b]
   return out
 
 
@@ -448,50 +460,55 @@ def _vary(tree, axes):
 # ---- forward -----------------------------------------------------------------------------------
 
 def _forward(st, q, k, v, bias, aux):
+  # One (batch, kv head, query block) per scan step: the matmuls are plain 2-D GEMMs
+  # ([G * bq, H] x [H, bk]), which XLA CPU runs markedly faster than the same work batched.
   cdt = jnp.dtype(st.cdt)
   bq, bk = st.bq, st.bk
   qb_all = _q_blocks((q.astype(cdt) * jnp.asarray(_q_scale(st), cdt)), st, bq)
   kb_all = _kv_blocks(k.astype(cdt), bk)
   vb_all = _kv_blocks(v.astype(cdt), bk)
   d = _data_blocks(st, bias, aux, bq, bk)
-  B, K, R = st.B, st.K, st.G * bq
+  B, K, nq, R = st.B, st.K, qb_all.shape[2], st.G * bq
   axes = _varying_axes(q, k, v, bias, aux)
 
   def q_block(_, xs):
-    i, qb = xs
+    t, qb = xs
+    b, kh, i = t // (K * nq), (t // nq) % K, t % nq
+    qb = qb[None, None]
 
     def step(structural):
       def body(j, carry):
         m_prev, l_prev, acc = carry
-        s, _ = _block_logits(st, qb, kb_all[j], i, j, bq, bk, structural, _tile_data(d, i, j))
+        s, _ = _block_logits(st, qb, kb_all[b, kh, j][None, None], b, kh, i, j, bq, bk,
+                             structural, _tile_data(d, b, i, j))
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp2(s - m_use[..., None])
         alpha = jnp.exp2(m_prev - m_use)
         l_new = alpha * l_prev + jnp.sum(p, axis=-1)
         if st.rate > 0:
-          keep = _keep(st, aux["seed"], i, j, bq, bk)
-          p = jnp.where(keep, p, 0.0)
-        pv = jnp.einsum("bkrc,bkcv->bkrv", p.astype(cdt), vb_all[j], precision=_HIGHEST,
-                        preferred_element_type=jnp.float32)
+          p = jnp.where(_keep(st, aux["seed"], b, kh, i, j, bq, bk), p, 0.0)
+        pv = jnp.einsum("bkrc,bkcv->bkrv", p.astype(cdt), vb_all[b, kh, j][None, None],
+                        precision=_HIGHEST, preferred_element_type=jnp.float32)
         return m_new, l_new, acc * alpha[..., None] + pv
       return body
 
     jlo, ulo, uhi, jhi = _fwd_ranges(st, i, bq, bk)
-    carry = _vary((jnp.full((B, K, R), -jnp.inf, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
-                   jnp.zeros((B, K, R, st.Hv), jnp.float32)), axes)
+    carry = _vary((jnp.full((1, 1, R), -jnp.inf, jnp.float32), jnp.zeros((1, 1, R), jnp.float32),
+                   jnp.zeros((1, 1, R, st.Hv), jnp.float32)), axes)
     carry = _banded_loop(jlo, ulo, uhi, jhi, step, carry, st.structural or st.S % bk > 0)
     m, l, acc = carry
     if st.rate > 0:
       acc = acc * (1.0 / (1.0 - st.rate))
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]
     lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * _LN2)
-    return None, (out, lse)
+    return None, (out[0, 0], lse[0, 0])
 
-  nq = qb_all.shape[0]
-  _, (ob, lseb) = lax.scan(q_block, None, (jnp.arange(nq, dtype=jnp.int32), qb_all))
-  out = _q_unblock(ob, st, bq).astype(st.out_dtype)
-  lse = _row_unblock(lseb, st, bq)
+  n = B * K * nq
+  _, (ob, lseb) = lax.scan(q_block, None, (jnp.arange(n, dtype=jnp.int32),
+                                           qb_all.reshape(n, R, st.H)))
+  out = _q_unblock(ob.reshape(B, K, nq, R, st.Hv), st, bq).astype(st.out_dtype)
+  lse = _row_unblock(lseb.reshape(B, K, nq, R), st, bq)
   return out, lse
 
 
@@ -500,7 +517,7 @@ def _forward(st, q, k, v, bias, aux):
 def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
   cdt = jnp.dtype(st.cdt)
   bq, bk = st.bq_b, st.bk_b
-  B, K, R = st.B, st.K, st.G * bq
+  G, R = st.G, st.G * bq
   qb_all = _q_blocks((q.astype(cdt) * jnp.asarray(_q_scale(st), cdt)), st, bq)
   kb_all = _kv_blocks(k.astype(cdt), bk)
   vb_all = _kv_blocks(v.astype(cdt), bk)
@@ -513,25 +530,27 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
   # Rows with lse = -inf (fully masked) and padded rows get +inf so P = exp(s - lse) = 0.
   lse_all = _row_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E), st, bq, jnp.inf)
   d = _data_blocks(st, bias, aux, bq, bk)
-  nq, nk = qb_all.shape[0], kb_all.shape[0]
+  B, K, nk = st.B, st.K, kb_all.shape[2]
   axes = _varying_axes(q, k, v, bias, aux, out, lse, g_out, g_lse)
   dq0 = _vary(jnp.zeros(qb_all.shape, jnp.float32), axes)
   db0 = None if d["bias"] is None else _vary(jnp.zeros(d["bias"].shape, jnp.float32), axes)
 
   def k_block(carry, xs):
     dq_all, db_all = carry
-    j, kb, vb = xs
+    u, kb, vb = xs
+    b, kh, j = u // (K * nk), (u // nk) % K, u % nk
+    kb, vb = kb[None, None], vb[None, None]
 
     def step(structural):
       def body(i, c):
         dk, dv, dq_all, db_all = c
-        qb, dob = qb_all[i], do_all[i]
-        s, t = _block_logits(st, qb, kb, i, j, bq, bk, structural, _tile_data(d, i, j))
-        p = jnp.exp2(s - lse_all[i][..., None])
+        qb, dob = qb_all[b, kh, i][None, None], do_all[b, kh, i][None, None]
+        s, t = _block_logits(st, qb, kb, b, kh, i, j, bq, bk, structural, _tile_data(d, b, i, j))
+        p = jnp.exp2(s - lse_all[b, kh, i][None, None, :, None])
         dp = jnp.einsum("bkrv,bkcv->bkrc", dob, vb, precision=_HIGHEST,
                         preferred_element_type=jnp.float32)
         if st.rate > 0:
-          keep = _keep(st, aux["seed"], i, j, bq, bk)
+          keep = _keep(st, aux["seed"], b, kh, i, j, bq, bk)
           inv = 1.0 / (1.0 - st.rate)
           pd = jnp.where(keep, p * inv, 0.0)
           dp = jnp.where(keep, dp * inv, 0.0)
@@ -540,11 +559,12 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
         # dV^T and dK^T are accumulated transposed: XLA CPU runs X^T P ~4x faster than P^T X.
         dv = dv + jnp.einsum("bkrv,bkrc->bkvc", dob, pd.astype(cdt), precision=_HIGHEST,
                              preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_all[i][..., None])
+        ds = p * (dp - delta_all[b, kh, i][None, None, :, None])
         if db_all is not None:
-          tile = _reduce_to(ds.reshape(B, K, st.G, bq, bk), d["bias"].shape[:3] + (
-              1 if d["bias"].shape[3] == 1 else bq, 1 if d["bias"].shape[4] == 1 else bk))
-          db_all = _dense_untile_add(db_all, tile, i, j, bq, bk)
+          bs = d["bias"].shape
+          tile = _reduce_to(ds.reshape(1, 1, G, bq, bk), (1, 1, bs[2], 1 if bs[3] == 1 else bq,
+                                                          1 if bs[4] == 1 else bk))
+          db_all = _dense_untile_add(db_all, tile, b, kh, i, j, bq, bk)
         if t is not None:
           ds = ds * (1.0 - t * t)
         ds = ds.astype(cdt)
@@ -552,26 +572,27 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
                              preferred_element_type=jnp.float32)
         dq_i = jnp.einsum("bkrc,bkch->bkrh", ds, kb, precision=_HIGHEST,
                           preferred_element_type=jnp.float32)
-        dq_all = dq_all.at[i].add(dq_i)
+        dq_all = dq_all.at[b, kh, i].add(dq_i[0, 0])
         return dk, dv, dq_all, db_all
       return body
 
     ilo, ulo, uhi, ihi = _bwd_ranges(st, j, bq, bk)
-    c = (*_vary((jnp.zeros((B, K, st.H, bk), jnp.float32),
-                 jnp.zeros((B, K, st.Hv, bk), jnp.float32)), axes), dq_all, db_all)
+    c = (*_vary((jnp.zeros((1, 1, st.H, bk), jnp.float32),
+                 jnp.zeros((1, 1, st.Hv, bk), jnp.float32)), axes), dq_all, db_all)
     c = _banded_loop(ilo, ulo, uhi, ihi, step, c, st.structural or st.S % bk > 0)
     dk, dv, dq_all, db_all = c
-    dk, dv = jnp.swapaxes(dk, -1, -2), jnp.swapaxes(dv, -1, -2)
+    dk, dv = dk[0, 0].T, dv[0, 0].T
     if st.cap is None:  # qb carries a log2(e) factor that the logits gradient must not.
       dk = dk * _LN2
     return (dq_all, db_all), (dk, dv)
 
+  n = B * K * nk
   (dq_all, db_all), (dk_all, dv_all) = lax.scan(
-      k_block, (dq0, db0), (jnp.arange(nk, dtype=jnp.int32), kb_all, vb_all))
-  del nq
+      k_block, (dq0, db0), (jnp.arange(n, dtype=jnp.int32), kb_all.reshape(n, bk, st.H),
+                            vb_all.reshape(n, bk, st.Hv)))
   dq = (_q_unblock(dq_all, st, bq) * st.scale).astype(q.dtype)
-  dk = _kv_unblock(dk_all, st.S).astype(k.dtype)
-  dv = _kv_unblock(dv_all, st.S).astype(v.dtype)
+  dk = _kv_unblock(dk_all.reshape(B, K, nk, bk, st.H), st.S).astype(k.dtype)
+  dv = _kv_unblock(dv_all.reshape(B, K, nk, bk, st.Hv), st.S).astype(v.dtype)
   dbias = None
   if bias is not None:
     Bb, Nb, Tb, Sb = bias.shape

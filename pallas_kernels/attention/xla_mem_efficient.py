@@ -40,12 +40,9 @@ class Config(xla_flash.Config):
 
   @classmethod
   def heuristics(cls, args: base.AttentionArgs, platform: str = "cpu") -> "Config":
-    """The flash tiles; with a dense bias / mask, 256-key tiles keep the extra tile reads small."""
+    """The flash tiles (:meth:`xla_flash.Config.heuristics`)."""
     c = xla_flash.Config.heuristics(args, platform)
-    bk = c.block_k
-    if args.bias is not None or args.mask is not None:
-      bk = min(bk, 256) if args.kv_len > 256 else bk
-    return cls(block_q=c.block_q, block_k=bk)
+    return cls(**dataclasses.asdict(c))
 
 
 def unsupported(args: base.AttentionArgs, platform: str) -> list:

@@ -46,7 +46,8 @@ def test_default_heuristics_and_config_validation():
   cfg = xla_flash.Config.heuristics(args)
   assert cfg.block_q == 40 and cfg.block_k == 40  # shrunk to the 8-rounded length
   long = base.make_args(*(jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32),) * 3)
-  assert xla_flash.Config.heuristics(long) == xla_flash.Config(block_q=512, block_k=512)
+  assert xla_flash.Config.heuristics(long) == xla_flash.Config(1024, 1024, 256, 1024)
+  assert xla_flash.Config.heuristics(long.replace(causal=True)).block_q == 512
   out, _ = xla_flash.attention(args)
   assert_close(out, base.reference(args)[0], 2e-5, "out")
   with pytest.raises(ValueError, match="block_q"):
