@@ -1,6 +1,6 @@
 """Run the jbackends benchmarks, print their ratio tables and write PNG plots.
 
-    python -m benchmarks                   # quick: small sizes, a few minutes on a 2-core CPU
+    python -m benchmarks                   # from the repository root; quick: small sizes, ~1.5 min on 2 cores
     python -m benchmarks --full            # the full sizes (tens of minutes on a CPU)
     python -m benchmarks --only int4 --out /some/dir
 
