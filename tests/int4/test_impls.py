@@ -77,3 +77,15 @@ class TestPallasInterpret(Int4Suite):
         want = base.weight_only_matmul(x, p)
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
+
+
+def test_long_channelwise_rows_exact():
+    """K > 8192 channel-wise: the XLA path splits K into exact float32 blocks, C++ sums in int32."""
+    import numpy as np
+    from tests.int4.int4_base import make_case, reference
+    for M in (2, 12):
+        x, p = make_case(M, 10240, 4, 10240, True)
+        want = np.asarray(reference(x, p))
+        np.testing.assert_array_equal(np.asarray(xla.dyn_quant_matmul(x, p)), want)
+        if cpu.available():
+            np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), want)
