@@ -236,6 +236,35 @@ ReduceBlocks(__m512i a, __m512i b, __m512i c, __m512i d) {
   return _mm512_permutexvar_epi32(idx, r);
 }
 
+// dst + q * kRowBlock <- column q of the 16 x 16 int32 matrix src (row m =
+// src + 16 m), for q < nq: the rows-major block sums of 16 input rows become
+// the block-major layout of the tail. The standard unpack / shuffle network.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void
+StoreTransposed16(const int32_t* src, int32_t* dst, int nq) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+  for (int q = 0; q < nq; ++q) _mm512_storeu_si512(dst + q * kRowBlock, r[q]);
+}
+
 // The same body compiled twice: with and without AVX512-VNNI. 256 weight
 // bytes (512 k, 16 blocks) per step; the tail is masked.
 #define JB_DEFINE_BLOCK_DOTS(NAME, TARGET, DOT)                                 \
@@ -246,10 +275,7 @@ ReduceBlocks(__m512i a, __m512i b, __m512i c, __m512i d) {
     const __m512i mask4 = _mm512_set1_epi8(0x0F);                              \
     const __m512i ones8 = _mm512_set1_epi8(1);                                 \
     const __m512i zero = _mm512_setzero_si512();                               \
-    const __m512i stride = _mm512_mullo_epi32(                                 \
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,    \
-                          15),                                                 \
-        _mm512_set1_epi32(kRowBlock));                                         \
+    alignas(64) int32_t tmp[16 * 16] = {0}; /* rows m >= nm stay 0 */       \
     for (int64_t c = 0; c < bytes; c += 256) {                                 \
       __mmask64 lm[4];                                                         \
       __m512i lo[4], hi[4];                                                    \
@@ -292,8 +318,11 @@ ReduceBlocks(__m512i a, __m512i b, __m512i c, __m512i d) {
         if (nm == 1) /* one row: block sums contiguous (see TailOne) */        \
           _mm512_mask_storeu_epi32(dots + j0, qm, v);                          \
         else                                                                   \
-          _mm512_mask_i32scatter_epi32(dots + j0 * kRowBlock + m, qm, stride, v, 4); \
+          _mm512_storeu_si512(tmp + 16 * m, v);                                \
       }                                                                        \
+      if (nm > 1)                                                              \
+        StoreTransposed16(tmp, dots + j0 * kRowBlock,                          \
+                          static_cast<int>(std::min<int64_t>(16, nq_left)));   \
     }                                                                          \
   }
 
