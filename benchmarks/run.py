@@ -6,10 +6,10 @@
 
 Two benchmarks:
 
-* attention (here; on a GPU also `benchmarks/attention_gpu.py`): every jbackends SDPA backend against
-  `jax.nn.dot_product_attention`, causal, forward + backward, by sequence length. Plot `attention.png`:
-  time and memory (the temporary buffers of the compiled executable, `memory_analysis()`) against the
-  sequence length.
+* attention (`benchmarks/attention.py`'s table; on a GPU also `benchmarks/attention_gpu.py`): jbackends'
+  flash backend against `jax.nn.dot_product_attention`, torch's CPU SDPA and tokamax, by sequence
+  length. Plot `attention.png`: time and peak memory (JAX: the compiled executable's
+  `memory_analysis()`; torch: resident-set growth) against the sequence length.
 * int4 (`benchmarks/int4.py`'s table): `jb.quantized` int4 matmuls against dense float32 / bfloat16
   matmuls and torch's int4 ops, by rows M. Plot
   `int4_speedup.png`: dense float32 time / int4 time against M (>1: int4 is faster).
@@ -106,93 +106,52 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-ATTN_QUICK = dict(seq_lens=[256, 512, 1024, 2048], batch=1, heads=4, head_dim=64, reps=3)
-ATTN_FULL = dict(seq_lens=[512, 1024, 2048, 4096, 8192], batch=1, heads=8, head_dim=64, reps=10)
-
-
-def _attention_impls(platform: str) -> dict[str, Any]:
-    """name -> fn(q, k, v): jax.nn's paths and each jbackends backend (pinned with `implementation=`)."""
-    import jbackends as jb
-
-    impls = {"jax.nn (xla)": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                           implementation="xla")}
-    if platform == "gpu":
-        impls["jax.nn (cudnn)"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                               implementation="cudnn")
-    for backend in ("flash", "mem_efficient", "math") + (("cudnn",) if platform == "gpu" else ()):
-        impls[f"jb {backend}"] = (lambda q, k, v, b=backend:
-                                  jb.dot_product_attention(q, k, v, is_causal=True, implementation=b))
-    return impls
-
-
-def _median_s(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile, warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+ATTN_QUICK = ["--lengths", "256", "512", "1024", "2048", "--modes", "fwd+bwd", "--causal", "yes", "--repeats", "3"]
+ATTN_FULL: list[str] = []  # benchmarks/attention.py's defaults: L in {1k, 4k, 16k}, causal and not, fwd and fwd+bwd
 
 
 def run_attention(full: bool, out: str) -> dict[str, Any]:
-    """Causal self-attention, forward + backward, by sequence length: time and compiled temp memory.
+    """Runs `benchmarks/attention.py`'s table, then plots its time and memory against the length.
 
-    Every jbackends backend (pinned with `implementation=`) against `jax.nn.dot_product_attention`.
-    Memory is the temporary-buffer size XLA reports for the compiled gradient (`memory_analysis()`).
-    On a GPU, `benchmarks/attention_gpu.py` (TFLOP/s of the Pallas kernels against cuDNN, XLA and
-    tokamax) runs after it.
+    jbackends' flash backend against `jax.nn.dot_product_attention` (xla), torch's CPU SDPA and tokamax
+    when installed (float32, B=1, 8 heads, head dim 64). On a GPU, torch's CPU rows are left out and
+    `benchmarks/attention_gpu.py` (TFLOP/s of the Pallas kernels against cuDNN, XLA, tokamax) follows.
     """
-    import jax.numpy as jnp
+    from benchmarks import attention
 
-    cfg = ATTN_FULL if full else ATTN_QUICK
     platform = jax.default_backend()
-    dtype = jnp.bfloat16 if platform == "gpu" else jnp.float32
-    b, n, h = cfg["batch"], cfg["heads"], cfg["head_dim"]
-    _header(f"attention, causal, forward + backward, B={b} N={n} H={h} {jnp.dtype(dtype).name} on {platform} "
-            f"({'full' if full else 'quick'}): ms and MiB, and the ratio to jax.nn (xla)")
-    impls = _attention_impls(platform)
-    ms: dict[str, list[float]] = {name: [] for name in impls}
-    mib: dict[str, list[float]] = {name: [] for name in impls}
-    base = "jax.nn (xla)"
-    print(f"{'T':>6} " + " ".join(f"{name:>24}" for name in impls))
-    for t in cfg["seq_lens"]:
-        q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, h), dtype) for i in range(3))
-        for name, fn in impls.items():
-            grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-            try:
-                analysis = grad.lower(q, k, v).compile().memory_analysis()
-                mib[name].append(analysis.temp_size_in_bytes / 2**20 if analysis is not None else float("nan"))
-                ms[name].append(1e3 * _median_s(grad, (q, k, v), cfg["reps"]))
-            except Exception as e:  # noqa: BLE001 - out of memory / unsupported here: report, go on
-                print(f"  {name} T={t}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
-                mib[name].append(float("nan"))
-                ms[name].append(float("nan"))
-        cells = []
-        for name in impls:
-            cells.append(f"{ms[name][-1]:7.1f}ms {ms[base][-1] / ms[name][-1]:4.1f}x {mib[name][-1]:6.1f}M")
-        print(f"{t:>6} " + " ".join(f"{c:>24}" for c in cells), flush=True)
-    print("(each cell: fwd+bwd time, speed-up over jax.nn (xla) (>1x: faster), temporary memory)")
+    args = list(ATTN_FULL if full else ATTN_QUICK) + (["--no-torch"] if platform != "cpu" else [])
+    _header(f"attention ({'full' if full else 'quick'}; `python benchmarks/attention.py {' '.join(args)}`): "
+            "ratios are other / jbackends (>1x: jbackends is faster / smaller)")
+    rows = attention.main(args)
 
+    panels = sorted({(r["mode"], r["causal"]) for r in rows}, key=lambda mc: (mc[0] != "fwd", mc[1]))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
     plt = _plt()
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in impls:
-        ax_t.plot(cfg["seq_lens"], ms[name], "o-", label=name)
-        ax_m.plot(cfg["seq_lens"], mib[name], "o-", label=name)
-    ax_t.set(ylabel="ms (forward + backward)", title=f"causal attention time ({platform})")
-    ax_m.set(ylabel="MiB (temporary buffers)", title="memory of the compiled forward + backward")
-    for ax in (ax_t, ax_m):
-        ax.set(xscale="log", yscale="log", xlabel="sequence length")
-        ax.set_xticks(cfg["seq_lens"], [str(x) for x in cfg["seq_lens"]])
-        ax.xaxis.set_minor_locator(plt.NullLocator())
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    fig, axes = plt.subplots(2, len(panels), figsize=(max(6.0, 4.6 * len(panels)), 7), squeeze=False)
+    for col, (mode, causal) in enumerate(panels):
+        ax_t, ax_m = axes[0][col], axes[1][col]
+        for name in impls:
+            pts = sorted((r["L"], r["time"], r["mem"]) for r in rows
+                         if r["impl"] == name and r["mode"] == mode and r["causal"] == causal)
+            lengths = [p[0] for p in pts]
+            ax_t.plot(lengths, [np.nan if p[1] is None else 1e3 * p[1] for p in pts], "o-", label=name)
+            ax_m.plot(lengths, [np.nan if p[2] is None else p[2] / 2**20 for p in pts], "o-", label=name)
+        ax_t.set(ylabel="ms", title=f"{mode}, {'causal' if causal else 'full'}: time ({platform})")
+        ax_m.set(ylabel="MiB", title=f"{mode}, {'causal' if causal else 'full'}: peak memory")
+        lengths = sorted({r["L"] for r in rows})
+        for ax in (ax_t, ax_m):
+            ax.set(xscale="log", yscale="log", xlabel="sequence length")
+            ax.set_xticks(lengths, [str(x) for x in lengths])
+            ax.xaxis.set_minor_locator(plt.NullLocator())
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out, "attention.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"\nplot: {path}")
-    result = {"seq_lens": cfg["seq_lens"], "ms": ms, "mib": mib, "png": path}
+    result = {"rows": rows, "png": path}
 
     if platform == "gpu":
         from benchmarks import attention_gpu
