@@ -331,7 +331,7 @@ def _jaxnn_to_args(query, key, value, bias=None, mask=None, *, scale=None, is_ca
       raise ValueError(f"query is rank 3 [T, N, H]; key and value must be too: {key.shape=}, "
                        f"{value.shape=}")
     query, key, value = query[None], key[None], value[None]
-  B, T, N = query.shape[0], query.shape[1], query.shape[2] if query.ndim == 4 else None
+  T = query.shape[1] if query.ndim == 4 else None
   S = key.shape[1] if key.ndim == 4 else None
 
   def four(name, x):
@@ -377,7 +377,6 @@ def _jaxnn_to_args(query, key, value, bias=None, mask=None, *, scale=None, is_ca
       query_seq_lengths = jnp.reshape(jnp.asarray(query_seq_lengths), (1,))
     if key_value_seq_lengths is not None:
       key_value_seq_lengths = jnp.reshape(jnp.asarray(key_value_seq_lengths), (1,))
-  del B, N
   args = _base.make_args(
       query, key, value, bias=bias, mask=mask, scale=scale, is_causal=bool(is_causal),
       diag_offset=diag_offset, window=window, q_seq_lengths=query_seq_lengths,
