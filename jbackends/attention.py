@@ -409,11 +409,20 @@ def _implementation(implementation) -> Optional[int]:
                    f"{sorted(_IMPLEMENTATION_NAMES)}; got {implementation!r}")
 
 
-def _platforms(platforms, arrays) -> tuple:
+def _platforms(platforms, arrays) -> Tuple[tuple, tuple]:
+  """``(required, optional)`` lowering platforms to choose for.
+
+  Explicit ``platforms`` are all required. Otherwise the platform of the inputs (or the default
+  backend) is required, and the other of cpu/cuda is chosen for too when it can be, so a function
+  traced here and exported for the other platform (``jax.export(..., platforms=["cuda"])``) carries
+  that platform's kernel. A lowering for one platform drops the other branch, so this costs only
+  tracing time.
+  """
   if platforms is not None:
     if isinstance(platforms, str):
       platforms = (platforms,)
-    return tuple(_dispatch.canonical_platform(p) for p in platforms)
+    return tuple(_dispatch.canonical_platform(p) for p in platforms), ()
+  primary = None
   for x in arrays:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       try:
@@ -421,8 +430,10 @@ def _platforms(platforms, arrays) -> tuple:
       except Exception:  # noqa: BLE001
         continue
       if devs:
-        return (_dispatch.canonical_platform(next(iter(devs)).platform),)
-  return (_dispatch.default_platform(),)
+        primary = _dispatch.canonical_platform(next(iter(devs)).platform)
+        break
+  primary = primary or _dispatch.default_platform()
+  return (primary,), tuple(p for p in ("cpu", "cuda") if p != primary)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,7 +476,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
   flags = trace_flags()
   args, batch_shape = _torch_to_args(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                      enable_gqa, dropout_rng)
-  out, _, _ = _dispatch.run(args, flags, _platforms(platforms, (query,)))
+  out, _, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)))
   out = jnp.swapaxes(out, 1, 2)
   return out.reshape(batch_shape + tuple(out.shape[1:]))
 
@@ -519,7 +530,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, segment_ids=segment_ids)
-  out, lse, _ = _dispatch.run(args, flags, _platforms(platforms, (query,)), only=only)
+  out, lse, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)), only=only)
   if unbatched:
     out, lse = out[0], lse[0]
   if return_residual:

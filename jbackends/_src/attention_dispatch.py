@@ -136,6 +136,9 @@ def decide(args: base.AttentionArgs, flags: Any, platform: str, *,
     if only is None and not getattr(flags, FLAG_OF[b]):
       reasons[b] = f"disabled by the flags ({FLAG_OF[b]}=False)"
       continue
+    if b == CUDNN and not flags.cudnn_enabled:
+      reasons[b] = "disabled by the flags (cudnn_enabled=False, torch.backends.cudnn.enabled)"
+      continue
     why = backend_reasons(args, b, platform, device_info)
     if chosen is not None:
       reasons[b] = (f"lower priority than {NAMES[chosen]}" if not why
@@ -156,17 +159,26 @@ def _options(backend: int, flags: Any, platform: str) -> dict:
   return {}
 
 
-def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str], *,
-        only: Optional[int] = None, op: str = "sdpa"):
-  """Decides per platform and runs: ``(out, lse, decisions)``. Raises NoAvailableBackendError."""
+def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
+        optional_platforms: Sequence[str] = (), *, only: Optional[int] = None, op: str = "sdpa"):
+  """Decides per platform and runs: ``(out, lse, decisions)``.
+
+  Raises NoAvailableBackendError when a platform of ``platforms`` has no enabled backend that can run
+  the call. A platform of ``optional_platforms`` without one gets no branch (lowering for it then fails
+  in JAX, naming the platform) instead of failing the call here.
+  """
   from jbackends._src.verbose import report_dispatch  # noqa: PLC0415 - cheap, avoids cycles
 
   decisions = []
-  for p in platforms:
+  for p in tuple(platforms) + tuple(optional_platforms):
     d = decide(args, flags, p, only=only)
     if d.chosen is None:
+      if p in optional_platforms:
+        continue
       raise d.error()
     decisions.append(d)
+    if p in optional_platforms:
+      continue  # chosen so an export for it carries its kernel; not what runs here, so not reported
     report_dispatch(op, f"{d.chosen_name}@{p}", {NAMES[b]: r for b, r in d.reasons.items()},
                     (tuple(args.q.shape), tuple(args.k.shape), tuple(args.v.shape)),
                     (str(args.q.dtype),))

@@ -313,10 +313,12 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
           "rows": pl.BlockSpec((None, G, block_q, 1), lambda p, h, b: (b, h, qb(p), 0)),
       }[dbias_mode],
   )
-  out_shape = (jax.ShapeDtypeStruct(args.q.shape, args.q.dtype),
-               jax.ShapeDtypeStruct(args.k.shape, args.k.dtype),
-               jax.ShapeDtypeStruct(args.v.shape, args.v.dtype),
-               None if dbias0 is None else jax.ShapeDtypeStruct(dbias0.shape, dbias0.dtype))
+  # Under shard_map the outputs vary over the same mesh axes as the queries.
+  _mat = jax.typeof(args.q).manual_axis_type
+  out_shape = (jax.ShapeDtypeStruct(args.q.shape, args.q.dtype, manual_axis_type=_mat),
+               jax.ShapeDtypeStruct(args.k.shape, args.k.dtype, manual_axis_type=_mat),
+               jax.ShapeDtypeStruct(args.v.shape, args.v.dtype, manual_axis_type=_mat),
+               None if dbias0 is None else jax.ShapeDtypeStruct(dbias0.shape, dbias0.dtype, manual_axis_type=_mat))
   out_specs = (pl.BlockSpec((None, block_q, G, spec.Hp), lambda p, h, b: (b, qb(p), h, 0)),
                pl.BlockSpec((None, block_k, None, spec.Hp), lambda p, h, b: (b, kb(p), h, 0)),
                pl.BlockSpec((None, block_k, None, spec.Hvp), lambda p, h, b: (b, kb(p), h, 0)),

@@ -101,6 +101,9 @@ def test_explain_is_a_value_and_explains_gpu_from_cpu():
     e = A.explain(q, q, q, logits_soft_cap=5.0, platform="cuda")
     assert e.chosen is None and "soft cap" in e.reasons[B.CUDNN_ATTENTION]
     assert "disabled" in e.reasons[B.MATH]
+    with jb.cudnn.flags(enabled=False):  # torch.backends.cudnn.enabled also rules out cuDNN SDPA
+      e = A.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)
+      assert e.chosen is None and "cudnn_enabled=False" in e.reasons[B.CUDNN_ATTENTION]
   e = A.explain(q, q, q, local_window_size=(4, 4))
   assert e.platform == "cpu" and e.chosen == B.FLASH_ATTENTION
   assert "only on NVIDIA GPUs" in e.reasons[B.CUDNN_ATTENTION] or "no CUDNN" in e.reasons[

@@ -168,10 +168,8 @@ def test_public_api_export_with_explicit_platforms_carries_triton(platforms):
 def test_public_api_export_chooses_per_lowering_platform(platforms):
   """The issue's contract: no ``platforms=`` argument, the lowering platforms decide."""
   text = _export_public(platforms, jb.SDPBackend.FLASH_ATTENTION)
-  if TRITON not in text:
-    pytest.xfail("the dispatch chooses for the default backend's platform at trace time, not per "
-                 "lowering platform (needs the lead's change in jbackends.attention)")
   assert text.count(TRITON) == 1
+  assert re.search(r'name = "jb_flash_fwd"', text)
 
 
 @needs_dispatch
