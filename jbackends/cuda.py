@@ -19,7 +19,6 @@ Example:
 
 import sys as _sys
 
-from jbackends._src import flags as _flags
 from jbackends._src import mirror as _mirror
 from jbackends._src import platforms as _platforms
 from jbackends._src.fft import cufft_plan_cache as cufft_plan_cache
@@ -49,61 +48,6 @@ def is_available() -> bool:
       True
     """
     return bool(_platforms.devices("cuda"))
-
-
-_LINALG = ("default", "cusolver", "magma")
-_BLAS_ALIASES = {"default": "cublas", "cublas": "cublas", "hipblas": "cublas", "cublaslt": "cublaslt",
-                 "hipblaslt": "cublaslt", "lt": "cublaslt"}
-
-
-def preferred_linalg_library(backend: str | None = None) -> str:
-    """Get, or set (process default) and get, the GPU linear-algebra library preference.
-
-    `"cusolver"`, `"magma"` or `"default"`. In JAX the preference selects the GPU nonsymmetric
-    eigensolver of `jb.linalg.eig` / `eigvals` (`lax.linalg.EigImplementation`); every other JAX linalg
-    op has a single GPU implementation (cuSOLVER/cuBLAS) and CPU always uses LAPACK. Returns the value in
-    force (a string; torch returns an enum with the same names). Scoped form:
-    `jb.with_backends(preferred_linalg_library="magma")`.
-
-    Example:
-      >>> import jbackends as jb
-      >>> jb.cuda.preferred_linalg_library()
-      'default'
-    """
-    if backend is not None:
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str, one of {list(_LINALG)}, got {type(backend).__name__} "
-                            f"{backend!r}")
-        if backend.lower() not in _LINALG:
-            raise ValueError(f"backend must be one of {list(_LINALG)}, got {backend!r}")
-        _flags.set_flags(preferred_linalg_library=backend.lower())
-    return _flags.current_flags().preferred_linalg_library
-
-
-def preferred_blas_library(backend: str | None = None) -> str:
-    """Get, or set (process default) and get, the GPU BLAS preference: `"cublas"` or `"cublaslt"`.
-
-    Through `jb.jit` it becomes the XLA option `xla_gpu_enable_cublaslt` (cuBLASLt GEMMs on or off).
-    torch's ROCm spellings map to the same switch ("hipblas" -> "cublas", "hipblaslt" -> "cublaslt"),
-    "default" is "cublas"; "ck" (composable kernels) has no XLA counterpart and raises.
-
-    Example:
-      >>> import jbackends as jb
-      >>> jb.cuda.preferred_blas_library()
-      'cublas'
-    """
-    if backend is not None:
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str, one of {sorted(_BLAS_ALIASES)}, got "
-                            f"{type(backend).__name__} {backend!r}")
-        key = backend.lower()
-        if key == "ck":
-            raise ValueError("backend 'ck' (ROCm composable kernels) has no XLA counterpart; XLA chooses "
-                             "between cuBLAS/hipBLAS and cuBLASLt/hipBLASLt only: use 'cublas' or 'cublaslt'")
-        if key not in _BLAS_ALIASES:
-            raise ValueError(f"backend must be one of {sorted(_BLAS_ALIASES)}, got {backend!r}")
-        _flags.set_flags(preferred_blas_library=_BLAS_ALIASES[key])
-    return _flags.current_flags().preferred_blas_library
 
 
 def preferred_rocm_fa_library(backend: str | None = None) -> str:

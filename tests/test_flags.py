@@ -73,6 +73,10 @@ def test_fresh_jit_of_same_function_sees_flags():
     with jb.with_backends(flash=False):
         chex.assert_trees_all_close(jax.jit(probe)(x), 3 * x)
     chex.assert_trees_all_close(jax.jit(probe)(x), 2 * x)
+    # jax.jit(fn) objects built anew share JAX's trace cache by function: no stale hit across them.
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(jax.jit(probe)(x), 3 * x)
+    assert probe.traces == 2
 
 
 def test_equal_flag_sets_share_one_entry():
@@ -99,17 +103,19 @@ def test_runtime_only_flag_does_not_retrace():
 
 def test_eager_scan_body_retraces():
     x = _x()
+    probe = Probe()
 
-    def run():
-        def body(c, _):
-            return Probe()(c), None
+    def body(c, _):  # one function object: lax.scan caches its trace by identity and jit key
+        return probe(c), None
 
-        return jax.lax.scan(body, x, None, length=2)[0]
-
+    run = lambda: jax.lax.scan(body, x, None, length=2)[0]  # noqa: E731
     chex.assert_trees_all_close(run(), 4 * x)
     with jb.with_backends(flash=False):
         chex.assert_trees_all_close(run(), 9 * x)
     chex.assert_trees_all_close(run(), 4 * x)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(run(), 9 * x)
+    assert probe.traces == 2  # one trace per flag setting: cached, and never stale
 
 
 @pytest.mark.parametrize(
@@ -122,7 +128,7 @@ def test_transforms_trace_with_flags_in_force(transform):
     make = {
         "jit_grad": lambda: jax.jit(jax.grad(scalar)),
         "grad_jit": lambda: jax.grad(jax.jit(scalar)),
-        "vmap": lambda: jax.vmap(probe),
+        "vmap": lambda: jax.jit(jax.vmap(probe)),  # eager vmap has no cache to go stale
         "jit_grad_checkpoint": lambda: jax.jit(jax.grad(jax.checkpoint(scalar))),
     }[transform]
     fn = make()
@@ -135,6 +141,9 @@ def test_transforms_trace_with_flags_in_force(transform):
     with jb.with_backends(flash=False):
         chex.assert_trees_all_close(fn(x), expected[False](x), rtol=1e-6)
     chex.assert_trees_all_close(fn(x), expected[True](x), rtol=1e-6)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(fn(x), expected[False](x), rtol=1e-6)
+    assert probe.traces == 2  # retraced on change, cache hits on return
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -155,7 +164,11 @@ _scaled.defvjp(_scaled_fwd, _scaled_bwd)
 
 
 def test_custom_vjp_backward_uses_forward_flags():
-    """The pattern kernels use: pass the hashable trace-time snapshot as a static nondiff argument."""
+    """The pattern kernels use: pass the hashable trace-time snapshot as a static nondiff argument.
+
+    The library's own custom_vjp kernels are held to it in
+    tests/attention/test_api.py::test_vjp_fn_keeps_the_forward_backend.
+    """
     x = _x()
     out, vjp_fn = jax.vjp(lambda x: _scaled(trace_flags(), x), x)
     chex.assert_trees_all_close(out, 2 * x)
@@ -189,13 +202,17 @@ def test_flax_nnx_jit():
             return Probe()(self.lin(x))
 
     model = Model(nnx.Rngs(0))
-    step = nnx.jit(lambda m, x: m(x))
+    traces = []
+    step = nnx.jit(lambda m, x: traces.append(1) or m(x))
     x = _x()[None]
     y = model.lin(x)
     chex.assert_trees_all_close(step(model, x), 2 * y, rtol=1e-6)
     with jb.with_backends(flash=False):
         chex.assert_trees_all_close(step(model, x), 3 * y, rtol=1e-6)
     chex.assert_trees_all_close(step(model, x), 2 * y, rtol=1e-6)
+    with jb.with_backends(flash=False):
+        chex.assert_trees_all_close(step(model, x), 3 * y, rtol=1e-6)
+    assert len(traces) == 2
 
 
 def test_decorator_on_jitted_and_jit_of_decorated():
@@ -310,10 +327,10 @@ def test_out_of_sync_key_is_detected_under_trace():
 
 def test_global_set_inside_copied_context_is_in_force_outside(defaults):
     ctx = contextvars.copy_context()
-    ctx.run(jb.set_flags, math=False)  # a notebook cell boundary
-    assert jb.current_flags().math is False
-    probe = Probe()
-    jax.jit(probe)(_x())
+    ctx.run(jb.set_flags, flash=False)  # a notebook cell boundary
+    assert jb.current_flags().flash is False
+    x = _x()
+    chex.assert_trees_all_close(jax.jit(Probe())(x), 3 * x)  # and traced functions see it
 
 
 def test_global_change_retraces(defaults):
@@ -561,3 +578,183 @@ def test_jb_jit_reports_call_time_at_verbose_level_2(caplog):
             chex.assert_trees_all_close(f(x), 2 * x)
     lines = [r.getMessage() for r in caplog.records if "call op=" in r.getMessage()]
     assert len(lines) == 1 and "op=<lambda>" in lines[0] and "secs=" in lines[0]
+
+
+# ------------------------------------------------------------------------------------- cross-thread / per-task state
+
+
+def test_default_changed_by_another_thread_never_serves_a_stale_executable(defaults):
+    """A worker inside a scope; the main thread changes a process default the scope does not override."""
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    entered, changed, results = threading.Event(), threading.Event(), {}
+
+    def worker():
+        with jb.with_backends(math=False):
+            results["before"] = f(x)
+            entered.set()
+            changed.wait(30)
+            try:
+                results["after"] = f(x)  # flash is now False here: 2x would be stale
+            except jb.FlagsOutOfSyncError as e:
+                results["error"] = e
+            jb.sync()
+            results["synced"] = f(x)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    entered.wait(30)
+    jb.set_flags(flash=False)
+    changed.set()
+    t.join(60)
+    chex.assert_trees_all_close(results["before"], 2 * x)
+    assert "after" not in results or np.allclose(results["after"], 3 * x)
+    assert "error" in results or "after" in results
+    chex.assert_trees_all_close(results["synced"], 3 * x)
+
+
+def test_default_changed_by_another_thread_where_the_scope_overrides_it(defaults):
+    probe = Probe()
+    f = jax.jit(probe)
+    x = _x()
+    entered, changed, results = threading.Event(), threading.Event(), {}
+
+    def worker():
+        with jb.with_backends(flash=True, math=False):
+            entered.set()
+            changed.wait(30)
+            results["after"] = f(x)  # the scope pins flash: no error, and the scope's value
+
+    t = threading.Thread(target=worker)
+    t.start()
+    entered.wait(30)
+    jb.set_flags(flash=False)
+    changed.set()
+    t.join(60)
+    chex.assert_trees_all_close(results["after"], 2 * x)
+
+
+def _precision_in_jaxpr() -> str:
+    text = str(jax.make_jaxpr(lambda a: a @ a)(jnp.ones((2, 2))))
+    return text[text.index("precision="):].split("\n")[0] if "precision=" in text else "default"
+
+
+def test_interleaved_asyncio_tasks_each_get_their_matmul_precision():
+    before = jax.config.jax_default_matmul_precision
+    seen = []
+
+    async def task(scope, expected):
+        with jb.with_backends(**scope):
+            for _ in range(3):
+                await asyncio.sleep(0)  # the other task runs and moves this thread's JAX precision
+                jb.sync()
+                seen.append((expected, _precision_in_jaxpr()))
+
+    async def main():
+        await asyncio.gather(task({"allow_tf32": True}, "HIGH"), task({"flash": False}, "default"),
+                             task({"float32_matmul_precision": "highest"}, "HIGHEST"))
+
+    asyncio.run(main())
+    assert len(seen) == 9
+    for expected, got in seen:
+        assert (expected in got) if expected != "default" else got == "default", (expected, got)
+    assert jax.config.jax_default_matmul_precision == before  # the thread is clean afterwards
+    assert _precision_in_jaxpr() == "default"
+
+
+def test_propagate_carries_the_matmul_precision():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with jb.with_backends(allow_tf32=True):
+            carried = pool.submit(jb.propagate(_precision_in_jaxpr)).result()
+            plain = pool.submit(_precision_in_jaxpr).result()
+        after = pool.submit(_precision_in_jaxpr).result()
+    assert "Precision.HIGH," in carried and plain == "default" and after == "default"
+
+
+def test_scope_without_precision_leaves_users_jax_precision_alone():
+    with jb.with_backends(allow_tf32=True):
+        with jax.default_matmul_precision("float32"):
+            with jb.with_backends(flash=False):  # does not touch the precision
+                assert "HIGHEST" in _precision_in_jaxpr()
+        assert "Precision.HIGH," in _precision_in_jaxpr()
+    assert _precision_in_jaxpr() == "default"
+
+
+# ------------------------------------------------------------------------------------- mirror details
+
+
+def test_mirror_typo_is_an_error_not_a_new_attribute(defaults):
+    with pytest.raises(AttributeError, match="deterministic"):
+        jb.cudnn.determinstic = True
+    assert not hasattr(jb.cudnn, "determinstic")
+    with pytest.raises(AttributeError):
+        jb.cuda.matmul.alow_tf32 = True
+    jb.cudnn.deterministic = True  # real ones still work
+    assert jb.current_flags().deterministic
+
+
+def test_getset_mirrors_share_the_registry_parser(defaults):
+    assert jb.cuda.preferred_blas_library("hipblaslt") == "cublaslt"
+    jb.reset_flags()
+    with jb.with_backends(preferred_blas_library="hipblaslt"):  # same spelling, same answer
+        assert jb.cuda.preferred_blas_library() == "cublaslt"
+    for bad, exc, match in [("ck", ValueError, "no XLA counterpart"), ("nope", ValueError, "cublaslt"),
+                            (3, TypeError, "expects a str")]:
+        with pytest.raises(exc, match=match):
+            jb.cuda.preferred_blas_library(bad)
+        with pytest.raises(exc, match=match):
+            jb.with_backends(preferred_blas_library=bad)
+    assert jb.cuda.preferred_linalg_library("MAGMA") == "magma"
+    with pytest.raises(ValueError, match="cusolver"):
+        jb.cuda.preferred_linalg_library("lapack")
+
+
+def test_reload_keeps_defaults_precision_and_snapshot_class():
+    code = textwrap.dedent(
+        """
+        import importlib, jax
+        import jbackends as jb
+        from jbackends._src import flags
+        before = jax.config.jax_default_matmul_precision
+        jb.set_flags(flash=False, float32_matmul_precision="medium")
+        snap = jb.current_flags()
+        importlib.reload(flags)
+        assert jb.current_flags().flash is False, "defaults lost"
+        assert isinstance(jb.current_flags(), jb.BackendFlags) and jb.current_flags() == snap
+        assert jax.config.jax_default_matmul_precision == "bfloat16"
+        jb.reset_flags()
+        assert jax.config.jax_default_matmul_precision == before, "saved JAX precision lost"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("dtype, flag", [(jnp.float16, "allow_fp16_reduced_precision_reduction"),
+                                         (jnp.bfloat16, "allow_bf16_reduced_precision_reduction")])
+def test_reduced_precision_reduction_flags_drive_jb_einsum(dtype, flag):
+    a = jnp.ones((4, 8), dtype)
+    f = lambda a: jb.einsum("ij,jk->ik", a, a.T)  # noqa: E731
+    assert f"preferred_element_type={jnp.dtype(dtype).name}" in str(jax.make_jaxpr(f)(a))
+    with jb.with_backends(**{flag: False}):
+        text = str(jax.make_jaxpr(f)(a))
+        assert "preferred_element_type=float32" in text and f(a).dtype == dtype
+    other = jnp.bfloat16 if dtype == jnp.float16 else jnp.float16  # the other flag leaves it alone
+    with jb.with_backends(**{flag: False}):
+        assert f"preferred_element_type={jnp.dtype(other).name}" in str(jax.make_jaxpr(f)(a.astype(other)))
+
+
+def test_jb_jit_inside_plain_jit_warns_when_options_would_be_lost():
+    inner = jb.jit(lambda x: x + 1)
+    with jb.with_backends(deterministic=True):
+        with pytest.warns(UserWarning, match="top-level jit"):
+            assert float(jax.jit(lambda x: inner(x) * 2)(jnp.float32(1))) == 4.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(jax.jit(lambda x: inner(x) * 2)(jnp.float32(2))) == 6.0  # defaults: nothing lost
+        outer = jb.jit(lambda x: inner(x) * 2)  # jb.jit in jb.jit: the outer carries the options
+        with jb.with_backends(deterministic=True):
+            assert float(outer(jnp.float32(3))) == 8.0
+            assert dict(next(iter(outer.executables)))["xla_gpu_deterministic_ops"] is True

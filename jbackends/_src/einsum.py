@@ -130,5 +130,15 @@ def einsum(
     kwargs = {}
     if out_sharding is not None:
         kwargs["out_sharding"] = out_sharding
-    return _verbose.call("einsum", jnp.einsum, subs, *ops, optimize=path, precision=precision,
-                         preferred_element_type=preferred_element_type, _dot_general=_dot_general, **kwargs)
+    cast_back = None
+    if preferred_element_type is None:
+        # torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction=False: accumulate the
+        # half-precision contractions in float32 and round once at the end.
+        result = jnp.result_type(*ops)
+        flags = _flags.trace_flags()
+        if ((result == jnp.float16 and not flags.allow_fp16_reduced_precision_reduction)
+                or (result == jnp.bfloat16 and not flags.allow_bf16_reduced_precision_reduction)):
+            preferred_element_type, cast_back = jnp.float32, result
+    out = _verbose.call("einsum", jnp.einsum, subs, *ops, optimize=path, precision=precision,
+                        preferred_element_type=preferred_element_type, _dot_general=_dot_general, **kwargs)
+    return out if cast_back is None else out.astype(cast_back)

@@ -11,10 +11,14 @@ State model:
 * Process defaults live in a module-level dict (torch semantics: they reach every thread and every later
   notebook cell, also when set inside `contextvars.copy_context().run(...)`).
 * Scoped overrides live in a `contextvars.ContextVar` (the source of truth for scopes).
-* One `jax.make_user_context` (created once per process; a module reload reuses it) mirrors a hashable,
+* A `jax.make_user_context` (created once per process; a module reload reuses it) mirrors a hashable,
   canonical tuple of the *trace-affecting* flags, so `jax.jit`, `lax.scan` body caches etc. retrace
   exactly when those flags change. Its global value mirrors the process defaults; its thread-local value
-  mirrors the ContextVar of whichever scope last touched this thread.
+  mirrors the ContextVar of whichever scope last touched this thread. A second, global-only user context
+  mirrors the process defaults alone, so a `set_flags` in one thread changes the key of every thread,
+  including one whose thread-local value was computed against the old defaults (see `_JIT_KEY`).
+* Scoped precision flags are bridged to JAX's thread-local `default_matmul_precision` in step with the
+  jit key (`_sync_precision`); process-default precision flags to JAX's global one.
 * `trace_flags()` is the one accessor kernels use at trace time. It recomputes the tuple from the
   ContextVar and compares it with the jit key: under a trace, a disagreement (e.g. an asyncio task that
   resumed on a thread whose key another task set) raises `FlagsOutOfSyncError` instead of silently
@@ -85,14 +89,19 @@ def _parse_int(name: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
-def _choice(*allowed: str, aliases: Mapping[str, str] | None = None) -> Callable[[str, Any], str]:
+def _choice(*allowed: str, aliases: Mapping[str, str] | None = None,
+            refused: Mapping[str, str] | None = None) -> Callable[[str, Any], str]:
+    """A string flag: one of `allowed`; `aliases` map other spellings; `refused` values get their message."""
     aliases = dict(aliases or {})
+    refused = dict(refused or {})
 
     def parse(name: str, value: Any) -> str:
         if not isinstance(value, str):
             raise TypeError(
                 f"flag {name!r} expects a str, one of {list(allowed)}, got {type(value).__name__} {value!r}"
             )
+        if value.lower() in refused:
+            raise ValueError(f"flag {name!r}: {value!r} {refused[value.lower()]}")
         canon = aliases.get(value.lower(), value.lower())
         if canon not in allowed:
             raise ValueError(f"flag {name!r} must be one of {list(allowed)}, got {value!r}")
@@ -245,13 +254,15 @@ _DECLARATIONS: tuple[Flag, ...] = (
          mirrors=(("", "setter", "set_float32_matmul_precision"), ("", "getter", "get_float32_matmul_precision")),
          implies=lambda v: {"allow_tf32": v != "highest"}),
     _bool("allow_fp16_reduced_precision_reduction", True,
-          "Allow fp16 matmuls to reduce in fp16 (XLA accumulates in fp32 on CPU and GPU either way; "
-          "jbackends kernels accumulate in fp32 when False).",
+          "Allow fp16 matmuls to reduce in fp16. False makes jb.einsum request float32 accumulation "
+          "(preferred_element_type=float32, then a cast back) for fp16 operands; plain jnp matmuls are "
+          "untouched (XLA's CPU and GPU GEMMs accumulate fp16 in fp32 anyway).",
           torch=("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",),
           mirrors=(("cuda.matmul", "attr", "allow_fp16_reduced_precision_reduction"),)),
     _bool("allow_bf16_reduced_precision_reduction", True,
-          "Allow bf16 matmuls to reduce in bf16 (XLA accumulates in fp32 on CPU and GPU either way; "
-          "jbackends kernels accumulate in fp32 when False).",
+          "Allow bf16 matmuls to reduce in bf16. False makes jb.einsum request float32 accumulation "
+          "(preferred_element_type=float32, then a cast back) for bf16 operands; plain jnp matmuls are "
+          "untouched (XLA's CPU and GPU GEMMs accumulate bf16 in fp32 anyway).",
           torch=("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",),
           mirrors=(("cuda.matmul", "attr", "allow_bf16_reduced_precision_reduction"),)),
     # ---- cuDNN (torch.backends.cudnn.*)
@@ -277,12 +288,20 @@ _DECLARATIONS: tuple[Flag, ...] = (
          compiler_options=lambda v: {"xla_gpu_autotune_max_solutions": v}),
     # ---- linear algebra / BLAS library choice (torch.backends.cuda.preferred_*_library)
     Flag("preferred_linalg_library", "default",
-         "GPU linear-algebra library preference: 'default', 'cusolver' or 'magma'.",
-         _choice("default", "cusolver", "magma"), torch=("torch.backends.cuda.preferred_linalg_library",)),
+         "GPU linear-algebra library preference: 'default', 'cusolver' or 'magma'. In JAX it selects the "
+         "GPU nonsymmetric eigensolver of jb.linalg.eig / eigvals (lax.linalg.EigImplementation); every "
+         "other JAX linalg op has one GPU implementation (cuSOLVER/cuBLAS) and CPU always uses LAPACK.",
+         _choice("default", "cusolver", "magma"), torch=("torch.backends.cuda.preferred_linalg_library",),
+         mirrors=(("cuda", "getset", "preferred_linalg_library"),)),
     Flag("preferred_blas_library", "cublas",
-         "GPU BLAS preference: 'cublas' or 'cublaslt' (xla_gpu_enable_cublaslt through jb.jit).",
-         _choice("cublas", "cublaslt", aliases={"lt": "cublaslt"}),
+         "GPU BLAS preference: 'cublas' or 'cublaslt' (xla_gpu_enable_cublaslt through jb.jit). torch's "
+         "spellings 'default' and 'hipblas' mean 'cublas', 'hipblaslt' means 'cublaslt'.",
+         _choice("cublas", "cublaslt",
+                 aliases={"default": "cublas", "hipblas": "cublas", "hipblaslt": "cublaslt", "lt": "cublaslt"},
+                 refused={"ck": "(ROCm composable kernels) has no XLA counterpart; XLA chooses between "
+                                "cuBLAS/hipBLAS and cuBLASLt/hipBLASLt only: use 'cublas' or 'cublaslt'"}),
          torch=("torch.backends.cuda.preferred_blas_library",), traced=False,
+         mirrors=(("cuda", "getset", "preferred_blas_library"),),
          compiler_options=lambda v: {"xla_gpu_enable_cublaslt": v == "cublaslt"}),
     # ---- opt_einsum (torch.backends.opt_einsum.*)
     _bool("opt_einsum_enabled", True, "Let jb.einsum optimise contraction order with opt_einsum.",
@@ -323,9 +342,13 @@ def _flags_doc() -> str:
     return "\n".join(rows)
 
 
-BackendFlags = dataclasses.make_dataclass(
-    "BackendFlags", [(f.name, Any) for f in _DECLARATIONS], frozen=True
-)
+BackendFlags = globals().get("BackendFlags")
+if BackendFlags is None or tuple(f.name for f in dataclasses.fields(BackendFlags)) != tuple(FLAGS):
+    # (A reload keeps the class, so snapshots taken before it still compare equal and `isinstance`
+    # against `jb.BackendFlags` keeps working.)
+    BackendFlags = dataclasses.make_dataclass(
+        "BackendFlags", [(f.name, Any) for f in _DECLARATIONS], frozen=True
+    )
 BackendFlags.__module__ = __name__
 BackendFlags.__doc__ = (
     "Frozen, hashable snapshot of every backend flag (an attribute per short name).\n\n"
@@ -337,11 +360,17 @@ BackendFlags.__doc__ = (
 # State.
 # --------------------------------------------------------------------------------------------------
 
+# Process state survives `importlib.reload` (a reload re-executes this module in the same namespace):
+# defaults set before the reload stay in force, and the JAX precision saved by the bridge is not lost.
+_previous_defaults = globals().get("_DEFAULTS", {})
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in _DECLARATIONS}
-_defaults_lock = threading.RLock()
-_defaults_version = 0
-_frozen = False
-_explicit_defaults: set[str] = set()  # defaults changed through set_flags (bridged to JAX where relevant)
+_DEFAULTS.update({k: v for k, v in _previous_defaults.items() if k in _DEFAULTS})
+del _previous_defaults
+_defaults_lock = globals().get("_defaults_lock") or threading.RLock()
+_defaults_version = globals().get("_defaults_version", 0) + 1
+_frozen = globals().get("_frozen", False)
+# defaults changed through set_flags (bridged to JAX where relevant)
+_explicit_defaults: set[str] = {n for n in globals().get("_explicit_defaults", ()) if n in _DEFAULTS}
 
 _Overrides = tuple  # sorted tuple of (name, value): immutable and hashable
 _OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("_OVERRIDES") or contextvars.ContextVar(
@@ -353,11 +382,25 @@ def _key_of(values: Mapping[str, Any]) -> tuple:
     return tuple(values[n] for n in _TRACED)
 
 
-# The jit key. Created once per process: `importlib.reload` re-executes this module in the same
-# namespace, so an existing context is reused rather than registering a new one with JAX.
+# The jit key, in two user contexts, each created once per process (`importlib.reload` re-executes this
+# module in the same namespace, so existing contexts are reused rather than registering new ones):
+#
+# * `_JIT_KEY` carries the flags in force. Its global value mirrors the process defaults; its
+#   thread-local value (set while a scope overrides a traced flag) mirrors the ContextVar.
+# * `_DEFAULTS_KEY` is global only and mirrors the process defaults. JAX's thread-local value shadows
+#   the global one, so without it a thread inside a scope would keep a key computed against the old
+#   defaults after another thread called `set_flags`, and a plain `jax.jit` call there would hit a
+#   cache entry traced under other flags. With it, the key changes in every thread at once; the stale
+#   thread then retraces, and `trace_flags` either finds the same flags (the scope overrides the
+#   changed default) or raises `FlagsOutOfSyncError`: never a stale executable.
 _JIT_KEY = globals().get("_JIT_KEY") or jax.make_user_context(default_value=_key_of(_DEFAULTS))
 _JIT_KEY.set_global(_key_of(_DEFAULTS))
+_DEFAULTS_KEY = globals().get("_DEFAULTS_KEY") or jax.make_user_context(default_value=_key_of(_DEFAULTS))
+_DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
 _UNSET = None  # filled lazily: the marker jax uses for "no thread-local value"
+# Per thread: whether jbackends set JAX's thread-local default_matmul_precision, what it was before,
+# and the value applied (see `_sync_precision`).
+_thread_state = globals().get("_thread_state") or threading.local()
 
 _snapshot_cache: dict[tuple, Any] = {}
 
@@ -394,7 +437,11 @@ def _expected_key() -> tuple:
 
 
 def _set_thread_key() -> None:
-    """Make this thread's jit key mirror the ContextVar (unset when no traced flag is overridden)."""
+    """Make this thread's jit key and JAX matmul precision mirror the ContextVar.
+
+    The key's thread-local value is unset when no traced flag is overridden (the global value, the
+    process defaults, is then in force).
+    """
     global _UNSET
     overrides = dict(_OVERRIDES.get())
     obj = _JIT_KEY._obj
@@ -406,6 +453,34 @@ def _set_thread_key() -> None:
 
             _UNSET = config_ext.unset
         obj.set_local(_UNSET)
+    _sync_precision(overrides)
+
+
+def _sync_precision(overrides: Mapping[str, Any]) -> None:
+    """Bridge scoped precision flags to JAX's (thread-local) `default_matmul_precision`.
+
+    JAX's setting is per thread while scopes are per context (asyncio task, `propagate`d worker), so it
+    is re-applied from the ContextVar whenever the jit key is (`with_backends`, `sync`, `propagate`).
+    jbackends only touches it while a scope overrides a precision flag: it saves what the thread had
+    before and restores it when no such scope is in force. A scope that does not change the precision
+    leaves JAX's setting alone (so a user's own `jax.default_matmul_precision(...)` inside it stands).
+    """
+    from jax._src import config as _jax_config  # noqa: PLC0415 - cheap after the first call
+
+    state = _jax_config.default_matmul_precision
+    ts = _thread_state
+    owned = getattr(ts, "precision_owned", False)
+    if any(n in overrides for n in _PRECISION_FLAGS):
+        want = _PRECISION_TO_JAX[overrides["float32_matmul_precision"]]
+        if not owned:
+            ts.precision_saved = state.swap_local(want)
+            ts.precision_owned, ts.precision_applied = True, want
+        elif ts.precision_applied != want:
+            state.set_local(want)
+            ts.precision_applied = want
+    elif owned:
+        state.set_local(ts.precision_saved)
+        ts.precision_owned = False
 
 
 def sync() -> None:
@@ -440,13 +515,15 @@ def trace_flags() -> Any:
     snap = current_flags()
     expected = tuple(getattr(snap, n) for n in _TRACED)
     actual = _JIT_KEY.value
-    if actual != expected:
+    if actual != expected or _DEFAULTS_KEY.value != _key_of(_DEFAULTS):
         if _tracing():
             raise FlagsOutOfSyncError(
                 "jbackends flags in this context differ from the jit key of this thread, so a compiled "
                 "function would be cached under the wrong flags. This happens when asyncio tasks (or "
-                "code that sets the ContextVar directly) interleave on one thread: call jb.sync() in the "
-                "task before calling jitted functions, or enter jb.with_backends(...) inside the task. "
+                "code that sets the ContextVar directly) interleave on one thread, or when another thread "
+                "changed a process default (jb.set_flags) while this thread was inside a with_backends "
+                "scope: call jb.sync() before calling jitted functions (or use jb.jit, which does), or "
+                "enter jb.with_backends(...) again. "
                 f"context={dict(zip(_TRACED, expected))} key={dict(zip(_TRACED, actual or ()))}"
             )
         _set_thread_key()
@@ -512,6 +589,7 @@ def set_flags(**flags: Any) -> None:
         _explicit_defaults.update(parsed)
         _defaults_version += 1
         _JIT_KEY.set_global(_key_of(_DEFAULTS))
+        _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
         _bridge_global_precision()
     # This thread may hold a local key computed against the old defaults.
     if dict(_OVERRIDES.get()):
@@ -529,6 +607,7 @@ def reset_flags() -> None:
         _explicit_defaults.clear()
         _defaults_version += 1
         _JIT_KEY.set_global(_key_of(_DEFAULTS))
+        _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
         _bridge_global_precision()
     if dict(_OVERRIDES.get()):
         _set_thread_key()
@@ -553,7 +632,7 @@ def flags_frozen() -> bool:
 
 # JAX's own default_matmul_precision is bridged only when a precision flag was set explicitly
 # (an omitted flag means "unchanged": importing jbackends never changes JAX's behaviour).
-_jax_precision_before: list = []
+_jax_precision_before: list = globals().get("_jax_precision_before", [])
 
 
 def _bridge_global_precision() -> None:
@@ -605,10 +684,6 @@ class with_backends:
         new = dict(_OVERRIDES.get())
         new.update(self._updates)
         token = _OVERRIDES.set(tuple(sorted(new.items())))
-        precision_cm = None
-        if any(n in self._updates for n in _PRECISION_FLAGS):
-            precision_cm = jax.default_matmul_precision(_PRECISION_TO_JAX[new["float32_matmul_precision"]])
-            precision_cm.__enter__()
         if _tracing() and any(n in self._updates for n in _COMPILE_TIME) and not _IN_JB_JIT.get():
             warnings.warn(
                 f"with_backends({', '.join(n for n in self._updates if n in _COMPILE_TIME)}=...) inside a "
@@ -616,15 +691,12 @@ class with_backends:
                 "(they become XLA compiler options of the top-level jit)",
                 stacklevel=2,
             )
-        self._stack.append((token, precision_cm))
-        _set_thread_key()
+        self._stack.append(token)
+        _set_thread_key()  # the jit key and JAX's matmul precision follow the ContextVar
         return current_flags()
 
     def __exit__(self, *exc) -> None:
-        token, precision_cm = self._stack.pop()
-        if precision_cm is not None:
-            precision_cm.__exit__(*exc)
-        _OVERRIDES.reset(token)
+        _OVERRIDES.reset(self._stack.pop())
         _set_thread_key()
 
     def __call__(self, fun: Callable) -> Callable:
@@ -730,6 +802,23 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     @functools.wraps(fun)
     def wrapper(*args, **kwargs):
+        if _tracing():
+            # Nested in another trace: JAX accepts compiler options on top-level jits only, so this
+            # is a plain inner jit; under an outer jb.jit the outer one carries the same options.
+            if not _IN_JB_JIT.get():
+                changed = [n for n in _COMPILE_TIME if getattr(current_flags(), n) != FLAGS[n].default]
+                if changed or user_options:
+                    warnings.warn(
+                        f"jb.jit({name}) called inside a function traced by plain jax.jit (or another "
+                        f"transform): XLA compiler options only apply to a top-level jit, so "
+                        f"{', '.join(changed + sorted(user_options))} will not take effect here; make "
+                        "the outer function a jb.jit",
+                        stacklevel=2,
+                    )
+            f = jitted.get(None)
+            if f is None:
+                f = jitted.setdefault(None, jax.jit(fun, **jit_kwargs))
+            return f(*args, **kwargs)
         f = _for_current()
         token = _IN_JB_JIT.set(True)
         try:

@@ -33,6 +33,37 @@ def _setter(flag: _flags.Flag):
     return set_
 
 
+def _getset(flag: _flags.Flag):
+    def getset(backend: Any = None) -> Any:
+        if backend is not None:
+            _flags.set_flags(**{flag.name: backend})
+        return getattr(_flags.current_flags(), flag.name)
+
+    getset.__name__ = flag.name
+    getset.__doc__ = (f"Return `{flag.name}` in force here; with an argument, first set its process default "
+                      f"(torch's getter-and-setter in one). {flag.help} Scoped form: "
+                      f"`jb.with_backends({flag.name}=...)`.")
+    return getset
+
+
+_FUNCTION_KINDS = {"setter": _setter, "getter": _getter, "getset": _getset}
+
+
+def _guarded_setattr(valid: tuple[str, ...]):
+    """`__setattr__` refusing new public names: `jb.cudnn.determinstic = True` must not pass silently."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        cls_attr = getattr(type(self), name, None)
+        if name.startswith("_") or name in self.__dict__ or isinstance(cls_attr, property):
+            return super(type(self), self).__setattr__(name, value)
+        raise AttributeError(
+            f"module {self.__name__!r} has no attribute {name!r} to set; its flag attributes are "
+            f"{list(valid)} (see jb.with_backends for every flag)"
+        )
+
+    return __setattr__
+
+
 def _property(flag: _flags.Flag) -> property:
     return property(
         lambda self: getattr(_flags.current_flags(), flag.name),
@@ -60,8 +91,8 @@ def install(module: types.ModuleType) -> None:
     nested: dict[str, dict[str, property]] = {}
     for flag in _flags.FLAGS.values():
         for where, kind, name in flag.mirrors:
-            if kind in ("setter", "getter") and where == path:
-                setattr(module, name, (_setter if kind == "setter" else _getter)(flag))
+            if kind in _FUNCTION_KINDS and where == path:
+                setattr(module, name, _FUNCTION_KINDS[kind](flag))
             elif kind == "attr" and where == path:
                 module_props[name] = _property(flag)
             elif kind == "attr" and path and where.startswith(path + "."):
@@ -70,7 +101,8 @@ def install(module: types.ModuleType) -> None:
         setattr(module, sub, _namespace(f"{path}.{sub}", props))
     if module_props:
         base = type(module)
-        module.__class__ = type(f"{path}_module", (base,), module_props)
+        module.__class__ = type(f"{path}_module", (base,),
+                                {**module_props, "__setattr__": _guarded_setattr(tuple(module_props))})
 
 
 def names(path: str) -> list[str]:
