@@ -164,8 +164,11 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
   """Decides per platform and runs: ``(out, lse, decisions)``.
 
   Raises NoAvailableBackendError when a platform of ``platforms`` has no enabled backend that can run
-  the call. A platform of ``optional_platforms`` without one gets no branch (lowering for it then fails
-  in JAX, naming the platform) instead of failing the call here.
+  the call. ``optional_platforms`` are chosen for as well, so that a function traced here and exported
+  for one of them carries that platform's kernel; one with no enabled backend that can run the call,
+  or whose kernel fails to trace, gets no branch of its own. Every platform without a branch (also
+  TPU / ROCm exports) lowers the XLA-path choice (the CPU decision, else the first required one): the
+  XLA implementations run anywhere XLA does.
   """
   from jbackends._src.verbose import report_dispatch  # noqa: PLC0415 - cheap, avoids cycles
 
@@ -188,9 +191,21 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
     opts = _options(d.chosen, flags, d.platform)
     return lambda a: impl.attention(a, **opts)
 
+  required = [d for d in decisions if d.platform in platforms]
+  fallback = next((d for d in decisions if d.platform == "cpu"), required[0])
   if len(decisions) == 1:
     out, lse = branch(decisions[0])(args)
   else:
-    out, lse = jax.lax.platform_dependent(
-        args, **{d.platform: branch(d) for d in decisions})
+    try:
+      out, lse = jax.lax.platform_dependent(
+          args, **{d.platform: branch(d) for d in decisions}, default=branch(fallback))
+    except Exception:  # noqa: BLE001 - an optional platform's kernel must never break this one
+      if len(required) == len(decisions):
+        raise
+      decisions = required
+      if len(required) == 1:
+        out, lse = branch(required[0])(args)
+      else:
+        out, lse = jax.lax.platform_dependent(
+            args, **{d.platform: branch(d) for d in required}, default=branch(fallback))
   return out, lse, tuple(decisions)

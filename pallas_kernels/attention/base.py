@@ -361,6 +361,8 @@ def key_range(q_start, q_stop, kv_len: int, *, causal: bool, diag_offset: int = 
 
 
 def _u32(x):
+  if isinstance(x, int):  # e.g. a threshold >= 2**31, which does not fit the default int32
+    return jnp.uint32(np.uint32(x))
   return jnp.asarray(x).astype(jnp.uint32)
 
 
@@ -386,8 +388,23 @@ def _fmix(h):
   return h ^ (h >> jnp.uint32(16))
 
 
-def dropout_seed(rng) -> Array:
-  """The two uint32 words of a jax PRNG key (typed or raw) that seed :func:`dropout_keep_mask`."""
+def dropout_seed(rng, like=None) -> Array:
+  """The two uint32 words of a jax PRNG key (typed or raw) that seed :func:`dropout_keep_mask`.
+
+  Under ``shard_map``, pass the (sharded) query as ``like``: the index of every mesh axis it varies
+  over is mixed into the seed, so each shard draws its own mask (shards see local batch / head
+  indices, which repeat across shards). Such masks are deterministic per key and mesh position but
+  differ from the unsharded call's; under plain ``jit`` with sharded inputs nothing changes.
+  """
+  seed = _dropout_seed(rng)
+  varying = sorted(getattr(getattr(jax.typeof(like), "manual_axis_type", None), "varying", ()) or ()) \
+      if like is not None else ()
+  for name in varying:
+    seed = jnp.stack([_mix(seed[0], _u32(jax.lax.axis_index(name))), seed[1]])
+  return seed
+
+
+def _dropout_seed(rng) -> Array:
   if rng is None:
     raise ValueError("`dropout_rng` is None")
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
@@ -421,7 +438,7 @@ def dropout_keep_from_seed(seed0, seed1, b, n, i, j, threshold):
   return _fmix(h) >= _u32(threshold)
 
 
-def dropout_keep_mask(rng, b, n, i, j, rate: float):
+def dropout_keep_mask(rng, b, n, i, j, rate: float, like=None):
   """Stateless dropout keep-mask: True where the probability at (b, n, i, j) is kept.
 
   ``rng`` is a jax PRNG key (typed or raw) or its :func:`dropout_seed` words; ``b, n, i, j`` are
@@ -437,7 +454,7 @@ def dropout_keep_mask(rng, b, n, i, j, rate: float):
     >>> 0.7 < float(keep.mean()) < 0.8
     True
   """
-  seed = dropout_seed(rng)
+  seed = dropout_seed(rng, like)  # ``like``: see dropout_seed (shard_map)
   return dropout_keep_from_seed(seed[0], seed[1], b, n, i, j, dropout_threshold(rate))
 
 
@@ -519,7 +536,7 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
         jnp.arange(B, dtype=jnp.int32)[:, None, None, None],
         jnp.arange(N, dtype=jnp.int32)[None, :, None, None],
         jnp.arange(T, dtype=jnp.int32)[None, None, :, None],
-        jnp.arange(S, dtype=jnp.int32)[None, None, None, :], args.dropout_rate)
+        jnp.arange(S, dtype=jnp.int32)[None, None, None, :], args.dropout_rate, like=args.q)
     p = jnp.where(keep, p * (1.0 / (1.0 - args.dropout_rate)), 0).astype(p.dtype)
   pg = p.reshape(B, K, G, T, S)
   out = jnp.einsum("bkgts,bskh->btkgh", pg, v.astype(cdt), precision=prec,

@@ -211,7 +211,7 @@ def make_spec(args: base.AttentionArgs, *, allow_tf32: bool = False) -> Spec:
 
 def dropout_seed_words(args: base.AttentionArgs):
   """``uint32[2]`` seed words for the in-kernel keep-mask (None without dropout)."""
-  return base.dropout_seed(args.dropout_rng) if args.has_dropout else None
+  return base.dropout_seed(args.dropout_rng, args.q) if args.has_dropout else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -621,6 +621,9 @@ def common_unsupported(args: base.AttentionArgs, platform: str) -> list:
     reasons.append(f"value head_dim={args.v_head_dim} > {_MAX_HEAD_DIM}")
   if args.batch > 65535 or args.num_heads > 65535:
     reasons.append(f"batch={args.batch} / heads={args.num_heads} exceed the CUDA grid limit 65535")
+  if 0 in (args.batch, args.num_heads, args.q_len, args.kv_len):
+    reasons.append(f"an empty dimension (batch={args.batch}, heads={args.num_heads}, "
+                   f"q_len={args.q_len}, kv_len={args.kv_len}): the XLA path handles it")
   return reasons
 
 

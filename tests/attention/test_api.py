@@ -174,13 +174,16 @@ def test_dot_product_attention_drop_in_for_jax_nn():
   assert A.dot_product_attention(q[0], k[0], k[0]).shape == (21, 4, 16)
 
 
-def test_dropout_same_output_in_every_backend_and_rng_required():
+@pytest.mark.parametrize("rate", [0.3, 0.5, 0.9])  # >= 0.5: thresholds >= 2**31 (uint32, not int32)
+def test_dropout_same_output_in_every_backend_and_rng_required(rate):
   q = rand((2, 17, 4, 16))
   key = jax.random.key(11)
-  outs = [A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=key, implementation=i)
+  outs = [A.dot_product_attention(q, q, q, dropout_rate=rate, dropout_rng=key, implementation=i)
           for i in ("math", "flash", "mem_efficient")]
   for o in outs[1:]:
-    assert_close(o, outs[0], 2e-5, "dropout parity")
+    assert_close(o, outs[0], 2e-5 / (1 - rate), "dropout parity")
+  plain = A.dot_product_attention(q, q, q, implementation="math")
+  assert float(jnp.abs(outs[0] - plain).max()) > 0.1  # dropout did something
   with pytest.raises(ValueError, match="dropout_rng"):
     A.dot_product_attention(q, q, q, dropout_rate=0.3)
   with pytest.raises(ValueError, match="dropout_p"):
@@ -253,6 +256,51 @@ def test_shard_map_batch_and_head_sharding():
   g = jax.jit(jax.grad(lambda q: A.dot_product_attention(q, sk, sk, is_causal=True).sum()))(sq)
   gr = jax.grad(lambda q: base.reference(base.make_args(q, k, k, is_causal=True))[0].sum())(q)
   assert_close(g, gr, 5e-5, "sharded grad")
+
+
+def test_shard_map_dropout_masks_differ_per_shard_and_backends_agree():
+  """Shards see local batch indices; the mesh position is mixed into the seed so they do not repeat."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("b",))
+  row = rand((1, 24, 2, 16), 3)
+  q = jnp.concatenate([row, row])  # two identical batch rows, one per shard
+  spec = P("b", None, None, None)
+  key = jax.random.key(5)
+
+  def run(impl):
+    local = lambda q: A.dot_product_attention(q, q, q, dropout_rate=0.4, dropout_rng=key,  # noqa: E731
+                                              implementation=impl)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))(q)
+
+  outs = {impl: run(impl) for impl in ("math", "flash", "mem_efficient")}
+  assert float(jnp.abs(outs["flash"][0] - outs["flash"][1]).max()) > 0.1
+  for impl in ("flash", "mem_efficient"):
+    assert_close(outs[impl], outs["math"], 3e-5, f"{impl} vs math under shard_map")
+
+
+@pytest.mark.parametrize("T, S", [(5, 0), (0, 7), (1, 1)])
+def test_empty_and_single_lengths_fwd_and_grad_under_jit(T, S):
+  q, k = rand((1, T, 2, 8), 1), rand((1, S, 2, 8), 2)
+  f = lambda q, k: A.dot_product_attention(q, k, k, is_causal=False).sum()  # noqa: E731
+  val, (gq, gk) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(q, k)
+  if S == 0:  # no key at all: every row is fully masked, so output 0 and zero gradients (documented)
+    want, wq, wk = jnp.float32(0), jnp.zeros_like(q), jnp.zeros_like(k)
+  else:
+    want, (wq, wk) = jax.value_and_grad(
+        lambda q, k: base.reference(base.make_args(q, k, k))[0].sum(), argnums=(0, 1))(q, k)
+  assert_close(val, want, 1e-5, "value")
+  assert_close(gq, wq, 1e-5, "dq")
+  assert_close(gk, wk, 1e-5, "dk")
+  if 0 in (T, S):  # the Pallas kernels say so at choice time; the XLA path serves it
+    e = A.explain(q, k, k, platform="cuda", compute_capability=9.0)
+    assert "empty dimension" in e.reasons[B.FLASH_ATTENTION]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "rocm"])
+def test_export_for_other_platforms_lowers_the_xla_path(platform):
+  q = rand((1, 16, 2, 8))
+  f = jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True))
+  exp = jax.export.export(f, platforms=[platform])(q)
+  assert "triton" not in exp.mlir_module()
 
 
 @settings(max_examples=5, deadline=None)
