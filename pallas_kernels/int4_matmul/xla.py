@@ -11,9 +11,11 @@ keeps torch's order and avoids FMA contraction.
 Two formulations, chosen by the number of rows M:
 
 * ``M <= SMALL_M`` (decode): the nibbles are unpacked, multiplied by the
-  (de-interleaved) int32 activations and reduced per group in int32 in one
-  XLA reduce fusion, so the dequantized weight is never materialized; read
-  the optimized HLO with `lowered_hlo`.
+  (de-interleaved) int32 activations and reduced per sub-block of <= 128 k in
+  int32 in one XLA loop fusion, so neither the dequantized weight nor the
+  products are materialized (temporary memory ~0 at M=1; see
+  `_sub_block_dots` and the test on `memory_analysis`); read the optimized
+  HLO with `lowered_hlo`.
 * larger M (prefill): nibbles are expanded to a float32 ``[G, N, g]`` operand
   and one batched dot per group runs on XLA's GEMM (materializes 4 bytes per
   weight, amortized over M rows).
@@ -39,13 +41,6 @@ EXACT_BLOCK = 4096
 """Longest run of k summed in float32 (exact below 2**24 / 2040 = 8224)."""
 
 
-def _split_nibbles(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 ``[N, K/2]`` -> float32 (even-k, odd-k) weights in -8..7."""
-    lo = (w & 0x0F).astype(jnp.int32) - 8
-    hi = (w >> 4).astype(jnp.int32) - 8
-    return lo.astype(jnp.float32), hi.astype(jnp.float32)
-
-
 def _sub_block(groupsize: int) -> int:
     """The k length of one exact float32 partial sum (divides groupsize)."""
     if groupsize <= EXACT_BLOCK:
@@ -56,21 +51,69 @@ def _sub_block(groupsize: int) -> int:
     return 2
 
 
-def _group_dots_small(a: jax.Array, w: jax.Array, groupsize: int) -> jax.Array:
-    """Fused form: ``a`` int32 ``[M, K]`` (qa - zp) -> ``[M, N, G]`` int32.
+SUB_BLOCK = 128
+"""k length of one fused multiply-reduce in the small-M form (a divisor of groupsize, at most this)."""
 
-    Integer multiply-reduce over the nibble planes: XLA fuses the unpack into
-    the reduction (the float form gets split into a materialized f32 weight
-    plus a YNNPACK reduction, 3x slower).
+_LANES = 32
+"""Innermost reduction width of the small-M form (per nibble plane)."""
+
+
+def _small_m_layout(K: int, groupsize: int) -> tuple[int, int]:
+    """(sub-block, lanes) of the small-M form: ``sub`` divides groupsize, ``lanes`` divides sub / 2."""
+    sub = min(SUB_BLOCK, groupsize)
+    while groupsize % sub:
+        sub //= 2
+    lanes = min(_LANES, sub // 2)
+    while (sub // 2) % lanes:
+        lanes -= 1
+    return sub, lanes
+
+
+def _nibble_planes(w: jax.Array, shape: tuple, dtype) -> tuple[jax.Array, jax.Array]:
+    lo = ((w & 0x0F).astype(jnp.int32) - 8).astype(dtype).reshape(shape)
+    hi = ((w >> 4).astype(jnp.int32) - 8).astype(dtype).reshape(shape)
+    return lo, hi
+
+
+def _sub_block_dots(a: jax.Array, w: jax.Array, groupsize: int, dtype) -> jax.Array:
+    """``a [M, K]`` times the nibble planes of ``w``, reduced per sub-block: ``[M, N, K / sub]``.
+
+    The reduction is split as ``[..., sub / 2 / lanes, lanes]`` and summed innermost first. That shape
+    keeps the nibble unpack, the multiply and both reductions in one XLA loop fusion; a single
+    reduction over ``groupsize / 2`` (>= 64) makes XLA CPU write the ``[M, N, K / 2]`` products to a
+    temporary first (33 MiB at M=1, 4096x4096, and 4-8x slower).
     """
     M, K = a.shape
     N = w.shape[0]
-    G = K // groupsize
-    ae = a[:, 0::2].reshape(M, 1, G, groupsize // 2)
-    ao = a[:, 1::2].reshape(M, 1, G, groupsize // 2)
-    lo = ((w & 0x0F).astype(jnp.int32) - 8).reshape(1, N, G, groupsize // 2)
-    hi = ((w >> 4).astype(jnp.int32) - 8).reshape(1, N, G, groupsize // 2)
-    return jnp.sum(ae * lo + ao * hi, axis=-1, dtype=jnp.int32)
+    sub, lanes = _small_m_layout(K, groupsize)
+    shape = (K // sub, sub // 2 // lanes, lanes)
+    ae = a[:, 0::2].reshape(M, 1, *shape)
+    ao = a[:, 1::2].reshape(M, 1, *shape)
+    lo, hi = _nibble_planes(w, (1, N, *shape), dtype)
+    prod = ae * lo + ao * hi
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.sum(jnp.sum(prod, axis=-1, dtype=dtype), axis=-1)
+    # Float sums: XLA CPU hands a float reduce to a library reduction that wants its operand in memory
+    # (the products: 4 bytes per weight). Pairwise adds of halves stay elementwise, so they fuse.
+    for axis in (-1, -1):
+        while prod.shape[-1] > 1:
+            half = prod.shape[-1] // 2
+            prod = prod[..., :half] + prod[..., half:2 * half] + (
+                prod[..., 2 * half:] if prod.shape[-1] % 2 else 0)
+        prod = prod[..., 0]
+    return prod
+
+
+def _group_dots_small(a: jax.Array, w: jax.Array, groupsize: int) -> jax.Array:
+    """Fused form: ``a`` int32 ``[M, K]`` (qa - zp) -> ``[M, N, G]`` int32 (exact: integer sums).
+
+    Integer multiply-reduce over the nibble planes, fused with the unpack (`_sub_block_dots`); the
+    float form gets split into a materialized f32 weight plus a YNNPACK reduction, 3x slower.
+    """
+    M, K = a.shape
+    sub, _ = _small_m_layout(K, groupsize)
+    s = _sub_block_dots(a, w, groupsize, jnp.int32)
+    return jnp.sum(s.reshape(M, w.shape[0], K // groupsize, groupsize // sub), axis=-1, dtype=jnp.int32)
 
 
 def _group_dots_large(a: jax.Array, w: jax.Array, groupsize: int) -> jax.Array:
@@ -119,12 +162,10 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=
     N, g = packed.out_features, packed.groupsize
     G = K // g
     xf = x2.astype(jnp.float32)
-    if M <= SMALL_M:
-        lo, hi = _split_nibbles(packed.weight)
-        xe = xf[:, 0::2].reshape(M, 1, G, g // 2)
-        xo = xf[:, 1::2].reshape(M, 1, G, g // 2)
-        s = jnp.sum(xe * lo.reshape(1, N, G, g // 2) + xo * hi.reshape(1, N, G, g // 2), axis=-1)
-        out = jnp.sum(s * packed.scales[None], axis=-1)
+    if M <= SMALL_M:  # fused unpack-multiply-reduce, never a dequantized weight (see _sub_block_dots)
+        sub, _ = _small_m_layout(K, g)
+        s = _sub_block_dots(xf, packed.weight, g, jnp.float32).reshape(M, N, G, g // sub)
+        out = jnp.sum(jnp.sum(s, axis=-1) * packed.scales[None], axis=-1)
     else:
         cd = jnp.dtype(compute_dtype or jnp.float32)
         w = base.dequantize(packed.weight, packed.scales, g).astype(cd)

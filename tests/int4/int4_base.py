@@ -29,6 +29,7 @@ GRID = [
     (3, 96, 20, 96, False),      # channel-wise, K = 3 * 32
     (16, 320, 33, 64, True),     # odd N
     (16, 128, 16, 128, False),   # channel-wise, power of two
+    (17, 256, 40, 128, True),    # 16-row blocks plus a one-row tail
     (128, 160, 24, 32, True),    # prefill
 ]
 CHANNELWISE_ODD_K = (2, 48, 8, 48, True)  # channel-wise K not a multiple of 32
@@ -46,12 +47,10 @@ def make_case(M, K, N, g, bias, *, seed=0, lead=()):
     b = jnp.asarray(rng.standard_normal(N).astype(np.float32)) if bias else None
     p = base.PackedInt4Weight(jnp.asarray(packed), scales, b, g, K, N)
     x = (rng.standard_normal(lead + (M, K)) * 2.5 + 0.3).astype(np.float32)
-    if M >= 1:
-        x[..., 0, :] = 0.0                            # all-zero row
-    if M >= 2:
-        x[..., 1, :] = 1.7                            # constant row
-    if M >= 3:
-        x[..., 2, :] = -np.abs(x[..., 2, :])          # all-negative row
+    if M >= 4:  # row 0 stays an ordinary mixed-sign row; small M (decode) cases are all ordinary rows
+        x[..., 1, :] = 0.0                            # all-zero row
+        x[..., 2, :] = 1.7                            # constant row
+        x[..., 3, :] = -np.abs(x[..., 3, :])          # all-negative row
     return jnp.asarray(x), p
 
 
@@ -78,8 +77,16 @@ class Int4Suite:
         assert got.shape == want.shape and got.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
+    @pytest.mark.parametrize("row", ["zero", "constant", "negative", "positive"])
+    def test_special_single_rows(self, row):
+        """The decode (M=1) paths on the input rows with a degenerate quantization range."""
+        x, p = make_case(1, 192, 24, 64, True)
+        x = {"zero": jnp.zeros_like(x), "constant": jnp.full_like(x, -0.6),
+             "negative": -jnp.abs(x), "positive": jnp.abs(x)}[row]
+        np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)), np.asarray(reference(x, p)))
+
     def test_batch_dims_and_layouts(self):
-        M, K, N, g, bias = 3, 192, 24, 64, True
+        M, K, N, g, bias = 5, 192, 24, 64, True
         x, p = make_case(M, K, N, g, bias, lead=(2,))
         want = np.asarray(reference(x, p))
         np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)), want)
@@ -94,6 +101,11 @@ class Int4Suite:
         # vmap over a batch of inputs with one weight
         got = jax.vmap(self.impl, in_axes=(0, None))(x, p)
         np.testing.assert_array_equal(np.asarray(got), want)
+        # two leading dims, and an empty batch
+        x4, _ = make_case(5, K, N, g, bias, lead=(2, 3))
+        np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x4, p)), np.asarray(reference(x4, p)))
+        empty = jax.jit(self.impl)(jnp.zeros((2, 0, K), jnp.float32), p)
+        assert empty.shape == (2, 0, N)
 
     def test_channelwise_odd_k(self):
         if not self.supports_odd_channelwise:

@@ -75,6 +75,28 @@ def test_pytree_and_checkpoint_roundtrip():
     assert p.nbytes == 16 * 32 + 16 * 2 * 4 + 16 * 4
 
 
+def test_orbax_checkpoint_of_a_quantized_model(tmp_path):
+    """The packed weights save and restore with orbax (flax's checkpointing), bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from flax import nnx
+
+    from jbackends import nn as jnn
+
+    mlp = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+    model = jnn.quantize_4bit(mlp, groupsize=32)
+    graphdef, state = nnx.split(model)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "int4", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "int4", target=jax.tree.map(jnp.zeros_like, state))
+    leaves = jax.tree.leaves(restored)
+    assert any(l.dtype == jnp.uint8 for l in leaves)  # still packed nibbles, not floats
+    for a, b in zip(jax.tree.leaves(state), leaves):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, restored)(x)), np.asarray(model(x)))
+
+
 @pytest.mark.skipif(not cpu.available(), reason="C++ extension not built")
 def test_cpu_auto_uses_cpp():
     x, p = make_case(1, 64, 16, 32, False)
@@ -154,3 +176,19 @@ def test_int4_matmul_gradients():
     want = jax.grad(lambda *a: loss(base.weight_only_matmul, *a), argnums=(0, 1, 2))(x, p.scales, p.bias)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
+
+
+@pytest.mark.parametrize("g", [32, 128, 1024])
+def test_xla_small_m_path_materializes_no_weight(g):
+    """M=1 on the pure-XLA path: temporaries stay far below a dequantized weight (4 bytes each)."""
+    from pallas_kernels.int4_matmul import xla
+
+    N, K = 512, 1024
+    w = jnp.asarray(np.random.default_rng(g).standard_normal((N, K)), jnp.float32)
+    q, s = Q.quantize_4bit(w, g)
+    p = Q.dyn_quant_pack_4bit_weight(q, s, None, g, K, N)
+    x = jnp.ones((1, K), jnp.float32)
+    dequantized = N * K * 4
+    for fn, limit in ((xla.dyn_quant_matmul, p.weight.nbytes), (xla.weight_only_matmul, dequantized // 3)):
+        temp = jax.jit(fn).lower(x, p).compile().memory_analysis().temp_size_in_bytes
+        assert temp < limit, (fn.__name__, temp, limit)

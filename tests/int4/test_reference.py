@@ -54,6 +54,7 @@ def numpy_dyn_quant(x, q, scales, g, bias):
 
 @pytest.mark.parametrize("M,K,N,g,bias", [(1, 256, 24, 32, True), (4, 192, 40, 64, False),
                                            (3, 384, 16, 128, True), (5, 96, 8, 96, True), (2, 48, 8, 48, False),
+                                           (6, 96, 8, 96, False), (7, 320, 16, 64, True),
                                            (0, 64, 8, 32, True)])
 def test_reference_equals_numpy_float64(M, K, N, g, bias):
     x, p = make_case(M, K, N, g, bias)
@@ -217,3 +218,13 @@ def test_bad_matmul_args():
     bad = base.PackedInt4Weight(p.weight, p.scales[:, :1], None, 32, 64, 8)
     with pytest.raises(ValueError, match="scales"):
         Q.int4_matmul(x, bad)
+    with pytest.raises(ValueError, match="out_features=16"):
+        Q.dyn_quant_matmul_4bit(x, p, 32, 64, 16)
+    with pytest.raises(TypeError, match="scales must be float32"):
+        Q.int4_matmul(x, base.PackedInt4Weight(p.weight, p.scales.astype(jnp.int32), None, 32, 64, 8))
+    with pytest.raises(TypeError, match="bias must be float32"):
+        Q.int4_matmul(x, base.PackedInt4Weight(p.weight, p.scales, jnp.zeros(8, jnp.int32), 32, 64, 8))
+    with pytest.raises(ValueError, match=r"bias must have shape \(out_features,\)"):
+        Q.int4_matmul(x, base.PackedInt4Weight(p.weight, p.scales, jnp.zeros(3), 32, 64, 8))
+    with pytest.raises(TypeError, match="compute_dtype"):
+        Q.int4_matmul(x, p, compute_dtype=jnp.int8)
