@@ -207,10 +207,11 @@ class AttentionTestBase:
     atol, gtol = (t * self.tol_scale for t in TOL[jnp.dtype(args.dtype)])
     run = self.run if self.supports_lse_grad else (
         lambda a: (lambda o: (o[0], jax.lax.stop_gradient(o[1])))(self.run(a)))
-    # Eager cases check the eager forward only (op-by-op gradients would compile dozens of tiny
-    # executables); gradients are checked under jit, in one executable with the forward.
-    grads = grads and jit
-    (out, lse), got = outputs_and_grads(run, args, jit=jit, grads=grads)
+    # Eager cases run the forward eagerly; their gradients are then checked under jit (op-by-op
+    # gradients would compile dozens of tiny executables), so every grid case checks its gradients.
+    (out, lse), got = outputs_and_grads(run, args, jit=jit, grads=grads and jit)
+    if grads and not jit:
+      _, got = outputs_and_grads(run, args, jit=True, grads=True)
     (ref_out, ref_lse), want = outputs_and_grads(lambda a: base.reference(upcast(a)), args,
                                                  jit=True, grads=grads)
     assert out.dtype == args.dtype and out.shape == ref_out.shape
