@@ -19,6 +19,18 @@ def test_low_precision_reduction_is_close_but_not_f32():
   hi, _ = base.attention(args)
   assert lo.dtype == jnp.bfloat16
   assert_close(lo, hi, 5e-2, "low precision")
+  assert not np.array_equal(np.asarray(lo), np.asarray(hi))  # it really reduced in bf16
+  # and the flag drives it through the public dispatch (math only)
+  import jbackends as jb
+  from jbackends.attention import SDPBackend
+  q, k, v = (jnp.swapaxes(t, 1, 2) for t in (args.q, args.k, args.v))
+  call = lambda: jb.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+  with jb.sdpa_kernel(SDPBackend.MATH):
+    plain = call()
+    with jb.with_backends(allow_fp16_bf16_reduction_math_sdp=True):
+      reduced = call()
+  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(plain, 1, 2)), np.asarray(hi))
+  np.testing.assert_array_equal(np.asarray(jnp.swapaxes(reduced, 1, 2)), np.asarray(lo))
 
 
 def test_dropout_keep_mask_rate_and_statelessness():
