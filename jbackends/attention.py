@@ -514,6 +514,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
   Returns:
     ``[B, T, N, Hv]`` in the query's dtype (and the LSE when ``return_residual``).
 
+  Differentiation: reverse mode (``grad`` / ``vjp``) everywhere. The flash and memory-efficient
+  backends are ``custom_vjp`` functions (their backward recomputes per block), so forward mode
+  (``jax.jvp``, ``jacfwd``) raises JAX's custom_vjp error there; use ``implementation="math"`` (or
+  ``sdpa_kernel(SDPBackend.MATH)``) where forward mode is needed.
+
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jbackends.attention import dot_product_attention

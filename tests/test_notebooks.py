@@ -32,6 +32,7 @@ def test_notebook_is_committed_clean_and_colab_ready(path):
     assert first.cell_type == "markdown" and "colab-badge.svg" in first.source
     assert f"notebooks/{path.name}" in first.source
     assert 'if "google.colab" in sys.modules' in install.source and "%pip install" in install.source
+    assert "@ git+" in install.source  # from the repository: jbackends is not on PyPI
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
