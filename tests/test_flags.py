@@ -583,24 +583,17 @@ def test_jb_jit_reports_call_time_at_verbose_level_2(caplog):
 # ------------------------------------------------------------------------------------- cross-thread / per-task state
 
 
-def test_default_changed_by_another_thread_never_serves_a_stale_executable(defaults):
-    """A worker inside a scope; the main thread changes a process default the scope does not override."""
-    probe = Probe()
-    f = jax.jit(probe)
-    x = _x()
+def _worker_in_scope_while_main_changes_flash(scope, before_change, after_change) -> dict:
+    """Run ``before_change(results)`` in a worker inside ``with_backends(**scope)``, then (still in
+    the scope) ``after_change(results)`` once the main thread has set the process default flash=False."""
     entered, changed, results = threading.Event(), threading.Event(), {}
 
     def worker():
-        with jb.with_backends(math=False):
-            results["before"] = f(x)
+        with jb.with_backends(**scope):
+            before_change(results)
             entered.set()
             changed.wait(30)
-            try:
-                results["after"] = f(x)  # flash is now False here: 2x would be stale
-            except jb.FlagsOutOfSyncError as e:
-                results["error"] = e
-            jb.sync()
-            results["synced"] = f(x)
+            after_change(results)
 
     t = threading.Thread(target=worker)
     t.start()
@@ -608,6 +601,26 @@ def test_default_changed_by_another_thread_never_serves_a_stale_executable(defau
     jb.set_flags(flash=False)
     changed.set()
     t.join(60)
+    return results
+
+
+def test_default_changed_by_another_thread_never_serves_a_stale_executable(defaults):
+    """A worker inside a scope; the main thread changes a process default the scope does not override."""
+    f = jax.jit(Probe())
+    x = _x()
+
+    def before(results):
+        results["before"] = f(x)
+
+    def after(results):
+        try:
+            results["after"] = f(x)  # flash is now False here: 2x would be stale
+        except jb.FlagsOutOfSyncError as e:
+            results["error"] = e
+        jb.sync()
+        results["synced"] = f(x)
+
+    results = _worker_in_scope_while_main_changes_flash({"math": False}, before, after)
     chex.assert_trees_all_close(results["before"], 2 * x)
     assert "after" not in results or np.allclose(results["after"], 3 * x)
     assert "error" in results or "after" in results
@@ -615,23 +628,11 @@ def test_default_changed_by_another_thread_never_serves_a_stale_executable(defau
 
 
 def test_default_changed_by_another_thread_where_the_scope_overrides_it(defaults):
-    probe = Probe()
-    f = jax.jit(probe)
+    f = jax.jit(Probe())
     x = _x()
-    entered, changed, results = threading.Event(), threading.Event(), {}
-
-    def worker():
-        with jb.with_backends(flash=True, math=False):
-            entered.set()
-            changed.wait(30)
-            results["after"] = f(x)  # the scope pins flash: no error, and the scope's value
-
-    t = threading.Thread(target=worker)
-    t.start()
-    entered.wait(30)
-    jb.set_flags(flash=False)
-    changed.set()
-    t.join(60)
+    results = _worker_in_scope_while_main_changes_flash(
+        {"flash": True, "math": False}, lambda r: None,
+        lambda r: r.update(after=f(x)))  # the scope pins flash: no error, and the scope's value
     chex.assert_trees_all_close(results["after"], 2 * x)
 
 
