@@ -483,14 +483,14 @@ def test_mirror_setter_validates(defaults):
     [
         ({"allow_tf32": True}, "Precision.HIGH"),
         ({"float32_matmul_precision": "highest"}, "Precision.HIGHEST"),
-        ({"float32_matmul_precision": "medium"}, "BF16_BF16_F32"),
+        ({"float32_matmul_precision": "medium"}, "Precision.DEFAULT"),
     ],
 )
 def test_precision_visible_in_jaxpr(scope, expected):
     a = jnp.ones((3, 3))
     with jb.with_backends(**scope):
         text = str(jax.make_jaxpr(lambda a: a @ a)(a))
-    assert f"precision=({expected}, {expected})" in text or f"precision={expected}" in text  # preset
+    assert f"precision=({expected}, {expected})" in text
     assert "precision=" not in str(jax.make_jaxpr(lambda a: a @ a)(a))  # JAX's default outside the scope
 
 
@@ -514,7 +514,7 @@ def test_precision_change_retraces_jit():
 def test_global_precision_bridge_restores_jax_default(defaults):
     before = jax.config.jax_default_matmul_precision
     jb.set_float32_matmul_precision("medium")
-    assert jax.config.jax_default_matmul_precision == "BF16_BF16_F32"
+    assert jax.config.jax_default_matmul_precision == "bfloat16"
     jb.reset_flags()
     assert jax.config.jax_default_matmul_precision == before
 
@@ -723,7 +723,7 @@ def test_reload_keeps_defaults_precision_and_snapshot_class():
         importlib.reload(flags)
         assert jb.current_flags().flash is False, "defaults lost"
         assert isinstance(jb.current_flags(), jb.BackendFlags) and jb.current_flags() == snap
-        assert jax.config.jax_default_matmul_precision == "BF16_BF16_F32"
+        assert jax.config.jax_default_matmul_precision == "bfloat16"
         jb.reset_flags()
         assert jax.config.jax_default_matmul_precision == before, "saved JAX precision lost"
         print("ok")

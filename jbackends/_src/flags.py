@@ -220,10 +220,7 @@ def _sdp_mirrors(short: str) -> tuple[Mirror, ...]:
     return (("cuda", "setter", f"enable_{short}_sdp"), ("cuda", "getter", f"{short}_sdp_enabled"))
 
 
-# torch: "highest" = fp32, "high" = TF32 (or bf16x3), "medium" = bf16 products with fp32 accumulation.
-# "medium" is the explicit dot algorithm (XLA honours it on GPU/TPU; CPU computes it in fp32);
-# TF32 stays the Precision.HIGH hint because the TF32 algorithm preset does not compile on CPU.
-_PRECISION_TO_JAX = {"highest": "float32", "high": "tensorfloat32", "medium": "BF16_BF16_F32"}
+_PRECISION_TO_JAX = {"highest": "float32", "high": "tensorfloat32", "medium": "bfloat16"}
 _OPT_EINSUM_STRATEGIES = tuple(_opt_einsum.paths._PATH_OPTIONS)  # auto, greedy, optimal, dp, ...
 
 _DECLARATIONS: tuple[Flag, ...] = (
