@@ -220,6 +220,10 @@ def _sdp_mirrors(short: str) -> tuple[Mirror, ...]:
     return (("cuda", "setter", f"enable_{short}_sdp"), ("cuda", "getter", f"{short}_sdp_enabled"))
 
 
+# torch's "medium" lets float32 matmuls use bf16 internally where a fast kernel exists, else it acts as
+# "high". JAX's "bfloat16" (Precision.DEFAULT, XLA's fastest) is that portable hint. The explicit dot
+# algorithm BF16_BF16_F32 would be stricter, but XLA refuses algorithms a device cannot run (no bf16
+# tensor cores on Colab's T4; the TF32 preset does not even compile on CPU), so presets are not used.
 _PRECISION_TO_JAX = {"highest": "float32", "high": "tensorfloat32", "medium": "bfloat16"}
 _OPT_EINSUM_STRATEGIES = tuple(_opt_einsum.paths._PATH_OPTIONS)  # auto, greedy, optimal, dp, ...
 
