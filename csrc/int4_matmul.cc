@@ -16,12 +16,16 @@
 //
 // The integer dot uses u = q + 8 (0..15, unsigned) against the signed int8
 // activations qa, so that one `vpdpbusd` (AVX512-VNNI) or `vpmaddubsw` +
-// `vpmaddwd` (AVX512BW) step handles 64 bytes; the zero-point terms are
+// `vpmaddwd` (AVX512BW) step handles 64 bytes (32 bytes with AVX2
+// `vpmaddubsw` + `vpmaddwd` on ymm registers); the zero-point terms are
 // restored exactly per 32-k block:
 //   sum (qa - zp) (u - 8) = sum qa u - zp sum u - 8 sum qa + 8 zp * 32.
 // Low nibbles pair with the even-k activations and high nibbles with the odd
 // ones, so the activations are de-interleaved once per row instead of
 // shuffling the weights.
+//
+// Code paths, picked at run time (JbInt4SetIsa overrides): AVX512-VNNI,
+// AVX512BW, AVX2 + FMA (CPUs without AVX-512), scalar.
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
@@ -86,10 +90,16 @@ void ParallelFor(int64_t n, int64_t work, int64_t align, F&& f) {
 // ------------------------------------------------------ activation quantizer
 
 // One quantized input row: the de-interleaved int8 values, the per-32-block
-// sums of qa, the zero point and the reciprocal scale.
+// sums of qa, the zero point and the reciprocal scale. The arrays are
+// zero-padded to whole AVX2 steps (kPadBytes bytes, kPadBytes / 16 blocks) so
+// that the AVX2 path, which has no masked byte loads, reads them unmasked.
+constexpr int64_t kPadBytes = 128;
+
+int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
 struct QRow {
-  std::vector<int8_t> even, odd;  // [K/2] each
-  std::vector<int32_t> block_sum;  // [K/32]
+  std::vector<int8_t> even, odd;  // [K/2] each, padded to kPadBytes
+  std::vector<int32_t> block_sum;  // [K/32], padded to kPadBytes / 16
   int32_t zp;
   float recip;
 };
@@ -121,9 +131,9 @@ void QuantizeRow(const float* x, int64_t K, bool channelwise, QRow* r) {
   const int32_t zp = static_cast<int32_t>(std::lrintf(zpf));
   r->zp = zp;
   r->recip = recip;
-  r->even.resize(K / 2);
-  r->odd.resize(K / 2);
-  r->block_sum.assign(K / 32, 0);
+  r->even.assign(RoundUp(K / 2, kPadBytes), 0);
+  r->odd.assign(RoundUp(K / 2, kPadBytes), 0);
+  r->block_sum.assign(RoundUp(K / 32, kPadBytes / 16), 0);
   for (int64_t k = 0; k < K; ++k) {
     int32_t v = static_cast<int32_t>(std::round(x[k] * scale)) + zp;
     v = std::max(std::min(v, 127), -128);
@@ -360,6 +370,160 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void TailAvx512(
   acc = _mm512_min_ps(_mm512_set1_ps(FLT_MAX), acc);
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << nm) - 1), acc);
 }
+
+// ------------------------------------------------- AVX2 (no AVX-512) paths
+//
+// The AVX512BW algorithm on 256-bit registers: each 128-bit lane of a ymm
+// holds one 32-k block (16 weight bytes), a step covers 128 weight bytes (four
+// ymm, 8 blocks). AVX2 has no masked byte loads, so the last partial step
+// reads the weight through a zero-padded copy and the activations from the
+// zero padding of QRow (u = 0 and qa = 0 there; the blocks past K/32 are
+// computed but never read).
+
+// The block dot of the low and high nibbles at once: vpmaddubsw gives
+// |u0 a0 + u1 a1| <= 2 * 15 * 128 = 3840 per int16, so the sum of the two
+// products (<= 7680) cannot wrap and one vpmaddwd widens both.
+__attribute__((target("avx2,fma"))) inline __m256i DotAvx2(__m256i lo, __m256i ae,
+                                                           __m256i hi, __m256i ao) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  return _mm256_madd_epi16(
+      _mm256_add_epi16(_mm256_maddubs_epi16(lo, ae), _mm256_maddubs_epi16(hi, ao)), ones16);
+}
+
+// Four 8 x int32 vectors (four 32-byte chunks, each 128-bit lane one 32-k
+// block) -> the 8 block sums in order (the ReduceBlocks of the AVX2 path).
+__attribute__((target("avx2,fma"))) inline __m256i ReduceBlocksAvx2(__m256i a, __m256i b,
+                                                                    __m256i c, __m256i d) {
+  const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+  const __m256i r = _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+  // r[4 l + i] = sum of lane l of vector i; block 2 i + l wants [2 i + l].
+  return _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// dst + q * kRowBlock <- column q of the 8 x 8 int32 matrix src (row m =
+// src + 8 m), for q < nq. The standard unpack / permute2x128 network.
+__attribute__((target("avx2,fma"))) inline void StoreTransposed8(const int32_t* src,
+                                                                 int32_t* dst, int nq) {
+  __m256i r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + 8 * i));
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[h + c] = column c (low lane) and column c + 4 (high lane) of rows h..h+3
+  for (int h = 0; h < 8; h += 4) {
+    r[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+    r[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+    r[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+    r[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x20);
+    t[c + 4] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x31);
+  }
+  for (int q = 0; q < nq; ++q)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + q * kRowBlock), t[q]);
+}
+
+// BlockDots on AVX2. 128 weight bytes (256 k, 8 blocks) per step.
+__attribute__((target("avx2,fma"))) void BlockDotsAvx2(const uint8_t* w,
+                                                       const QRow* const* rows, int nm,
+                                                       int64_t K, int32_t* dots) {
+  const int64_t bytes = K / 2;
+  const __m256i mask4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones8 = _mm256_set1_epi8(1);
+  alignas(32) uint8_t wpad[kPadBytes];
+  alignas(32) int32_t tmp[kRowBlock * 8] = {0};  // rows m >= nm stay 0
+  for (int64_t c = 0; c < bytes; c += kPadBytes) {
+    const uint8_t* wc = w + c;
+    const int64_t left = bytes - c;
+    if (left < kPadBytes) {  // the last partial step: zero-padded copy
+      std::memset(wpad, 0, sizeof(wpad));
+      std::memcpy(wpad, wc, static_cast<size_t>(left));
+      wc = wpad;
+    }
+    __m256i lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * i));
+      lo[i] = _mm256_and_si256(wv, mask4);
+      hi[i] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask4);
+    }
+    const int nq = static_cast<int>(std::min<int64_t>(8, left / 16));
+    // sum of u per block: lo + hi <= 30 still fits a byte
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256i sb[4];
+    for (int i = 0; i < 4; ++i)
+      sb[i] = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(_mm256_add_epi8(lo[i], hi[i]), ones8), ones16);
+    const __m256i su = ReduceBlocksAvx2(sb[0], sb[1], sb[2], sb[3]);
+    const int64_t j0 = c / 16;
+    for (int m = 0; m < nm; ++m) {
+      const QRow* r = rows[m];
+      const int8_t* e = r->even.data() + c;  // in the kPadBytes padding
+      const int8_t* o = r->odd.data() + c;
+      __m256i d[4];
+      for (int i = 0; i < 4; ++i)
+        d[i] = DotAvx2(lo[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + 32 * i)),
+                       hi[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * i)));
+      const __m256i zp = _mm256_set1_epi32(r->zp);
+      __m256i v = ReduceBlocksAvx2(d[0], d[1], d[2], d[3]);
+      v = _mm256_sub_epi32(v, _mm256_mullo_epi32(zp, su));
+      const __m256i bs =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r->block_sum.data() + j0));
+      v = _mm256_sub_epi32(v, _mm256_slli_epi32(bs, 3));
+      v = _mm256_add_epi32(v, _mm256_slli_epi32(zp, 8));
+      // Full 8-block stores: `dots` has 16 blocks of slack past K/32.
+      if (nm == 1)  // one row: block sums contiguous (see TailOne)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots + j0), v);
+      else
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8 * m), v);
+    }
+    if (nm > 1) {  // rows 0..7, then rows 8..15 when present
+      StoreTransposed8(tmp, dots + j0 * kRowBlock, nq);
+      if (nm > 8) StoreTransposed8(tmp + 64, dots + j0 * kRowBlock + 8, nq);
+    }
+  }
+}
+
+// TailScalar with one lane per row m, 8 rows per ymm (the same operations per
+// lane; the fp32 group sum stays in order, mul and add are not fused).
+__attribute__((target("avx2,fma"))) void TailAvx2(const int32_t* dots, int64_t nb,
+                                                  int64_t per_group, bool channelwise,
+                                                  const float* s, const float* recip,
+                                                  const float* bias, int nm, float* out) {
+  for (int h = 0; h < nm; h += 8) {
+    const int32_t* dh = dots + h;
+    __m256 acc;
+    if (channelwise) {
+      __m256i iacc = _mm256_setzero_si256();
+      for (int64_t j = 0; j < nb; ++j)
+        iacc = _mm256_add_epi32(
+            iacc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + j * kRowBlock)));
+      acc = _mm256_mul_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(s[0]));
+    } else {
+      acc = _mm256_setzero_ps();
+      const int64_t G = nb / per_group;
+      for (int64_t g = 0; g < G; ++g) {
+        const int32_t* d = dh + g * per_group * kRowBlock;
+        __m256i iacc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d));
+        for (int64_t j = 1; j < per_group; ++j)
+          iacc = _mm256_add_epi32(
+              iacc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + j * kRowBlock)));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(s[g])));
+      }
+    }
+    acc = _mm256_mul_ps(acc, _mm256_loadu_ps(recip + h));
+    if (bias) acc = _mm256_add_ps(acc, _mm256_set1_ps(*bias));
+    // NaN-preserving clamp, as in TailAvx512.
+    acc = _mm256_max_ps(_mm256_set1_ps(-FLT_MAX), acc);
+    acc = _mm256_min_ps(_mm256_set1_ps(FLT_MAX), acc);
+    const int n = std::min(8, nm - h);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(out + h, lanes, acc);
+  }
+}
 #endif
 
 using BlockDotsFn = void (*)(const uint8_t*, const QRow* const*, int, int64_t,
@@ -377,12 +541,22 @@ bool HasAvx512() {
 #endif
 }
 
+bool HasAvx2() {
+#if JB_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
 BlockDotsFn PickBlockDots() {
 #if JB_X86
   if (HasAvx512()) {
     if (__builtin_cpu_supports("avx512vnni")) return &BlockDotsAvx512Vnni;
     return &BlockDotsAvx512Bw;
   }
+  if (HasAvx2()) return &BlockDotsAvx2;
 #endif
   return &BlockDotsScalar;
 }
@@ -390,6 +564,7 @@ BlockDotsFn PickBlockDots() {
 TailFn PickTail() {
 #if JB_X86
   if (HasAvx512()) return &TailAvx512;
+  if (HasAvx2()) return &TailAvx2;
 #endif
   return &TailScalar;
 }
@@ -402,6 +577,7 @@ const char* BlockDotsName() {
 #if JB_X86
   if (f == &BlockDotsAvx512Vnni) return "avx512vnni";
   if (f == &BlockDotsAvx512Bw) return "avx512bw";
+  if (f == &BlockDotsAvx2) return "avx2";
 #endif
   (void)f;
   return "scalar";
@@ -515,6 +691,110 @@ __attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
   for (; m + 2 <= nm; m += 2) DotRowsAvx512<2>(ue, uo, xe + m * half, xo + m * half, half, out + m);
   for (; m < nm; ++m) DotRowsAvx512<1>(ue, uo, xe + m * half, xo + m * half, half, out + m);
 }
+
+// The same on AVX2 + FMA: 8 bytes (16 k, within one group) per step.
+__attribute__((target("avx2,fma"))) void UnpackScaledRowAvx2(const uint8_t* w, int64_t K,
+                                                             int64_t groupsize, const float* s,
+                                                             float* ue, float* uo) {
+  const int64_t bytes = K / 2;
+  const __m256i eight = _mm256_set1_epi32(8);
+  const __m256i fifteen = _mm256_set1_epi32(15);
+  for (int64_t c = 0; c < bytes; c += 8) {
+    const __m256 sv = _mm256_set1_ps(s[(2 * c) / groupsize]);
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c)));
+    const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(v, fifteen), eight);
+    const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight);
+    _mm256_storeu_ps(ue + c, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), sv));
+    _mm256_storeu_ps(uo + c, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), sv));
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float HsumAvx2(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// out[r] = <x_r, w> for MB rows sharing each weight load, U ymm of each plane
+// per step: 2 U FMA chains per row (MB * 2 U = 8 accumulators of 16 ymm).
+template <int MB, int U>
+__attribute__((target("avx2,fma"))) inline void DotRowsAvx2(const float* ue, const float* uo,
+                                                            const float* xe, const float* xo,
+                                                            int64_t half, float* out) {
+  __m256 acc[MB][2 * U];
+  for (int r = 0; r < MB; ++r)
+    for (int a = 0; a < 2 * U; ++a) acc[r][a] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 * U <= half; i += 8 * U) {
+    __m256 e[U], o[U];
+    for (int u = 0; u < U; ++u) {
+      e[u] = _mm256_loadu_ps(ue + i + 8 * u);
+      o[u] = _mm256_loadu_ps(uo + i + 8 * u);
+    }
+    for (int r = 0; r < MB; ++r)
+      for (int u = 0; u < U; ++u) {
+        acc[r][2 * u] = _mm256_fmadd_ps(e[u], _mm256_loadu_ps(xe + r * half + i + 8 * u), acc[r][2 * u]);
+        acc[r][2 * u + 1] =
+            _mm256_fmadd_ps(o[u], _mm256_loadu_ps(xo + r * half + i + 8 * u), acc[r][2 * u + 1]);
+      }
+  }
+  for (; i < half; i += 8) {  // half is a multiple of 16
+    const __m256 e0 = _mm256_loadu_ps(ue + i), o0 = _mm256_loadu_ps(uo + i);
+    for (int r = 0; r < MB; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(e0, _mm256_loadu_ps(xe + r * half + i), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xo + r * half + i), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MB; ++r) {
+    __m256 t = acc[r][0];
+    for (int a = 1; a < 2 * U; ++a) t = _mm256_add_ps(t, acc[r][a]);
+    out[r] = HsumAvx2(t);
+  }
+}
+
+// A single row (decode): no L1 plane, the nibbles are converted in registers
+// and the scale is applied once per group, out = sum_g s[g] * sum_{k in g}
+// x[k] q[k]. 16 bytes (32 k) per step, four FMA chains.
+__attribute__((target("avx2,fma"))) float WeightOnlyOneAvx2(const uint8_t* w, const float* xe,
+                                                            const float* xo, int64_t K,
+                                                            int64_t groupsize, const float* s) {
+  const __m256i eight = _mm256_set1_epi32(8);
+  const __m256i fifteen = _mm256_set1_epi32(15);
+  const int64_t gbytes = groupsize / 2;  // a multiple of 16
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / groupsize; ++g) {
+    __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int64_t c = g * gbytes; c < (g + 1) * gbytes; c += 16)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c + 8 * h)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, fifteen), eight));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight));
+        d[2 * h] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe + c + 8 * h), d[2 * h]);
+        d[2 * h + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo + c + 8 * h), d[2 * h + 1]);
+      }
+    const __m256 dg = _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
+    acc = _mm256_fmadd_ps(dg, _mm256_set1_ps(s[g]), acc);
+  }
+  return HsumAvx2(acc);
+}
+
+__attribute__((target("avx2,fma"))) void WeightOnlyRowAvx2(
+    const uint8_t* w, const float* xe, const float* xo, int nm, int64_t K,
+    int64_t groupsize, const float* s, float* ue, float* uo, float* out) {
+  if (nm == 1) {
+    out[0] = WeightOnlyOneAvx2(w, xe, xo, K, groupsize, s);
+    return;
+  }
+  UnpackScaledRowAvx2(w, K, groupsize, s, ue, uo);
+  const int64_t half = K / 2;
+  int m = 0;
+  for (; m + 4 <= nm; m += 4) DotRowsAvx2<4, 1>(ue, uo, xe + m * half, xo + m * half, half, out + m);
+  for (; m + 2 <= nm; m += 2) DotRowsAvx2<2, 2>(ue, uo, xe + m * half, xo + m * half, half, out + m);
+  for (; m < nm; ++m) DotRowsAvx2<1, 4>(ue, uo, xe + m * half, xo + m * half, half, out + m);
+}
 #endif
 
 void WeightOnlyRowScalar(const uint8_t* w, const float* xe, const float* xo,
@@ -545,9 +825,14 @@ WoRowFn PickWoRow() {
 #if JB_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512bw")) return &WeightOnlyRowAvx512;
+  if (HasAvx2()) return &WeightOnlyRowAvx2;
 #endif
   return &WeightOnlyRowScalar;
 }
+
+// JbInt4SetIsa switches the weight-only row kernel along with the dyn-quant
+// one, so that the tests reach every path this CPU runs.
+std::atomic<WoRowFn> g_wo_row{PickWoRow()};
 
 void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
                       const float* bias, float* out, int64_t M, int64_t N,
@@ -561,7 +846,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
       xe[m * (K / 2) + k] = x[m * K + 2 * k];
       xo[m * (K / 2) + k] = x[m * K + 2 * k + 1];
     }
-  static const WoRowFn row_fn = PickWoRow();
+  const WoRowFn row_fn = g_wo_row.load();
   ParallelFor(N, M * N * K, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> ue(K / 2), uo(K / 2), res(kWoRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kWoRowBlock) {
@@ -649,22 +934,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
                                   .Attr<bool>("has_bias"));
 
 // The instruction set the dyn-quant kernel uses ("avx512vnni", "avx512bw",
-// "scalar").
+// "avx2", "scalar").
 extern "C" const char* JbInt4Isa() { return BlockDotsName(); }
 
-// Selects the dyn-quant code path (tests cover every path this CPU runs).
+// Selects the code path of both kernels (tests cover every path this CPU
+// runs; the weight-only kernel has one AVX-512 path for both AVX-512 names).
 // Returns 0 on success, -1 if the name is unknown or this CPU lacks it.
 extern "C" int JbInt4SetIsa(const char* name) {
   const std::string n(name);
   if (n == "scalar") {
     g_block_dots = &BlockDotsScalar;
     g_tail = &TailScalar;
+    g_wo_row = &WeightOnlyRowScalar;
     return 0;
   }
 #if JB_X86
   if (HasAvx512() && (n == "avx512bw" || (n == "avx512vnni" && __builtin_cpu_supports("avx512vnni")))) {
     g_block_dots = n == "avx512bw" ? &BlockDotsAvx512Bw : &BlockDotsAvx512Vnni;
     g_tail = &TailAvx512;
+    g_wo_row = &WeightOnlyRowAvx512;
+    return 0;
+  }
+  if (HasAvx2() && n == "avx2") {
+    g_block_dots = &BlockDotsAvx2;
+    g_tail = &TailAvx2;
+    g_wo_row = &WeightOnlyRowAvx2;
     return 0;
   }
 #endif

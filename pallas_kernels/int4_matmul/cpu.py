@@ -7,8 +7,8 @@ non-CPU-only wheel), `available()` is False and callers use `xla.py`.
 The kernels take ``x`` float32 ``[..., K]`` (any leading dims, flattened to
 rows), the packed weight ``[N, K/2]``, float32 scales ``[N, K/g]`` and a bias
 (zeros with ``has_bias=False`` when there is none). They are multi-threaded
-over N with ``std::thread`` and pick AVX512-VNNI / AVX512BW / scalar code at
-run time. ``vmap`` over ``x`` folds the batch into the rows; ``vmap`` over the
+over N with ``std::thread`` and pick AVX512-VNNI / AVX512BW / AVX2 / scalar
+code at run time. ``vmap`` over ``x`` folds the batch into the rows; ``vmap`` over the
 weight runs the kernel once per weight (``lax.map``).
 """
 from __future__ import annotations
@@ -61,7 +61,9 @@ def isa() -> str:
 
 
 def set_isa(name: str) -> bool:
-    """Selects the dyn-quant code path: "avx512vnni", "avx512bw" or "scalar".
+    """Selects the code path: "avx512vnni", "avx512bw", "avx2" or "scalar".
+
+    Switches the weight-only kernel too (one AVX-512 path for both AVX-512 names).
 
     Returns False (and changes nothing) when this CPU cannot run it. For tests
     and benchmarks; the default is the best path the CPU supports.

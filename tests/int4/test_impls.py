@@ -21,9 +21,9 @@ class TestCpp(Int4Suite):
     supports_odd_channelwise = False
     supports_bf16 = False
 
-    @pytest.mark.parametrize("isa", ["avx512bw", "scalar"])
+    @pytest.mark.parametrize("isa", ["avx512bw", "avx2", "scalar"])
     def test_other_code_paths(self, isa):
-        """The non-default paths (a CPU without VNNI / AVX-512) on the whole grid."""
+        """The non-default paths (a CPU without VNNI / AVX-512 / AVX2) on the whole grid."""
         from pallas_kernels.int4_matmul import base
         from tests.int4.int4_base import make_case, reference
         import numpy as np
@@ -34,6 +34,11 @@ class TestCpp(Int4Suite):
             for case in GRID:
                 x, p = make_case(*case)
                 np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p)))
+                # set_isa switches the weight-only row kernel too (float tolerance)
+                w = np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
+                want = np.asarray(x, np.float64) @ w.T + (0 if p.bias is None else np.asarray(p.bias, np.float64))
+                got = np.asarray(cpu.weight_only_matmul(x, p), np.float64)
+                np.testing.assert_allclose(got, want, rtol=0, atol=self.weight_only_tol * max(np.abs(want).max(initial=0), 1))
         finally:
             cpu.set_isa(default)
 
