@@ -191,21 +191,23 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
     opts = _options(d.chosen, flags, d.platform)
     return lambda a: impl.attention(a, **opts)
 
+  def combined(ds):
+    # The XLA-path choice (CPU's, else the first required platform's) also serves every platform
+    # without a branch of its own; it is passed once, as the default, so it is traced once.
+    fallback = next((d for d in ds if d.platform == "cpu"), ds[0])
+    if len(ds) == 1:
+      return branch(ds[0])(args)
+    return jax.lax.platform_dependent(
+        args, **{d.platform: branch(d) for d in ds if d is not fallback}, default=branch(fallback))
+
+  if not decisions:
+    raise ValueError("attention dispatch: no lowering platform to choose for (platforms is empty)")
   required = [d for d in decisions if d.platform in platforms]
-  fallback = next((d for d in decisions if d.platform == "cpu"), required[0])
-  if len(decisions) == 1:
-    out, lse = branch(decisions[0])(args)
-  else:
-    try:
-      out, lse = jax.lax.platform_dependent(
-          args, **{d.platform: branch(d) for d in decisions}, default=branch(fallback))
-    except Exception:  # noqa: BLE001 - an optional platform's kernel must never break this one
-      if len(required) == len(decisions):
-        raise
-      decisions = required
-      if len(required) == 1:
-        out, lse = branch(required[0])(args)
-      else:
-        out, lse = jax.lax.platform_dependent(
-            args, **{d.platform: branch(d) for d in required}, default=branch(fallback))
+  try:
+    out, lse = combined(decisions)
+  except Exception:  # noqa: BLE001 - an optional platform's kernel must never break a required one
+    if len(required) == len(decisions):
+      raise
+    decisions = required
+    out, lse = combined(required)
   return out, lse, tuple(decisions)

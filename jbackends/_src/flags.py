@@ -776,8 +776,9 @@ def compiler_options(flags: Any | None = None) -> dict[str, Any]:
 def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
     """Like `jax.jit`, with compile-time flags turned into XLA compiler options at call time.
 
-    `deterministic`, `benchmark`, `benchmark_limit`, `cudnn_enabled` and `preferred_blas_library` do not
-    change what is traced; they change how XLA compiles. `jb.jit` keeps one `jax.jit` per distinct option
+    `deterministic`, `benchmark`, `benchmark_limit`, `cudnn_enabled` and `preferred_blas_library` change
+    how XLA compiles (`cudnn_enabled` and `deterministic` also take part in tracing, e.g. the SDPA
+    choice). `jb.jit` keeps one `jax.jit` per distinct option
     set, so two flag settings never share an executable. Options given in `compiler_options=` win.
 
     Example:
@@ -804,25 +805,19 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     name = getattr(fun, "__name__", "jit")
 
+    def _plain() -> Callable:
+        f = jitted.get(None)
+        if f is None:
+            with lock:
+                f = jitted.setdefault(None, jax.jit(fun, **jit_kwargs))
+        return f
+
     @functools.wraps(fun)
     def wrapper(*args, **kwargs):
-        if _tracing():
-            # Nested in another trace: JAX accepts compiler options on top-level jits only, so this
-            # is a plain inner jit; under an outer jb.jit the outer one carries the same options.
-            if not _IN_JB_JIT.get():
-                changed = [n for n in _COMPILE_TIME if getattr(current_flags(), n) != FLAGS[n].default]
-                if changed or user_options:
-                    warnings.warn(
-                        f"jb.jit({name}) called inside a function traced by plain jax.jit (or another "
-                        f"transform): XLA compiler options only apply to a top-level jit, so "
-                        f"{', '.join(changed + sorted(user_options))} will not take effect here; make "
-                        "the outer function a jb.jit",
-                        stacklevel=2,
-                    )
-            f = jitted.get(None)
-            if f is None:
-                f = jitted.setdefault(None, jax.jit(fun, **jit_kwargs))
-            return f(*args, **kwargs)
+        if _tracing() and _IN_JB_JIT.get():
+            # Inside an outer jb.jit, which carries the same options (JAX accepts compiler options on
+            # top-level jits only): a plain inner jit.
+            return _plain()(*args, **kwargs)
         f = _for_current()
         token = _IN_JB_JIT.set(True)
         try:
@@ -831,6 +826,21 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
                 return verbose.call(name, f, *args, **kwargs)
             return f(*args, **kwargs)
+        except ValueError as e:
+            # Under another trace (jax.jit, lax.scan, also an eager grad; not an eager vmap) JAX
+            # refuses compiler options: run as a plain jit and say which options are lost.
+            if "top-level" not in str(e):
+                raise
+            changed = [n for n in _COMPILE_TIME if getattr(current_flags(), n) != FLAGS[n].default]
+            if changed or user_options:
+                warnings.warn(
+                    f"jb.jit({name}) runs under another trace (jax.jit, lax.scan, grad, ...): "
+                    f"XLA compiler options only apply to a top-level jit, so "
+                    f"{', '.join(changed + sorted(user_options))} will not take effect here; make the "
+                    "outer function a jb.jit",
+                    stacklevel=2,
+                )
+            return _plain()(*args, **kwargs)
         finally:
             _IN_JB_JIT.reset(token)
 

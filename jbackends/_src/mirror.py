@@ -55,7 +55,7 @@ def _guarded_setattr(valid: tuple[str, ...]):
     def __setattr__(self, name: str, value: Any) -> None:
         cls_attr = getattr(type(self), name, None)
         if name.startswith("_") or name in self.__dict__ or isinstance(cls_attr, property):
-            return super(type(self), self).__setattr__(name, value)
+            return types.ModuleType.__setattr__(self, name, value)
         raise AttributeError(
             f"module {self.__name__!r} has no attribute {name!r} to set; its flag attributes are "
             f"{list(valid)} (see jb.with_backends for every flag)"

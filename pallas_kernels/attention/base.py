@@ -391,15 +391,21 @@ def _fmix(h):
 def dropout_seed(rng, like=None) -> Array:
   """The two uint32 words of a jax PRNG key (typed or raw) that seed :func:`dropout_keep_mask`.
 
-  Under ``shard_map``, pass the (sharded) query as ``like``: the index of every mesh axis it varies
-  over is mixed into the seed, so each shard draws its own mask (shards see local batch / head
-  indices, which repeat across shards). Such masks are deterministic per key and mesh position but
-  differ from the unsharded call's; under plain ``jit`` with sharded inputs nothing changes.
+  Under ``shard_map``, pass the (sharded) operands as ``like`` (an array or a tuple of them: query,
+  key, value): the index of every mesh axis any of them varies over is mixed into the seed, so each
+  shard draws its own mask (shards see local batch / head / sequence indices, which repeat across
+  shards). Such masks are deterministic per key and mesh position but differ from the unsharded
+  call's; under plain ``jit`` with sharded inputs nothing changes. Under
+  ``shard_map(check_vma=False)`` JAX does not track which axes an array varies over, so nothing is
+  mixed in and shards repeat each other's masks: fold ``lax.axis_index`` into the key yourself there.
   """
   seed = _dropout_seed(rng)
-  varying = sorted(getattr(getattr(jax.typeof(like), "manual_axis_type", None), "varying", ()) or ()) \
-      if like is not None else ()
-  for name in varying:
+  arrays = like if isinstance(like, (tuple, list)) else (like,)
+  varying = set()
+  for x in arrays:
+    if x is not None:
+      varying |= set(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()) or ())
+  for name in sorted(varying):
     seed = jnp.stack([_mix(seed[0], _u32(jax.lax.axis_index(name))), seed[1]])
   return seed
 
@@ -536,7 +542,8 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
         jnp.arange(B, dtype=jnp.int32)[:, None, None, None],
         jnp.arange(N, dtype=jnp.int32)[None, :, None, None],
         jnp.arange(T, dtype=jnp.int32)[None, None, :, None],
-        jnp.arange(S, dtype=jnp.int32)[None, None, None, :], args.dropout_rate, like=args.q)
+        jnp.arange(S, dtype=jnp.int32)[None, None, None, :], args.dropout_rate,
+        like=(args.q, args.k, args.v))
     p = jnp.where(keep, p * (1.0 / (1.0 - args.dropout_rate)), 0).astype(p.dtype)
   pg = p.reshape(B, K, G, T, S)
   out = jnp.einsum("bkgts,bskh->btkgh", pg, v.astype(cdt), precision=prec,

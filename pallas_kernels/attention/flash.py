@@ -211,7 +211,7 @@ def make_spec(args: base.AttentionArgs, *, allow_tf32: bool = False) -> Spec:
 
 def dropout_seed_words(args: base.AttentionArgs):
   """``uint32[2]`` seed words for the in-kernel keep-mask (None without dropout)."""
-  return base.dropout_seed(args.dropout_rng, args.q) if args.has_dropout else None
+  return base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)) if args.has_dropout else None
 
 
 # ----------------------------------------------------------------------------------------------

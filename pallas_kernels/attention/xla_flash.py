@@ -182,7 +182,7 @@ def blockwise_attention(args: base.AttentionArgs, config: Config):
       mask_shape=None if args.mask is None else tuple(args.mask.shape))
   aux = dict(mask=args.mask, q_len=args.q_seq_lengths, kv_len=args.kv_seq_lengths,
              q_seg=args.q_segment_ids, kv_seg=args.kv_segment_ids,
-             seed=None if args.dropout_rng is None else base.dropout_seed(args.dropout_rng, args.q))
+             seed=None if args.dropout_rng is None else base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)))
   if T == 0 or S == 0:
     out = jnp.zeros((B, T, N, Hv), q.dtype)
     return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)

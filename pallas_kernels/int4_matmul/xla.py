@@ -95,11 +95,11 @@ def _sub_block_dots(a: jax.Array, w: jax.Array, groupsize: int, dtype) -> jax.Ar
         return jnp.sum(jnp.sum(prod, axis=-1, dtype=dtype), axis=-1)
     # Float sums: XLA CPU hands a float reduce to a library reduction that wants its operand in memory
     # (the products: 4 bytes per weight). Pairwise adds of halves stay elementwise, so they fuse.
-    for axis in (-1, -1):
+    for _ in range(2):  # the lanes axis, then the chunks axis
         while prod.shape[-1] > 1:
-            half = prod.shape[-1] // 2
-            prod = prod[..., :half] + prod[..., half:2 * half] + (
-                prod[..., 2 * half:] if prod.shape[-1] % 2 else 0)
+            n, half = prod.shape[-1], prod.shape[-1] // 2
+            summed = prod[..., :half] + prod[..., half:2 * half]
+            prod = jnp.concatenate([summed, prod[..., 2 * half:]], axis=-1) if n % 2 else summed
         prod = prod[..., 0]
     return prod
 

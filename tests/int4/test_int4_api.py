@@ -192,3 +192,16 @@ def test_xla_small_m_path_materializes_no_weight(g):
     for fn, limit in ((xla.dyn_quant_matmul, p.weight.nbytes), (xla.weight_only_matmul, dequantized // 3)):
         temp = jax.jit(fn).lower(x, p).compile().memory_analysis().temp_size_in_bytes
         assert temp < limit, (fn.__name__, temp, limit)
+
+
+@pytest.mark.parametrize("K", [10, 40, 120])  # channel-wise rows whose pairwise sums meet odd lengths
+def test_xla_weight_only_channelwise_short_rows(K):
+    from pallas_kernels.int4_matmul import base, xla
+
+    rng = np.random.default_rng(K)
+    w = jnp.asarray(rng.standard_normal((8, K)), jnp.float32)
+    q, s = Q.quantize_4bit(w, K)
+    p = Q.dyn_quant_pack_4bit_weight(q, s, None, K, K, 8)
+    x = jnp.asarray(rng.standard_normal((3, K)), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(base.dequantize(p.weight, p.scales, K), np.float64).T
+    np.testing.assert_allclose(np.asarray(jax.jit(xla.weight_only_matmul)(x, p)), want, rtol=0, atol=1e-5)
