@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 import opt_einsum as _opt_einsum
 
@@ -469,8 +470,6 @@ def _sync_precision(overrides: Mapping[str, Any]) -> None:
     before and restores it when no such scope is in force. A scope that does not change the precision
     leaves JAX's setting alone (so a user's own `jax.default_matmul_precision(...)` inside it stands).
     """
-    from jax._src import config as _jax_config  # noqa: PLC0415 - cheap after the first call
-
     state = _jax_config.default_matmul_precision
     ts = _thread_state
     owned = getattr(ts, "precision_owned", False)
@@ -519,7 +518,7 @@ def trace_flags() -> Any:
     snap = current_flags()
     expected = tuple(getattr(snap, n) for n in _TRACED)
     actual = _JIT_KEY.value
-    if actual != expected or _DEFAULTS_KEY.value != _key_of(_DEFAULTS):
+    if actual != expected:
         if _tracing():
             raise FlagsOutOfSyncError(
                 "jbackends flags in this context differ from the jit key of this thread, so a compiled "
@@ -581,7 +580,6 @@ def set_flags(**flags: Any) -> None:
       False
       >>> jb.reset_flags()
     """
-    global _defaults_version
     parsed = _validate(flags, "set_flags", _DEFAULTS)
     if _frozen:
         raise FlagsFrozenError(
@@ -591,28 +589,28 @@ def set_flags(**flags: Any) -> None:
     with _defaults_lock:
         _DEFAULTS.update(parsed)
         _explicit_defaults.update(parsed)
-        _defaults_version += 1
-        _JIT_KEY.set_global(_key_of(_DEFAULTS))
-        _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
-        _bridge_global_precision()
-    # This thread may hold a local key computed against the old defaults.
-    if dict(_OVERRIDES.get()):
-        _set_thread_key()
+        _publish_defaults()
 
 
 def reset_flags() -> None:
     """Restore every process default to its declared (torch) default."""
-    global _defaults_version
     if _frozen:
         raise FlagsFrozenError("process defaults are frozen (jb.disable_global_flags())")
     with _defaults_lock:
         _DEFAULTS.clear()
         _DEFAULTS.update({f.name: f.default for f in _DECLARATIONS})
         _explicit_defaults.clear()
-        _defaults_version += 1
-        _JIT_KEY.set_global(_key_of(_DEFAULTS))
-        _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
-        _bridge_global_precision()
+        _publish_defaults()
+
+
+def _publish_defaults() -> None:
+    """After `_DEFAULTS` changed (under `_defaults_lock`): snapshots, both jit keys, JAX's precision."""
+    global _defaults_version
+    _defaults_version += 1
+    _JIT_KEY.set_global(_key_of(_DEFAULTS))
+    _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
+    _bridge_global_precision()
+    # This thread may hold a local key computed against the old defaults.
     if dict(_OVERRIDES.get()):
         _set_thread_key()
 

@@ -388,6 +388,19 @@ def _fmix(h):
   return h ^ (h >> jnp.uint32(16))
 
 
+def manual_axis_type(x):
+  """The ``shard_map`` axis typing of ``x`` (which mesh axes it varies over); None outside JAX types."""
+  return getattr(jax.typeof(x), "manual_axis_type", None)
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """A kernel output's ``ShapeDtypeStruct`` that varies over the same mesh axes as ``like``.
+
+  Pallas outputs declared without it would be typed as replicated under ``shard_map``.
+  """
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=manual_axis_type(like))
+
+
 def dropout_seed(rng, like=None) -> Array:
   """The two uint32 words of a jax PRNG key (typed or raw) that seed :func:`dropout_keep_mask`.
 
@@ -404,7 +417,7 @@ def dropout_seed(rng, like=None) -> Array:
   varying = set()
   for x in arrays:
     if x is not None:
-      varying |= set(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()) or ())
+      varying |= set(getattr(manual_axis_type(x), "varying", ()) or ())
   for name in sorted(varying):
     seed = jnp.stack([_mix(seed[0], _u32(jax.lax.axis_index(name))), seed[1]])
   return seed

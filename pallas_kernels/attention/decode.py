@@ -195,9 +195,8 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
       pl.BlockSpec((None, S, None, spec.Hvp), lambda s, h, b: (b, 0, h, 0)),
   )
   # Under shard_map the outputs vary over the same mesh axes as the queries.
-  _mat = jax.typeof(args.q).manual_axis_type
-  out_shape = (jax.ShapeDtypeStruct((B, K, splits, M, spec.Hv), jnp.float32, manual_axis_type=_mat),
-               jax.ShapeDtypeStruct((B, K, splits, M), jnp.float32, manual_axis_type=_mat))
+  out_shape = (base.out_struct((B, K, splits, M, spec.Hv), jnp.float32, args.q),
+               base.out_struct((B, K, splits, M), jnp.float32, args.q))
   out_specs = (pl.BlockSpec((None, None, None, Mp, spec.Hvp), lambda s, h, b: (b, h, s, 0, 0)),
                pl.BlockSpec((None, None, None, Mp), lambda s, h, b: (b, h, s, 0)))
   kernel = functools.partial(_decode_kernel, spec=spec, M=M, Mp=Mp, block_k=block_k, chunk=chunk)

@@ -589,9 +589,8 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
       None if args.mask is None else _bias_spec(spec.mask_shape, head_index),
   )
   # Under shard_map the outputs vary over the same mesh axes as the queries.
-  _mat = jax.typeof(args.q).manual_axis_type
-  out_shape = (jax.ShapeDtypeStruct((spec.B, spec.T, spec.N, spec.Hv), args.dtype, manual_axis_type=_mat),
-               jax.ShapeDtypeStruct((spec.B, spec.N, spec.T), jnp.float32, manual_axis_type=_mat))
+  out_shape = (base.out_struct((spec.B, spec.T, spec.N, spec.Hv), args.dtype, args.q),
+               base.out_struct((spec.B, spec.N, spec.T), jnp.float32, args.q))
   out_specs = (pl.BlockSpec((None, block_q, None, spec.Hvp), lambda i, n, b: (b, i, n, 0)),
                pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, i)))
   kernel = functools.partial(_fwd_kernel, spec=spec, block_q=block_q, block_k=block_k)

@@ -314,11 +314,8 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
       }[dbias_mode],
   )
   # Under shard_map the outputs vary over the same mesh axes as the queries.
-  _mat = jax.typeof(args.q).manual_axis_type
-  out_shape = (jax.ShapeDtypeStruct(args.q.shape, args.q.dtype, manual_axis_type=_mat),
-               jax.ShapeDtypeStruct(args.k.shape, args.k.dtype, manual_axis_type=_mat),
-               jax.ShapeDtypeStruct(args.v.shape, args.v.dtype, manual_axis_type=_mat),
-               None if dbias0 is None else jax.ShapeDtypeStruct(dbias0.shape, dbias0.dtype, manual_axis_type=_mat))
+  out_shape = tuple(None if x is None else base.out_struct(x.shape, x.dtype, args.q)
+                    for x in (args.q, args.k, args.v, dbias0))
   out_specs = (pl.BlockSpec((None, block_q, G, spec.Hp), lambda p, h, b: (b, qb(p), h, 0)),
                pl.BlockSpec((None, block_k, None, spec.Hp), lambda p, h, b: (b, kb(p), h, 0)),
                pl.BlockSpec((None, block_k, None, spec.Hvp), lambda p, h, b: (b, kb(p), h, 0)),
