@@ -1,8 +1,9 @@
 """Builds the optional C++ CPU kernels (XLA FFI) next to the Python packages.
 
-Metadata lives in pyproject.toml. The extension is optional: without a C++
+Metadata lives in pyproject.toml. The extensions are optional: without a C++
 compiler, or without jaxlib's FFI headers at build time, the install still
-succeeds and the int4 matmul falls back to its pure-XLA implementation.
+succeeds and the int4 matmul and flash attention fall back to their pure-XLA
+implementations.
 """
 import importlib.util
 import os
@@ -55,7 +56,16 @@ def _extensions():
             extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
             extra_link_args=["-lpthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "pallas_kernels.attention._flash_cpu",
+            sources=["csrc/flash_attention.cc"],
+            include_dirs=[inc],
+            language="c++",
+            extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
+            extra_link_args=["-lpthread"],
+            optional=True,
+        ),
     ]
 
 

@@ -557,16 +557,21 @@ class Explanation:
     order: the backends in the priority order that was tried.
     reasons: ``SDPBackend -> reason`` for every backend not chosen.
     implementation: the implementation module that would run (e.g. ``"...xla_flash"``).
+    kernel: for FLASH off CUDA, which code that module runs and why: ``"C++ kernel (jax.ffi, ...)"``
+      or ``"blockwise XLA (C++ kernel not used: <reasons>)"``; None otherwise.
   """
   platform: str
   chosen: Optional[SDPBackend]
   order: Tuple[SDPBackend, ...]
   reasons: Mapping[SDPBackend, str]
   implementation: Optional[str]
+  kernel: Optional[str] = None
 
   def __str__(self) -> str:
     head = (f"SDPA on {self.platform}: {self.chosen.name} ({self.implementation})"
             if self.chosen is not None else f"SDPA on {self.platform}: no enabled backend can run")
+    if self.kernel:
+      head += f"\n  runs: {self.kernel}"
     return "\n".join([head] + [f"  {b.name}: {self.reasons[b]}" for b in self.order
                                if b in self.reasons])
 
@@ -620,6 +625,7 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     else:
       args, _ = _jaxnn_to_args(q, k, v, **kw)
     result["d"] = _dispatch.decide(args, flags, plat, only=only, device_info=device_info or None)
+    result["args"] = args
     return 0
 
   arrays, static = {}, {}
@@ -633,9 +639,19 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
   jax.eval_shape(lambda q, k, v, arr: probe(q, k, v, {**static, **arr}), query, key, value, arrays)
   d = result["d"]
   impl = None if d.chosen is None else _dispatch.implementation_for(d.chosen, plat).__name__
+  kernel = None
+  if impl == "pallas_kernels.attention.xla_flash":
+    from pallas_kernels.attention import cpu_flash, xla_flash  # noqa: PLC0415 - optional extension
+    kind, why = xla_flash.kernel(result["args"], plat,
+                                 xla_flash.Config(kernel=flags.flash_cpu_kernel))
+    kernel = (f"C++ kernel (jax.ffi, AVX2, {cpu_flash.threads()} threads)" if kind == "cpp"
+              else f"blockwise XLA (C++ kernel not used: {'; '.join(why)})")
+    if kind == "xla" and flags.flash_cpu_kernel == "cpp" and plat == "cpu":
+      kernel = f"error: flash_cpu_kernel='cpp' but {'; '.join(why)}"
   return Explanation(platform=plat, chosen=None if d.chosen is None else SDPBackend(d.chosen),
                      order=tuple(SDPBackend(b) for b in d.order),
-                     reasons={SDPBackend(b): r for b, r in d.reasons.items()}, implementation=impl)
+                     reasons={SDPBackend(b): r for b, r in d.reasons.items()}, implementation=impl,
+                     kernel=kernel)
 
 
 # ----------------------------------------------------------------------------------------------

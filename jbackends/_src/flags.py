@@ -238,6 +238,11 @@ _DECLARATIONS: tuple[Flag, ...] = (
           torch=("torch.backends.cuda.enable_math_sdp",), mirrors=_sdp_mirrors("math")),
     _bool("cudnn", True, "Allow the cuDNN SDPA backend (GPU only, via jax.nn's cudnn implementation).",
           torch=("torch.backends.cuda.enable_cudnn_sdp",), mirrors=_sdp_mirrors("cudnn")),
+    Flag("flash_cpu_kernel", "auto",
+         "What runs the FLASH SDPA backend when lowered for CPU: 'auto' (the C++ kernel through jax.ffi "
+         "where it can run the call, else blockwise XLA), 'cpp' (the C++ kernel or an error saying why "
+         "not), 'xla' (blockwise XLA only: portable jax.export artifacts, no custom call).",
+         _choice("auto", "cpp", "xla")),
     Flag("sdpa_priority", _SDP_DEFAULT_ORDER,
          "Order in which enabled SDPA backends are tried (SDPBackend members; unlisted ones follow).",
          _parse_sdpa_priority, torch=("torch.nn.attention.sdpa_kernel(set_priority=True)",)),

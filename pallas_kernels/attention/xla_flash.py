@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.attention import base
+from pallas_kernels.attention import base, cpu_flash
 
-__all__ = ["Config", "attention", "unsupported"]
+__all__ = ["Config", "attention", "kernel", "unsupported"]
 
 _HIGHEST = lax.Precision.HIGHEST
 _LOG2E = 1.4426950408889634
@@ -61,14 +61,23 @@ class Config:
     block_q_bwd: query block of the backward (default: ``block_q``).
     block_k_bwd: key block of the backward (default: ``block_k``).
     compute_dtype: dtype of the matmuls and the softmax (``"float32"``; inputs are upcast once).
+    kernel: what runs when the call is lowered for CPU: ``"auto"`` (the C++ kernel of
+      :mod:`cpu_flash` when it can run the call, else the blockwise XLA code), ``"cpp"`` (the C++
+      kernel or a ``NotImplementedError`` saying why not; CPU lowering only) or ``"xla"`` (always
+      the blockwise XLA code). Other platforms always lower the XLA code.
+    cpp: tiles of the C++ kernel (default :class:`cpu_flash.Config`).
   """
   block_q: int = 512
   block_k: int = 512
   block_q_bwd: Optional[int] = None
   block_k_bwd: Optional[int] = None
   compute_dtype: str = "float32"
+  kernel: str = "auto"
+  cpp: Optional[cpu_flash.Config] = None
 
   def __post_init__(self):
+    if self.kernel not in ("auto", "cpp", "xla"):
+      raise ValueError(f"Config.kernel must be 'auto', 'cpp' or 'xla'; got kernel={self.kernel!r}")
     for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
       val = getattr(self, name)
       if val is None and name.endswith("_bwd"):
@@ -114,16 +123,43 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
   return reasons
 
 
-def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **opts):
-  """XLA flash attention: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
+def kernel(args: base.AttentionArgs, platform: str = "cpu",
+           config: Optional[Config] = None) -> Tuple[str, list]:
+  """What runs ``args`` when lowered for ``platform``: ``("cpp" | "xla", reasons the C++ kernel
+  is not used)``."""
+  config = config or Config()
+  if config.kernel == "xla":
+    return "xla", ["kernel='xla' was requested (flag flash_cpu_kernel / Config.kernel)"]
+  why = cpu_flash.unsupported(args, platform)
+  return ("xla", why) if why else ("cpp", [])
 
-  Differentiable (``jax.vjp``) w.r.t. q, k, v; the backward recomputes per block.
+
+def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **opts):
+  """Flash attention off CUDA: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
+
+  Lowered for CPU, it runs the C++ kernel of :mod:`cpu_flash` when that can run the call (see
+  :func:`kernel` and ``Config.kernel``; without a ``config``, the ``cpu_kernel`` option, which the
+  dispatch fills from the ``flash_cpu_kernel`` flag, decides); otherwise, and on every other
+  platform, the blockwise XLA code of this module. Both give the same results (to float rounding). Differentiable
+  (``jax.vjp``) w.r.t. q, k, v; the backward recomputes per block.
   """
-  del opts
   reasons = unsupported(args, "any")
   if reasons:
     raise NotImplementedError("; ".join(reasons))
-  return blockwise_attention(args, config or Config.heuristics(args))
+  if config is None:
+    config = dataclasses.replace(Config.heuristics(args), kernel=opts.get("cpu_kernel", "auto"))
+  xla = functools.partial(blockwise_attention, config=config)
+  if config.kernel == "xla":
+    return xla(args)
+  why = cpu_flash.unsupported(args, "cpu")
+  if why:
+    if config.kernel == "cpp":
+      raise NotImplementedError("Config(kernel='cpp'): " + "; ".join(why))
+    return xla(args)
+  # Forcing the kernel ("cpp") forces it where it exists: other platforms of a multi-platform
+  # lowering still get the XLA code.
+  cpp = functools.partial(cpu_flash.attention, config=config.cpp)
+  return jax.lax.platform_dependent(args, cpu=cpp, default=xla)
 
 
 # ----------------------------------------------------------------------------------------------

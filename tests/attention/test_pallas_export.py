@@ -151,8 +151,27 @@ def _export_public(export_platforms, backend, **call_kw):
     with jb.sdpa_kernel([backend]):
       return jb.dot_product_attention(q, k, v, is_causal=True, **call_kw)
 
-  return export.export(jax.jit(f), platforms=export_platforms, disabled_checks=CHECKS)(
+  # A CPU branch carries the C++ flash kernel (a custom call of this package) where it is built.
+  checks = CHECKS + [export.DisabledSafetyCheck.custom_call(t) for t in _CPU_TARGETS]
+  return export.export(jax.jit(f), platforms=export_platforms, disabled_checks=checks)(
       q, k, k).mlir_module()
+
+
+_CPU_TARGETS = ("jb_flash_attention_fwd_f32", "jb_flash_attention_bwd_f32")
+
+
+@needs_dispatch
+def test_public_api_cpu_export_is_portable_with_the_xla_kernel_flag():
+  """flash_cpu_kernel='xla' keeps this package's custom calls out of a CPU export (no opt-in)."""
+  q = jnp.zeros((1, 40, 4, 64), jnp.float32)
+
+  def f(q):
+    return jb.dot_product_attention(q, q, q, is_causal=True)
+
+  with jb.with_backends(flash_cpu_kernel="xla"):
+    text = export.export(jax.jit(f), platforms=["cpu", "cuda"], disabled_checks=CHECKS)(
+        q).mlir_module()
+  assert not any(t in text for t in _CPU_TARGETS)
 
 
 @needs_dispatch

@@ -1,4 +1,5 @@
-"""XLA flash attention (the CPU FLASH_ATTENTION backend) on the shared grid, plus its own tiling tests."""
+"""The blockwise XLA flash code (FLASH off CUDA where the C++ kernel cannot run) on the shared grid,
+plus its own tiling tests. Config(kernel="xla") keeps the C++ kernel out of these tests."""
 import functools
 
 import jax
@@ -10,7 +11,7 @@ from pallas_kernels.attention import base, xla_flash
 from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
 
 # Small, unequal tiles so every grid case spans several ragged blocks (forward and backward differ).
-CFG = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=16)
+CFG = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=16, kernel="xla")
 
 
 class TestXlaFlash(AttentionTestBase):
@@ -30,7 +31,7 @@ def test_block_skipping_matches_reference(kw):
   args = make_case(Case("float32", "none", 53, 33, 32, 2))
   args = args.replace(**{k: v for k, v in kw.items() if k != "is_causal"},
                       causal=kw.get("is_causal", False))
-  cfg = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=32)
+  cfg = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=32, kernel="xla")
   out, lse = xla_flash.attention(args, config=cfg)
   ref, ref_lse = base.reference(args)
   assert_close(out, ref, 2e-5, "out")

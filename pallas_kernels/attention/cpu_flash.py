@@ -1,0 +1,241 @@
+"""FlashAttention-2 as a C++ CPU kernel inside XLA (``jax.ffi``): the fast CPU path of FLASH.
+
+``csrc/flash_attention.cc`` holds a forward and a backward kernel (AVX2 + FMA, register-blocked
+6 x 16 matmul tiles, base-2 online softmax, one thread per core), built by ``pip install`` next to
+this module. They compute exactly what :mod:`xla_flash` computes (same masks, same residuals:
+``out`` and the natural-log ``lse``), so :func:`xla_flash.attention` runs them on CPU whenever
+:func:`unsupported` has nothing to say, and the blockwise XLA implementation otherwise (and on every
+other platform, and where the extension could not be built).
+
+The kernels take causal masks (either alignment), local windows, query / key lengths and segment
+ids. They do not take an additive bias or boolean mask (neither does FLASH), a logits soft cap or
+dropout: those calls run the XLA implementation. Inputs of other float dtypes are computed in
+float32 (cast once) and cast back.
+
+Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
+thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from pallas_kernels.attention import base, cpu_flash
+  >>> q = jax.random.normal(jax.random.key(0), (1, 300, 4, 32))
+  >>> args = base.make_args(q, q, q, is_causal=True)
+  >>> if not cpu_flash.unsupported(args):
+  ...   out, lse = cpu_flash.attention(args)
+  ...   ref, _ = base.reference(args)
+  ...   assert jnp.allclose(out, ref, atol=1e-5)
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import importlib.util
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import base
+
+__all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "unsupported",
+           "attention"]
+
+#: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled
+#: (``jax.export.DisabledSafetyCheck.custom_call(FORWARD_TARGET)``): an exported artifact that
+#: carries them runs only where this extension is loaded. ``xla_flash.Config(kernel="xla")`` gives a
+#: portable one instead.
+FORWARD_TARGET = _FWD = "jb_flash_attention_fwd_f32"
+BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
+
+
+@functools.cache
+def _library() -> Optional[ctypes.CDLL]:
+  if os.environ.get("JBACKENDS_NO_CPP"):
+    return None
+  spec = importlib.util.find_spec(f"{__package__}._flash_cpu")
+  if spec is None or not spec.origin or not os.path.exists(spec.origin):
+    return None
+  try:
+    lib = ctypes.CDLL(spec.origin)
+    if not lib.JbFlashAvailable():
+      return None
+    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.JbFlashFwdF32), platform="cpu")
+    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.JbFlashBwdF32), platform="cpu")
+  except (OSError, AttributeError):
+    return None
+  return lib
+
+
+def available() -> bool:
+  """Whether the C++ kernels were built and this CPU can run them (x86-64 with AVX2 + FMA)."""
+  return _library() is not None
+
+
+def threads() -> int:
+  """Threads a large call uses (the CPUs this process may run on); 0 when unavailable."""
+  lib = _library()
+  return int(lib.JbFlashThreads()) if lib is not None else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiles of the C++ kernels (``block_k`` a multiple of 16).
+
+  The defaults were measured best on a 2-core AVX2 CPU at L = 4k, head dim 64: 64 query rows x 256
+  keys (the score tile stays in L2, the 16-key panels of k / v in L1).
+  """
+  block_q: int = 64
+  block_k: int = 256
+  block_q_bwd: int = 64
+  block_k_bwd: int = 256
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val < 1 or (name.startswith("block_k") and val % 16):
+        need = "a positive multiple of 16" if name.startswith("block_k") else "an int >= 1"
+        raise ValueError(f"cpu_flash.Config.{name} must be {need}; got {name}={val!r}")
+
+  def fit(self, args: base.AttentionArgs) -> "Config":
+    """Tiles no larger than the (16-rounded) sequence lengths."""
+    def f(n, b, m):
+      return max(m, min(b, -(-n // m) * m))
+    T, S = args.q_len, args.kv_len
+    return Config(block_q=f(T, self.block_q, 1), block_k=f(S, self.block_k, 16),
+                  block_q_bwd=f(T, self.block_q_bwd, 1), block_k_bwd=f(S, self.block_k_bwd, 16))
+
+
+def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
+  """Reasons the C++ kernels cannot run ``args`` on ``platform`` (empty if they can)."""
+  reasons = []
+  if platform != "cpu":
+    reasons.append(f"the C++ flash kernel is CPU only (lowering for {platform})")
+  if not available():
+    if os.environ.get("JBACKENDS_NO_CPP"):
+      reasons.append("the C++ flash kernel is switched off (JBACKENDS_NO_CPP is set)")
+    else:
+      reasons.append("the C++ flash kernel is not built or this CPU lacks AVX2 + FMA "
+                     "(pip install -e . with a C++ compiler)")
+  if args.bias is not None or args.mask is not None:
+    reasons.append("the C++ flash kernel takes no bias / boolean mask")
+  if args.logits_soft_cap is not None:
+    reasons.append("the C++ flash kernel has no logits soft cap")
+  if args.dropout_rate > 0:
+    reasons.append("the C++ flash kernel has no dropout")
+  if not jnp.issubdtype(args.q.dtype, jnp.floating):
+    reasons.append(f"the C++ flash kernel needs float inputs; got {args.q.dtype}")
+  return reasons
+
+
+def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **opts):
+  """C++ CPU flash attention: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
+
+  Differentiable (``jax.vjp``) w.r.t. q, k, v. Raises ``NotImplementedError`` naming the reasons
+  when :func:`unsupported` is not empty (CPU lowering is assumed; see :mod:`xla_flash` for the
+  per-platform choice).
+  """
+  del opts
+  reasons = unsupported(args, "cpu")
+  if reasons:
+    raise NotImplementedError("; ".join(reasons))
+  cfg = (config or Config()).fit(args)
+  window = args.window
+  st = _Static(scale=float(args.scale), causal=bool(args.causal), diag_offset=int(args.diag_offset),
+               window=None if window is None else (int(window[0]), int(window[1])),
+               has_q_len=args.q_seq_lengths is not None,
+               has_kv_len=args.kv_seq_lengths is not None,
+               has_seg=args.q_segment_ids is not None, cfg=cfg)
+  B = args.q.shape[0]
+  z = jnp.zeros((0,), jnp.int32)
+  ql = z if args.q_seq_lengths is None else jnp.broadcast_to(args.q_seq_lengths, (B,)).astype(jnp.int32)
+  kl = z if args.kv_seq_lengths is None else jnp.broadcast_to(args.kv_seq_lengths, (B,)).astype(jnp.int32)
+  qs = z if args.q_segment_ids is None else args.q_segment_ids.astype(jnp.int32)
+  ks = z if args.kv_segment_ids is None else args.kv_segment_ids.astype(jnp.int32)
+  if args.q_len == 0 or args.kv_len == 0:
+    B, T, N, _ = args.q.shape
+    return (jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
+            jnp.full((B, N, T), -jnp.inf, jnp.float32))
+  return _flash(st, args.q, args.k, args.v, (ql, kl, qs, ks))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  causal: bool
+  diag_offset: int
+  window: Optional[tuple]
+  has_q_len: bool
+  has_kv_len: bool
+  has_seg: bool
+  cfg: Config
+
+  def attrs(self, backward: bool):
+    left, right = self.window or (0, 0)
+    bq, bk = ((self.cfg.block_q_bwd, self.cfg.block_k_bwd) if backward
+              else (self.cfg.block_q, self.cfg.block_k))
+    return dict(scale=np.float32(self.scale), causal=self.causal,
+                diag_offset=np.int64(self.diag_offset), window=self.window is not None,
+                left=np.int64(left), right=np.int64(right), has_q_len=self.has_q_len,
+                has_kv_len=self.has_kv_len, has_seg=self.has_seg, block_q=np.int64(bq),
+                block_k=np.int64(bk))
+
+
+def _f32(x):
+  return x.astype(jnp.float32)
+
+
+def _struct(shape):
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+
+
+def _varying(outs, like):
+  """Types the FFI outputs as varying over the ``shard_map`` axes ``like`` varies over.
+
+  ``ffi_call`` types its results as replicated (and refuses output types that carry axes); each
+  shard's kernel computes its own values, so they vary like the inputs do.
+  """
+  axes = set()
+  for x in like:
+    t = base.manual_axis_type(x)
+    axes |= set(getattr(t, "varying", ()) or ())
+  if not axes:
+    return outs
+  return tuple(jax.lax.pcast(o, tuple(sorted(axes)), to="varying") for o in outs)
+
+
+def _forward(st, q, k, v, aux):
+  B, T, N, _ = q.shape
+  out, lse = jax.ffi.ffi_call(_FWD, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))),
+                              vmap_method="sequential")(
+      _f32(q), _f32(k), _f32(v), *aux, **st.attrs(False))
+  out, lse = _varying((out, lse), (q, k, v, *aux))
+  return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st, q, k, v, aux):
+  return _forward(st, q, k, v, aux)
+
+
+def _flash_fwd(st, q, k, v, aux):
+  out, lse = _forward(st, q, k, v, aux)
+  return (out, lse), (q, k, v, aux, out, lse)
+
+
+def _flash_bwd(st, res, g):
+  q, k, v, aux, out, lse = res
+  g_out, g_lse = g
+  delta = jnp.einsum("btnv,btnv->bnt", _f32(g_out), _f32(out), precision=jax.lax.Precision.HIGHEST)
+  if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero) and g_lse is not None:
+    delta = delta - _f32(g_lse)
+  structs = tuple(_struct(x.shape) for x in (q, k, v))
+  dq, dk, dv = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
+      _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True))
+  dq, dk, dv = _varying((dq, dk, dv), (q, k, v, g_out, lse, delta, *aux))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

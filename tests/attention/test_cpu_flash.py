@@ -1,0 +1,123 @@
+"""The C++ CPU flash kernel (jax.ffi) on the shared grid, its dispatch from xla_flash, and its threads."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import base, cpu_flash, xla_flash
+from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
+
+pytestmark = pytest.mark.skipif(not cpu_flash.available(),
+                                reason="C++ flash kernel not built or no AVX2 + FMA here")
+
+# Small, unequal tiles: every grid case spans several ragged blocks (forward and backward differ).
+CFG = cpu_flash.Config(block_q=5, block_k=16, block_q_bwd=7, block_k_bwd=32)
+
+
+class TestCpuFlash(AttentionTestBase):
+  impl = staticmethod(functools.partial(cpu_flash.attention, config=CFG))
+  supports_bias = False
+  supports_mask = False
+  supports_dropout = False
+  supports_softcap = False
+  unsupported_error = NotImplementedError
+
+
+def _check(args, cfg=None, tol=2e-5):
+  impl = functools.partial(cpu_flash.attention, config=cfg)
+  out, lse = jax.jit(impl)(args)
+  ref, ref_lse = base.reference(args)
+  assert_close(out, ref, tol, "out")
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  g = grads_of(impl, args, jit=True)
+  r = grads_of(base.reference, args, jit=True)
+  for name, a, b in zip(("dq", "dk", "dv"), g, r):
+    assert_close(a, b, 5e-5 * float(jnp.abs(b).max() + 1), name)
+
+
+@pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
+def test_threaded_paths_match_reference(kv_heads, batch):
+  """Calls big enough for every thread: one (batch, kv head) group -> per-thread dQ buffers;
+  groups a multiple of the threads -> whole groups per thread."""
+  key = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(key[0], (batch, 300, 2 * kv_heads, 64))
+  k = jax.random.normal(key[1], (batch, 290, kv_heads, 64))
+  v = jax.random.normal(key[2], (batch, 290, kv_heads, 64))
+  _check(base.make_args(q, k, v, is_causal=True))
+  _check(base.make_args(q, k, v, window=(100, 20)), cpu_flash.Config(block_q=32, block_k=64))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(is_causal=True, diag_offset=-20),           # T > S lower-right: whole query blocks empty
+    dict(window=(0, 0)),                             # one key per query
+    dict(window=(9, 2), is_causal=True, diag_offset=5),
+])
+def test_block_ranges_match_reference(kw):
+  args = make_case(Case("float32", "none", 53, 33, 32, 2))
+  args = args.replace(**{k: v for k, v in kw.items() if k != "is_causal"},
+                      causal=kw.get("is_causal", False))
+  _check(args, cpu_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
+
+
+def test_xla_flash_runs_it_on_cpu_and_says_why_not():
+  args = make_case(Case("float32", "top_left", 40, 40, 32, 2))
+  assert xla_flash.kernel(args) == ("cpp", [])
+  hlo = jax.jit(lambda a: xla_flash.attention(a)[0]).lower(args).as_text()
+  assert "jb_flash_attention_fwd_f32" in hlo
+  hlo = jax.jit(lambda a: xla_flash.attention(a, config=xla_flash.Config(kernel="xla"))[0]
+                ).lower(args).as_text()
+  assert "jb_flash_attention_fwd_f32" not in hlo
+  soft = args.replace(logits_soft_cap=20.0)
+  kind, why = xla_flash.kernel(soft)
+  assert kind == "xla" and any("soft cap" in w for w in why)
+  assert "jb_flash" not in jax.jit(lambda a: xla_flash.attention(a)[0]).lower(soft).as_text()
+  # The XLA path gives the same answer as the kernel.
+  a = xla_flash.attention(args)
+  b = xla_flash.attention(args, config=xla_flash.Config(kernel="xla"))
+  assert_close(a[0], b[0], 2e-5, "out")
+  # Forcing the kernel where it cannot run is an error, never a silent fallback.
+  with pytest.raises(NotImplementedError, match="soft cap"):
+    xla_flash.attention(soft, config=xla_flash.Config(kernel="cpp"))
+  with pytest.raises(ValueError, match="kernel"):
+    xla_flash.Config(kernel="fast")
+  assert "CPU only" in " ".join(cpu_flash.unsupported(args, "tpu"))
+
+
+def test_tpu_export_lowers_the_xla_code():
+  args = make_case(Case("float32", "top_left", 24, 24, 32, 1))
+
+  def f(q, k, v):
+    return xla_flash.attention(args.replace(q=q, k=k, v=v))[0]
+
+  exp = jax.export.export(jax.jit(f), platforms=["tpu"])(args.q, args.k, args.v)
+  assert "jb_flash_attention_fwd_f32" not in exp.mlir_module()
+  # A CPU export carries the kernel, a custom call JAX cannot promise to keep stable: it asks
+  # for an explicit opt-in (or Config(kernel="xla") for a portable artifact).
+  with pytest.raises(ValueError, match="jb_flash_attention_fwd_f32"):
+    jax.export.export(jax.jit(f), platforms=["cpu", "tpu"])(args.q, args.k, args.v)
+  checks = [jax.export.DisabledSafetyCheck.custom_call(cpu_flash.FORWARD_TARGET)]
+  exp = jax.export.export(jax.jit(f), platforms=["cpu", "tpu"], disabled_checks=checks)(
+      args.q, args.k, args.v)
+  assert "jb_flash_attention_fwd_f32" in exp.mlir_module()  # the CPU branch
+  assert_close(exp.call(args.q, args.k, args.v), base.reference(args)[0], 2e-5, "exported")
+
+
+def test_vmap_and_low_precision_inputs():
+  args = make_case(Case("bfloat16", "lower_right", 20, 30, 32, 2))
+  out, lse = cpu_flash.attention(args)
+  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  qs = jnp.stack([args.q, args.q * 0.5])
+  got = jax.vmap(lambda q: cpu_flash.attention(args.replace(q=q))[0])(qs)
+  for i in range(2):
+    want = cpu_flash.attention(args.replace(q=qs[i]))[0]
+    np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_k"):
+    cpu_flash.Config(block_k=24)
+  with pytest.raises(ValueError, match="block_q"):
+    cpu_flash.Config(block_q=0)
+  assert cpu_flash.threads() >= 1
