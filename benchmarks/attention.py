@@ -1,4 +1,8 @@
-"""CPU attention benchmark: jbackends' XLA flash against jax.nn (xla), torch's CPU SDPA and tokamax.
+"""CPU attention benchmark: jbackends' flash against jax.nn (xla), torch's CPU SDPA and tokamax.
+
+Rows ``jbackends flash`` (what FLASH runs on CPU by default: the C++ kernel through jax.ffi where it
+is built, the ratios' base) and ``jbackends flash (xla)`` (the blockwise XLA fallback, flag
+``flash_cpu_kernel="xla"``).
 
     python benchmarks/attention.py                      # L in {1k, 4k, 16k}, causal and not, fwd and fwd+bwd
     python benchmarks/attention.py --lengths 1024 4096 --repeats 5
@@ -11,6 +15,7 @@ Peak memory, and how it is measured:
 * JAX rows: ``jax.jit(f).lower(...).compile().memory_analysis()``: the executable's temporary
   buffers plus its outputs (inputs excluded), i.e. what the call allocates at its peak. It needs no
   run, so jax.nn at 16k is reported even where running it would not fit (its time is then "-").
+  Where the C++ flash kernel runs, its own allocations (``cpu_flash.workspace_bytes``) are added.
 * torch rows: the growth of the resident set (``/proc/self/statm``, sampled every 0.5 ms) of a
   fresh subprocess during one call after a warm-up call (inputs allocated before). Memory the
   allocator kept from the warm-up is not counted again, so this is a lower bound of what the call
@@ -42,14 +47,26 @@ B, N, D = 1, 8, 64
 def _jax_impls() -> dict:
   from jbackends import attention as jba
 
+  import jbackends as jb  # noqa: PLC0415
+
+  def flash_xla(q, k, v, c):
+    with jb.with_backends(flash_cpu_kernel="xla"):
+      return jba.dot_product_attention(q, k, v, is_causal=c, implementation="flash")
+
   impls = {
       "jbackends flash": lambda q, k, v, c: jba.dot_product_attention(
           q, k, v, is_causal=c, implementation="flash"),
+      "jbackends flash (xla)": flash_xla,
       "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(
           q, k, v, is_causal=c, implementation="xla"),
   }
   try:
     import tokamax  # noqa: PLC0415
+    from absl import flags as absl_flags  # noqa: PLC0415 - tokamax's dependency
+
+    # tokamax reads its absl flags on first use and would parse this script's argv as its own.
+    if not absl_flags.FLAGS.is_parsed():
+      absl_flags.FLAGS.mark_as_parsed()
 
     impls["tokamax xla_chunked"] = lambda q, k, v, c: tokamax.dot_product_attention(
         q, k, v, is_causal=c, implementation="xla_chunked")
@@ -77,9 +94,14 @@ def _best(f: Callable[[], Any], repeats: int) -> float:
 def bench_jax(name: str, impl, L: int, causal: bool, mode: str, repeats: int,
               max_run_bytes: float) -> dict:
   x = jax.ShapeDtypeStruct((B, L, N, D), jnp.float32)
-  compiled = jax.jit(_fn(impl, causal, mode)).lower(x, x, x).compile()
+  lowered = jax.jit(_fn(impl, causal, mode)).lower(x, x, x)
+  compiled = lowered.compile()
   ma = compiled.memory_analysis()
   mem = ma.temp_size_in_bytes + ma.output_size_in_bytes
+  if "jb_flash_attention_" in lowered.as_text():
+    # The C++ kernel's own allocations (packed k / v, tiles, dQ buffers) are not XLA buffers.
+    from pallas_kernels.attention import cpu_flash  # noqa: PLC0415
+    mem += cpu_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd")
   row = dict(impl=name, mem=mem, time=None)
   if mem > max_run_bytes:
     return row

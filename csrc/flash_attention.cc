@@ -357,6 +357,29 @@ JB_AVX2 void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
       float* sr = s + r * ldS;
       if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
         MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
+      if (sc.m[r] != -kInf) {
+        // One pass against the running max: no rescaling of acc unless this block's max exceeds
+        // it by more than 2^kSlack (then the row's scores are recomputed and rescaled as usual).
+        // Exponents stay <= kSlack, far from float overflow; lse = m + log2(l) is unchanged.
+        constexpr float kSlack = 64.f;
+        const __m256 mv = _mm256_set1_ps(sc.m[r]);
+        __m256 mx = _mm256_set1_ps(-kInf), sum = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nc; c += 8) {
+          const __m256 sv = _mm256_loadu_ps(sr + c);
+          mx = _mm256_max_ps(mx, sv);
+          const __m256 e = Exp2(_mm256_min_ps(_mm256_sub_ps(sv, mv), _mm256_set1_ps(kSlack)));
+          _mm256_storeu_ps(sr + c, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        if (HMax(mx) <= sc.m[r] + kSlack) {
+          sc.l[r] += HSum(sum);
+          continue;
+        }
+        Gemm<false>(1, nc, p.H, sc.qs.data() + r * p.H, p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, sr,
+                    ldS);
+        if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
+          MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
+      }
       __m256 mx = _mm256_set1_ps(-kInf);
       for (int64_t c = 0; c < nc; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + c));
       const float m_new = std::max(sc.m[r], HMax(mx));
@@ -417,15 +440,36 @@ void Forward(const Problem& p, const float* q, const float* k, const float* v, f
 // -------------------------------------------------------------- backward
 
 struct BwdScratch {
-  std::vector<float> qs, dos, pm, ds, dka, dva, lse2, dl;
+  std::vector<float> pm, ds, dka, dva;
   std::vector<int64_t> lo, hi;
 };
 
 struct BwdCtx {
   const Problem& p;
-  const float *q, *dout, *lse, *delta, *kt, *kp, *vt;
+  // Per query head bn = b * N + n, packed once: qs[bn][t][0:Hp] = q * scale * log2(e),
+  // dos[bn][t][0:Hv] = dO (both zero padded), lse2[bn][t] = lse * log2(e) (+inf where the row
+  // sees nothing, so that P = 0), dl[bn][t] = delta.
+  const float *qs, *dos, *lse2, *dl, *kt, *kp, *vt;
   float *dk, *dv;
 };
+
+// Packs query head bn for the backward (see BwdCtx).
+void PackQueries(const Problem& p, const float* q, const float* dout, const float* lse,
+                 const float* delta, float* qs, float* dos, float* lse2, float* dl, int64_t bn) {
+  const int64_t b = bn / p.N, n = bn % p.N;
+  for (int64_t t = 0; t < p.T; ++t) {
+    const float* qsrc = q + ((b * p.T + t) * p.N + n) * p.H;
+    float* qd = qs + (bn * p.T + t) * p.Hp;
+    for (int64_t d = 0; d < p.H; ++d) qd[d] = qsrc[d] * p.scale2;
+    for (int64_t d = p.H; d < p.Hp; ++d) qd[d] = 0.f;
+    float* dd = dos + (bn * p.T + t) * p.Hvp;
+    std::memcpy(dd, dout + ((b * p.T + t) * p.N + n) * p.Hv, p.Hv * 4);
+    for (int64_t d = p.Hv; d < p.Hvp; ++d) dd[d] = 0.f;
+    const float L = lse[bn * p.T + t];
+    lse2[bn * p.T + t] = L == -kInf ? kInf : L * kLog2e;
+    dl[bn * p.T + t] = delta[bn * p.T + t];
+  }
+}
 
 // Key block j of (batch b, kv head kh): dK / dV of its keys, dQ into dqb.
 // delta = rowsum(dO * O) - dlse; lse of the forward (natural log).
@@ -447,41 +491,32 @@ JB_AVX2 void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b,
     const int64_t n = kh * p.G + g;
     for (int64_t t0 = tlo / p.bq * p.bq; t0 < thi; t0 += p.bq) {
       const int64_t R = std::min(p.bq, p.T - t0);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t t = t0 + r;
-        RowRange(p, b, t, &sc.lo[r], &sc.hi[r]);
-        const float* qsrc = x.q + ((b * p.T + t) * p.N + n) * p.H;
-        float* qd = sc.qs.data() + r * p.Hp;
-        for (int64_t d = 0; d < p.H; ++d) qd[d] = qsrc[d] * p.scale2;
-        for (int64_t d = p.H; d < p.Hp; ++d) qd[d] = 0.f;
-        const float* dsrc = x.dout + ((b * p.T + t) * p.N + n) * p.Hv;
-        float* dd = sc.dos.data() + r * p.Hvp;
-        std::memcpy(dd, dsrc, p.Hv * 4);
-        for (int64_t d = p.Hv; d < p.Hvp; ++d) dd[d] = 0.f;
-        const float L = x.lse[(b * p.N + n) * p.T + t];
-        sc.lse2[r] = L == -kInf ? kInf : L * kLog2e;
-        sc.dl[r] = x.delta[(b * p.N + n) * p.T + t];
-      }
+      for (int64_t r = 0; r < R; ++r) RowRange(p, b, t0 + r, &sc.lo[r], &sc.hi[r]);
+      const int64_t row0 = (b * p.N + n) * p.T + t0;
+      const float* qs = x.qs + row0 * p.Hp;
+      const float* dos = x.dos + row0 * p.Hvp;
+      const float* lse2 = x.lse2 + row0;
+      const float* dl = x.dl + row0;
       float* pm = sc.pm.data();
       float* ds = sc.ds.data();
-      Gemm<false>(R, nc, p.H, sc.qs.data(), p.Hp, 1, ktb, 16, 16 * p.H, pm, ldS);
-      Gemm<false>(R, nc, p.Hv, sc.dos.data(), p.Hvp, 1, vtb, 16, 16 * p.Hv, ds, ldS);
+      Gemm<false>(R, nc, p.H, qs, p.Hp, 1, ktb, 16, 16 * p.H, pm, ldS);
+      Gemm<false>(R, nc, p.Hv, dos, p.Hvp, 1, vtb, 16, 16 * p.Hv, ds, ldS);
       for (int64_t r = 0; r < R; ++r) {
         float* pr = pm + r * ldS;
         float* dr = ds + r * ldS;
         if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
           MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, pr);
-        const __m256 l2 = _mm256_set1_ps(sc.lse2[r]);
-        const __m256 dl = _mm256_set1_ps(sc.dl[r]);
+        const __m256 l2 = _mm256_set1_ps(lse2[r]);
+        const __m256 dlv = _mm256_set1_ps(dl[r]);
         for (int64_t c = 0; c < nc; c += 8) {
           const __m256 e = Exp2(_mm256_sub_ps(_mm256_loadu_ps(pr + c), l2));
           _mm256_storeu_ps(pr + c, e);
-          _mm256_storeu_ps(dr + c, _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(dr + c), dl)));
+          _mm256_storeu_ps(dr + c, _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(dr + c), dlv)));
         }
       }
       // dV += P^T dO, dK += dS^T (q * scale * log2 e), dQ += dS K.
-      Gemm<true>(nc, p.Hvp, R, pm, 1, ldS, sc.dos.data(), p.Hvp, 16, sc.dva.data(), p.Hvp);
-      Gemm<true>(nc, p.Hp, R, ds, 1, ldS, sc.qs.data(), p.Hp, 16, sc.dka.data(), p.Hp);
+      Gemm<true>(nc, p.Hvp, R, pm, 1, ldS, dos, p.Hvp, 16, sc.dva.data(), p.Hvp);
+      Gemm<true>(nc, p.Hp, R, ds, 1, ldS, qs, p.Hp, 16, sc.dka.data(), p.Hp);
       Gemm<true>(R, p.Hp, nc, ds, ldS, 1, kpb, 16, 16 * p.Sp,
                  dqb + ((b * p.T + t0) * p.N + n) * p.Hp, p.N * p.Hp);
     }
@@ -507,6 +542,12 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
     PackKeys(p, k, p.H, p.Hp, kt.data(), kp.data(), bkh);
     PackKeys(p, v, p.Hv, p.Hvp, vt.data(), nullptr, bkh);
   });
+  const int64_t heads = p.B * p.N;
+  std::vector<float> qs(heads * p.T * p.Hp), dos(heads * p.T * p.Hvp), lse2(heads * p.T),
+      dl(heads * p.T);
+  ParallelTasks(heads, threads, [&](int64_t bn, int) {
+    PackQueries(p, q, dout, lse, delta, qs.data(), dos.data(), lse2.data(), dl.data(), bn);
+  });
   // Whole (batch, kv head) tasks own their dQ rows: one dQ buffer. With too
   // few of them to keep the threads busy, tasks are key blocks and every
   // thread accumulates dQ in a buffer of its own (summed at the end).
@@ -517,18 +558,15 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   std::vector<float> dqbuf(nbuf * qsize, 0.f);
   std::vector<BwdScratch> scratch(threads);
   for (auto& sc : scratch) {
-    sc.qs.resize(p.bq * p.Hp);
-    sc.dos.resize(p.bq * p.Hvp);
     sc.pm.resize(p.bq * p.bk);
     sc.ds.resize(p.bq * p.bk);
     sc.dka.resize(p.bk * p.Hp);
     sc.dva.resize(p.bk * p.Hvp);
-    sc.lse2.resize(p.bq);
-    sc.dl.resize(p.bq);
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }
-  const BwdCtx x{p, q, dout, lse, delta, kt.data(), kp.data(), vt.data(), dk, dv};
+  const BwdCtx x{p, qs.data(), dos.data(), lse2.data(), dl.data(), kt.data(), kp.data(),
+                 vt.data(), dk, dv};
   if (whole) {
     ParallelTasks(groups, threads, [&](int64_t task, int id) {
       for (int64_t j = 0; j < nk; ++j)

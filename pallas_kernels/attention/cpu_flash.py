@@ -13,7 +13,15 @@ dropout: those calls run the XLA implementation. Inputs of other float dtypes ar
 float32 (cast once) and cast back.
 
 Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
-thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``.
+thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``;
+:func:`workspace_bytes` gives it (``memory_analysis`` of an executable cannot see it).
+
+Limits: ``jax.vmap`` runs the kernel once per batch element (``vmap_method="sequential"``); under
+``shard_map`` each shard runs it on its own block; under plain ``jit`` with sharded inputs XLA cannot
+partition a custom call, so every device runs it on the gathered inputs (correct, not parallel): use
+``shard_map``, or the flag ``flash_cpu_kernel="xla"`` (blockwise XLA, which GSPMD partitions). A CPU
+``jax.export`` carries the custom calls and needs them allowed explicitly (see ``FORWARD_TARGET``).
+Forward-mode AD (``jvp``) is not defined (a ``custom_vjp``, like the XLA implementation).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -41,7 +49,7 @@ import numpy as np
 from pallas_kernels.attention import base
 
 __all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "unsupported",
-           "attention"]
+           "attention", "workspace_bytes"]
 
 #: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled
 #: (``jax.export.DisabledSafetyCheck.custom_call(FORWARD_TARGET)``): an exported artifact that
@@ -84,10 +92,11 @@ def threads() -> int:
 class Config:
   """Tiles of the C++ kernels (``block_k`` a multiple of 16).
 
-  The defaults were measured best on a 2-core AVX2 CPU at L = 4k, head dim 64: 64 query rows x 256
-  keys (the score tile stays in L2, the 16-key panels of k / v in L1).
+  The defaults were measured best on a 2-core AVX2 CPU at L = 4k, head dim 64: 96 query rows x 256
+  keys forward (a multiple of the 6-row matmul tile; the score tile stays in L2, a 16-key panel of
+  k / v in L1), 64 x 256 backward (its two score-sized tiles).
   """
-  block_q: int = 64
+  block_q: int = 96
   block_k: int = 256
   block_q_bwd: int = 64
   block_k_bwd: int = 256
@@ -106,6 +115,32 @@ class Config:
     T, S = args.q_len, args.kv_len
     return Config(block_q=f(T, self.block_q, 1), block_k=f(S, self.block_k, 16),
                   block_q_bwd=f(T, self.block_q_bwd, 1), block_k_bwd=f(S, self.block_k_bwd, 16))
+
+
+def workspace_bytes(q_shape, k_shape, v_shape, *, backward: bool, config: Optional[Config] = None,
+                    num_threads: Optional[int] = None) -> int:
+  """Bytes the kernel allocates outside XLA's buffers during one call (``memory_analysis`` of the
+  executable cannot see them): packed copies of k and v (backward: of q and dO too), the per-thread
+  tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``.
+  """
+  B, T, N, H = q_shape
+  S, K, Hv = k_shape[1], k_shape[2], v_shape[3]
+  cfg = config or Config()
+  r16 = lambda n: -(-n // 16) * 16  # noqa: E731
+  Hp, Hvp, Sp = r16(H), r16(Hv), r16(S)
+  nt = num_threads or max(threads(), 1)
+  if not backward:
+    bq, bk = cfg.block_q, cfg.block_k
+    packs = B * K * (H + Hvp) * Sp
+    tiles = nt * (bq * H + bq * bk + bq * Hvp + 2 * bq + 4 * bq)
+    return 4 * (packs + tiles)
+  bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+  packs = B * K * (H * Sp + Sp * Hp + Hv * Sp) + B * N * T * (Hp + Hvp + 2)
+  groups = B * K
+  whole = nt == 1 or groups >= 4 * nt or groups % nt == 0
+  dq = (1 if whole else nt) * B * T * N * Hp
+  tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq)
+  return 4 * (packs + dq + tiles)
 
 
 def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:

@@ -121,3 +121,24 @@ def test_config_validation():
   with pytest.raises(ValueError, match="block_q"):
     cpu_flash.Config(block_q=0)
   assert cpu_flash.threads() >= 1
+
+
+def test_scores_jumping_between_key_blocks():
+  """The forward's one-pass softmax against the running max recomputes a row whose scores jump
+  by more than its slack (2^64) in a later key block; small jumps take the one-pass route."""
+  key = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(key[0], (1, 40, 2, 32))
+  k = jax.random.normal(key[1], (1, 96, 2, 32))
+  v = jax.random.normal(key[2], (1, 96, 2, 32))
+  cfg = cpu_flash.Config(block_q=8, block_k=16, block_q_bwd=8, block_k_bwd=16)
+  u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
+  scale = 1 / np.sqrt(32)
+  for jump in (3.0, 60.0):  # natural-log logits grow by `jump` per key block: one pass / recompute
+    ramp = (jump / scale) * (jnp.arange(96) // 16).astype(jnp.float32)
+    kk = k * 0.1 + ramp[None, :, None, None] * u[None, None, None, :]
+    qq = q * 0.1 + u[None, None, None, :]
+    args = base.make_args(qq, kk, v, is_causal=True, diag_offset=56)
+    lse_ref = base.reference(args)[1]
+    assert float(jnp.max(lse_ref)) > 5 * jump  # several blocks' worth of growth
+    # Logits of a few hundred carry ~1e-5 absolute float32 rounding in any summation order.
+    _check(args, cfg, tol=5e-5 if jump < 10 else 3e-4)
