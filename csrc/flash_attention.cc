@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -58,7 +60,11 @@ int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // ---------------------------------------------------------------- threading
 
+std::atomic<int> g_threads_override{0};
+
 int HwThreads() {
+  const int forced = g_threads_override.load(std::memory_order_relaxed);
+  if (forced > 0) return forced;
   static const int n = [] {
 #if defined(__linux__)
     cpu_set_t set;
@@ -86,6 +92,25 @@ void ParallelTasks(int64_t n, int threads, F&& f) {
   auto worker = [&](int id) {
     for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t, id);
   };
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int i = 1; i < threads; ++i) pool.emplace_back(worker, i);
+  worker(0);
+  for (auto& th : pool) th.join();
+}
+
+// Runs f(task, thread) with task t on thread t % threads, each thread in task
+// order: which thread accumulates which task never changes from run to run.
+template <typename F>
+void StaticTasks(int64_t n, int threads, F&& f) {
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  auto worker = [&](int id) {
+    for (int64_t t = id; t < n; t += threads) f(t, id);
+  };
+  if (threads == 1) {
+    worker(0);
+    return;
+  }
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
   for (int i = 1; i < threads; ++i) pool.emplace_back(worker, i);
@@ -183,7 +208,8 @@ JB_AVX2 void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
 // 2^x for x <= 0 (a softmax exponent), ~2 ulp; exactly 0 for x <= -127 (incl.
 // -inf): the exponent field of 2^n is then 0, so the product is +0.
 JB_AVX2 inline __m256 Exp2(__m256 x) {
-  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  // max(-127, x) rather than max(x, -127): a NaN x stays NaN (maxps returns its second operand).
+  const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
   const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(xc, n);  // [-0.5, 0.5]
   // Minimax polynomial of 2^f on [-0.5, 0.5] (Cephes exp2f coefficients).
@@ -367,7 +393,7 @@ JB_AVX2 void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
         for (int64_t c = 0; c < nc; c += 8) {
           const __m256 sv = _mm256_loadu_ps(sr + c);
           mx = _mm256_max_ps(mx, sv);
-          const __m256 e = Exp2(_mm256_min_ps(_mm256_sub_ps(sv, mv), _mm256_set1_ps(kSlack)));
+          const __m256 e = Exp2(_mm256_min_ps(_mm256_set1_ps(kSlack), _mm256_sub_ps(sv, mv)));
           _mm256_storeu_ps(sr + c, e);
           sum = _mm256_add_ps(sum, e);
         }
@@ -573,8 +599,9 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
         BwdKeyBlock(x, scratch[id], dqbuf.data(), task / p.K, task % p.K, j);
     });
   } else {
-    // Heaviest key blocks (the first ones under a causal mask) first.
-    ParallelTasks(groups * nk, threads, [&](int64_t task, int id) {
+    // Heaviest key blocks (the first ones under a causal mask) first. Static assignment: each
+    // thread's dQ buffer always sums the same blocks in the same order, so dQ is reproducible.
+    StaticTasks(groups * nk, threads, [&](int64_t task, int id) {
       const int64_t j = task / groups, bkh = task % groups;
       BwdKeyBlock(x, scratch[id], dqbuf.data() + id * qsize, bkh / p.K, bkh % p.K, j);
     });
@@ -662,8 +689,14 @@ ffi::Error FwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   if (e.failure()) return e;
 #if JB_X86
   if (p.B * p.T * p.N == 0) return ffi::Error::Success();
-  Forward(p, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
-          lse->typed_data());
+  try {
+    Forward(p, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
+            lse->typed_data());
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "flash attention: out of memory");
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(std::string("flash attention: ") + ex.what());
+  }
 #endif
   return ffi::Error::Success();
 }
@@ -687,9 +720,15 @@ ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   std::memset(dk->typed_data(), 0, dk->element_count() * 4);
   std::memset(dv->typed_data(), 0, dv->element_count() * 4);
   if (p.B * p.T * p.N == 0 || p.S == 0) return ffi::Error::Success();
-  Backward(p, q.typed_data(), k.typed_data(), v.typed_data(), dout.typed_data(),
-           lse.typed_data(), delta.typed_data(), dq->typed_data(), dk->typed_data(),
-           dv->typed_data());
+  try {
+    Backward(p, q.typed_data(), k.typed_data(), v.typed_data(), dout.typed_data(),
+             lse.typed_data(), delta.typed_data(), dq->typed_data(), dk->typed_data(),
+             dv->typed_data());
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "flash attention: out of memory");
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(std::string("flash attention: ") + ex.what());
+  }
 #endif
   return ffi::Error::Success();
 }
@@ -746,5 +785,8 @@ extern "C" int JbFlashAvailable() {
 #endif
 }
 
-// Threads the kernels use (the CPUs this process may run on).
+// Threads a large call uses (the CPUs this process may run on, or the override).
 extern "C" int JbFlashThreads() { return HwThreads(); }
+
+// Overrides the thread count (tests, benchmarks); 0 restores the default.
+extern "C" void JbFlashSetThreads(int n) { g_threads_override.store(n < 0 ? 0 : n); }

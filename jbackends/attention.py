@@ -644,7 +644,7 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     from pallas_kernels.attention import cpu_flash, xla_flash  # noqa: PLC0415 - optional extension
     kind, why = xla_flash.kernel(result["args"], plat,
                                  xla_flash.Config(kernel=flags.flash_cpu_kernel))
-    kernel = (f"C++ kernel (jax.ffi, AVX2, {cpu_flash.threads()} threads)" if kind == "cpp"
+    kernel = (f"C++ kernel (jax.ffi, AVX2, up to {cpu_flash.threads()} threads)" if kind == "cpp"
               else f"blockwise XLA (C++ kernel not used: {'; '.join(why)})")
     if kind == "xla" and flags.flash_cpu_kernel == "cpp" and plat == "cpu":
       kernel = f"error: flash_cpu_kernel='cpp' but {'; '.join(why)}"

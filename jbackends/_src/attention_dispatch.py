@@ -156,7 +156,7 @@ def _options(backend: int, flags: Any, platform: str) -> dict:
     return dict(low_precision=bool(flags.allow_fp16_bf16_reduction_math_sdp))
   if backend in (FLASH, EFFICIENT) and platform == "cuda":
     return dict(allow_tf32=bool(flags.allow_tf32))
-  if backend == FLASH:
+  if backend == FLASH and platform == "cpu":
     return dict(cpu_kernel=flags.flash_cpu_kernel)
   return {}
 

@@ -48,8 +48,8 @@ import numpy as np
 
 from pallas_kernels.attention import base
 
-__all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "unsupported",
-           "attention", "workspace_bytes"]
+__all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "set_threads",
+           "unsupported", "attention", "workspace_bytes"]
 
 #: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled
 #: (``jax.export.DisabledSafetyCheck.custom_call(FORWARD_TARGET)``): an exported artifact that
@@ -72,9 +72,23 @@ def _library() -> Optional[ctypes.CDLL]:
       return None
     jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.JbFlashFwdF32), platform="cpu")
     jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.JbFlashBwdF32), platform="cpu")
+    lib.JbFlashSetThreads.argtypes = [ctypes.c_int]
   except (OSError, AttributeError):
     return None
   return lib
+
+
+# Registered at import, so that a deserialized CPU export carrying the kernels runs in a fresh
+# process that imported jbackends (ctypes loading is cheap; nothing is compiled here).
+_library()
+
+
+def set_threads(n: int = 0) -> None:
+  """Overrides the kernels' thread count for this process (tests, benchmarks); 0 restores the
+  default (the CPUs this process may run on). Calls below ~8 MFLOP always run on one thread."""
+  lib = _library()
+  if lib is not None:
+    lib.JbFlashSetThreads(int(n))
 
 
 def available() -> bool:
@@ -121,7 +135,9 @@ def workspace_bytes(q_shape, k_shape, v_shape, *, backward: bool, config: Option
                     num_threads: Optional[int] = None) -> int:
   """Bytes the kernel allocates outside XLA's buffers during one call (``memory_analysis`` of the
   executable cannot see them): packed copies of k and v (backward: of q and dO too), the per-thread
-  tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``.
+  tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``
+  for ``num_threads`` threads (default: all, as a large call uses) and the unshrunk tiles, so it is
+  exact for long sequences and an upper bound for short ones.
   """
   B, T, N, H = q_shape
   S, K, Hv = k_shape[1], k_shape[2], v_shape[3]

@@ -1,7 +1,9 @@
 """FlashAttention-2 in plain XLA: blockwise online softmax, O(L x block) memory forward and backward.
 
-This is the CPU path of ``SDPBackend.FLASH_ATTENTION`` (and a portable fallback elsewhere). The
-algorithm is FlashAttention-2 (Dao, 2023, arXiv:2307.08691):
+This is ``SDPBackend.FLASH_ATTENTION`` off CUDA. Lowered for CPU, :func:`attention` runs the C++
+kernel of :mod:`cpu_flash` where that can run the call (flag ``flash_cpu_kernel`` /
+``Config.kernel``) and this blockwise XLA code otherwise (soft cap, dropout, no extension); every
+other platform lowers this code. The algorithm is FlashAttention-2 (Dao, 2023, arXiv:2307.08691):
 
 * Forward (Algorithm 1): an outer ``lax.scan`` over query blocks; for each, a ``lax.fori_loop`` over
   only the key blocks the block can see (causal / window structure, so fully masked blocks are never
@@ -27,7 +29,8 @@ Example:
   >>> from pallas_kernels.attention import base, xla_flash
   >>> q = jax.random.normal(jax.random.key(0), (1, 300, 4, 32))
   >>> args = base.make_args(q, q, q, is_causal=True)
-  >>> out, lse = xla_flash.attention(args, config=xla_flash.Config(block_q=128, block_k=128))
+  >>> cfg = xla_flash.Config(block_q=128, block_k=128, kernel="xla")  # this module's code
+  >>> out, lse = xla_flash.attention(args, config=cfg)
   >>> ref, _ = base.reference(args)
   >>> bool(jnp.allclose(out, ref, atol=1e-5))
   True

@@ -250,7 +250,8 @@ def test_shard_map_batch_and_head_sharding():
   got = f(q, k, k)
   want = base.reference(base.make_args(q, k, k, is_causal=True))[0]
   assert_close(got, want, 2e-5, "shard_map")
-  # sharded inputs through plain jit (GSPMD partitions the flash loops over batch and heads)
+  # sharded inputs through plain jit (GSPMD partitions the XLA flash loops; the C++ CPU kernel,
+  # a custom call, runs on the gathered inputs)
   sq = jax.device_put(q, NamedSharding(mesh, spec))
   sk = jax.device_put(k, NamedSharding(mesh, spec))
   g = jax.jit(jax.grad(lambda q: A.dot_product_attention(q, sk, sk, is_causal=True).sum()))(sq)

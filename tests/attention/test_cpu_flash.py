@@ -37,16 +37,46 @@ def _check(args, cfg=None, tol=2e-5):
     assert_close(a, b, 5e-5 * float(jnp.abs(b).max() + 1), name)
 
 
+@pytest.fixture
+def two_threads():
+  cpu_flash.set_threads(2)
+  yield
+  cpu_flash.set_threads(0)
+
+
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
-def test_threaded_paths_match_reference(kv_heads, batch):
-  """Calls big enough for every thread: one (batch, kv head) group -> per-thread dQ buffers;
-  groups a multiple of the threads -> whole groups per thread."""
+def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
+  """Calls big enough for two threads: one (batch, kv head) group -> key-block tasks with a dQ
+  buffer per thread; two groups -> whole groups per thread. Head dims not multiples of 16."""
+  del two_threads
   key = jax.random.split(jax.random.key(7), 3)
-  q = jax.random.normal(key[0], (batch, 300, 2 * kv_heads, 64))
-  k = jax.random.normal(key[1], (batch, 290, kv_heads, 64))
-  v = jax.random.normal(key[2], (batch, 290, kv_heads, 64))
+  q = jax.random.normal(key[0], (batch, 300, 2 * kv_heads, 40))
+  k = jax.random.normal(key[1], (batch, 290, kv_heads, 40))
+  v = jax.random.normal(key[2], (batch, 290, kv_heads, 24))
   _check(base.make_args(q, k, v, is_causal=True))
   _check(base.make_args(q, k, v, window=(100, 20)), cpu_flash.Config(block_q=32, block_k=64))
+
+
+def test_backward_is_reproducible_across_runs(two_threads):
+  """Key-block mode sums per-thread dQ buffers: the same blocks in the same order every run."""
+  del two_threads
+  key = jax.random.split(jax.random.key(11), 3)
+  q = jax.random.normal(key[0], (1, 260, 2, 32))
+  k = jax.random.normal(key[1], (1, 250, 1, 32))
+  args = base.make_args(q, k, k, is_causal=True)
+  cfg = cpu_flash.Config(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+  grad = jax.jit(jax.grad(lambda q: cpu_flash.attention(args.replace(q=q), config=cfg)[0].sum()))
+  first = np.asarray(grad(q))
+  for _ in range(4):
+    np.testing.assert_array_equal(np.asarray(grad(q)), first)
+
+
+def test_nan_inputs_give_nan_rows():
+  args = make_case(Case("float32", "none", 24, 24, 32, 1))
+  q = args.q.at[0, 3, 0, 5].set(jnp.nan)
+  out, _ = cpu_flash.attention(args.replace(q=q))
+  assert bool(jnp.all(jnp.isnan(out[0, 3, 0])))
+  assert bool(jnp.all(jnp.isfinite(out[0, 4])))
 
 
 @pytest.mark.parametrize("kw", [
@@ -142,3 +172,13 @@ def test_scores_jumping_between_key_blocks():
     assert float(jnp.max(lse_ref)) > 5 * jump  # several blocks' worth of growth
     # Logits of a few hundred carry ~1e-5 absolute float32 rounding in any summation order.
     _check(args, cfg, tol=5e-5 if jump < 10 else 3e-4)
+
+
+@pytest.mark.parametrize("name", ["pallas_kernels.attention.cpu_flash",
+                                  "pallas_kernels.attention.xla_flash"])
+def test_docstring_examples(name):
+  import doctest  # noqa: PLC0415
+  import importlib  # noqa: PLC0415
+
+  result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
