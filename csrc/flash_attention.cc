@@ -352,12 +352,14 @@ struct FwdCtx {
   int64_t nq;
 };
 
-// One (batch, query head, query block) task; heaviest blocks (the last ones
-// under a causal mask) come first.
+// One (batch, query head, query block) task. Tasks go head by head, so the
+// threads sweep the same head's k / v at the same time (it stays in L3 at long
+// lengths); within a head the heaviest blocks (the last ones under a causal
+// mask) come first.
 JB_AVX2 void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
   const Problem& p = x.p;
-  const int64_t heads = p.B * p.N, ldS = p.bk;
-  const int64_t i = x.nq - 1 - task / heads, bn = task % heads;
+  const int64_t ldS = p.bk;
+  const int64_t bn = task / x.nq, i = x.nq - 1 - task % x.nq;
   const int64_t b = bn / p.N, n = bn % p.N, kh = n / p.G;
   const int64_t t0 = i * p.bq, R = std::min(p.bq, p.T - t0);
   int64_t lo_all = p.S, hi_all = 0;
