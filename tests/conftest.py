@@ -2,6 +2,10 @@
 
 Four virtual CPU devices (for shard_map / sharding tests), strict rank promotion,
 and float64 left off (references upcast explicitly with numpy where they need it).
+
+The ``gpu`` lane: tests marked ``@pytest.mark.gpu`` run compiled kernels on a CUDA GPU and are
+skipped where JAX sees none. On a GPU machine run them with
+``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu`` (the default here is ``cpu``).
 """
 import os
 
@@ -13,6 +17,21 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: runs compiled kernels on a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
