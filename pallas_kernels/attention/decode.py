@@ -188,7 +188,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
       None if seed is None else pl.BlockSpec((2,), lambda s, h, b: (0,)),
       None if args.q_seq_lengths is None else scalar_spec(),
       None if args.kv_seq_lengths is None else scalar_spec(),
-      None if qseg is None else pl.BlockSpec((None, M), lambda s, h, b: (b, 0)),
+      None if qseg is None else pl.BlockSpec((None, Mp), lambda s, h, b: (b, 0)),
       None if args.kv_segment_ids is None else pl.BlockSpec((None, S), lambda s, h, b: (b, 0)),
       pl.BlockSpec((None, None, Mp, spec.Hp), lambda s, h, b: (b, h, 0, 0)),
       pl.BlockSpec((None, S, None, spec.Hp), lambda s, h, b: (b, 0, h, 0)),
