@@ -55,6 +55,7 @@ from jax.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gpu
 from pallas_kernels.attention import base
 
 Array = Any
@@ -128,12 +129,8 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
 
 @functools.lru_cache(maxsize=None)
 def local_compute_capability() -> Optional[int]:
-  """Compute capability of the first local GPU as an int (e.g. 90), None without a GPU."""
-  try:
-    dev = jax.devices("gpu")[0]
-    return int(str(dev.compute_capability).replace(".", ""))
-  except Exception:  # noqa: BLE001 - no GPU backend / attribute
-    return None
+  """Compute capability of the GPU being lowered for (e.g. 90): see :func:`pallas_kernels.gpu.compute_capability`."""
+  return gpu.compute_capability()
 
 
 def _pad_dim(h: int) -> int:

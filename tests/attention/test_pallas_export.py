@@ -5,6 +5,9 @@ For each kernel and two configs, forward and backward are exported for ``platfor
 Triton custom call (one per kernel launch, with the kernel's name and launch parameters), and each
 generated Triton module must pass the MLIR verifier. Exports for ``["cpu", "cuda"]`` must carry
 both paths and run on CPU. The dispatch tests go through the public API.
+
+Every export lowers inside :func:`pallas_kernels.gpu.cuda_target` (an abstract H100), which JAX >= 0.11
+needs to lower a Pallas GPU kernel on a machine with no GPU.
 """
 import functools
 import re
@@ -16,10 +19,19 @@ import numpy as np
 import pytest
 from jax import export
 
+from pallas_kernels import gpu
 from pallas_kernels.attention import base, decode, flash, flash_vjp, mem_efficient
 
 TRITON = "__gpu$xla.gpu.triton"
 CHECKS = [export.DisabledSafetyCheck.custom_call(TRITON)]
+
+
+def _export(f, platforms, disabled_checks=CHECKS):
+  """``export.export(f, ...)`` lowered for an abstract H100 (the arguments are built outside)."""
+  def run(*args):
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+      return export.export(f, platforms=list(platforms), disabled_checks=disabled_checks)(*args)
+  return run
 
 
 def _zeros(B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
@@ -48,8 +60,7 @@ def _export_fwd_bwd(impl, args, platforms=("cuda",)):
     return result
 
   with mock.patch.object(lowering, "lower_jaxpr_to_triton_module", verify):
-    exp = export.export(jax.jit(f), platforms=list(platforms), disabled_checks=CHECKS)(
-        args.q, args.k, args.v, args.bias)
+    exp = _export(jax.jit(f), platforms)(args.q, args.k, args.v, args.bias)
   assert verified and all(verified)
   return exp, exp.mlir_module(), len(verified)
 
@@ -129,8 +140,7 @@ def test_vmap_of_kernel_lowers():
   args = _zeros(1, 20, 20, 2, 1, 32)
   batched = jnp.zeros((3, 1, 20, 2, 32), jnp.bfloat16)
   f = jax.vmap(lambda q: flash.attention(args.replace(q=q), config=flash.Config(16, 16))[0])
-  text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=CHECKS)(
-      batched).mlir_module()
+  text = _export(jax.jit(f), ["cuda"])(batched).mlir_module()
   assert text.count(TRITON) == 1
 
 
@@ -153,8 +163,7 @@ def _export_public(export_platforms, backend, **call_kw):
 
   # A CPU branch carries the C++ flash kernel (a custom call of this package) where it is built.
   checks = CHECKS + [export.DisabledSafetyCheck.custom_call(t) for t in _CPU_TARGETS]
-  return export.export(jax.jit(f), platforms=export_platforms, disabled_checks=checks)(
-      q, k, k).mlir_module()
+  return _export(jax.jit(f), export_platforms, checks)(q, k, k).mlir_module()
 
 
 _CPU_TARGETS = ("jb_flash_attention_fwd_f32", "jb_flash_attention_bwd_f32")
@@ -169,8 +178,7 @@ def test_public_api_cpu_export_is_portable_with_the_xla_kernel_flag():
     return jb.dot_product_attention(q, q, q, is_causal=True)
 
   with jb.with_backends(flash_cpu_kernel="xla"):
-    text = export.export(jax.jit(f), platforms=["cpu", "cuda"], disabled_checks=CHECKS)(
-        q).mlir_module()
+    text = _export(jax.jit(f), ["cpu", "cuda"])(q).mlir_module()
   assert not any(t in text for t in _CPU_TARGETS)
 
 
