@@ -25,6 +25,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs compiled kernels on a CUDA GPU (skipped without one)")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Names the environment (CI runs the suite on the oldest and the newest JAX we support)."""
+    import importlib.metadata as md
+    import platform
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "absent"
+
+    pkgs = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "flax", "chex", "opt_einsum"))
+    devices = ", ".join(sorted({d.platform for d in jax.devices()}))
+    terminalreporter.write_line(f"environment: Python {platform.python_version()}, {pkgs}; devices: {devices}")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return

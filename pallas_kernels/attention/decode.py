@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import triton_backend
 from pallas_kernels.attention import base
 from pallas_kernels.attention import flash
 from pallas_kernels.attention import flash_vjp
@@ -202,7 +203,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   kernel = functools.partial(_decode_kernel, spec=spec, M=M, Mp=Mp, block_k=block_k, chunk=chunk)
   make_call = lambda interp: pl.pallas_call(  # noqa: E731
       kernel, grid=(splits, K, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interp, name="jb_decode_fwd")
   o_part, lse_part = flash.triton_call(make_call, operands, interpret=interpret)
   # Combine step: rescale each split's normalised partial by its share of the total softmax mass.

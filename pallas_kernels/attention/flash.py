@@ -55,7 +55,7 @@ from jax.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import gpu
+from pallas_kernels import gpu, triton_backend
 from pallas_kernels.attention import base
 
 Array = Any
@@ -593,7 +593,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   kernel = functools.partial(_fwd_kernel, spec=spec, block_q=block_q, block_k=block_k)
   make_call = lambda interp: pl.pallas_call(  # noqa: E731
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interp, name=name)
   out, lse = triton_call(make_call, operands, interpret=interpret)
   return out, lse

@@ -34,6 +34,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import triton_backend
 from pallas_kernels.attention import base
 from pallas_kernels.attention import flash
 
@@ -328,7 +329,7 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
   make_call = lambda interp: pl.pallas_call(  # noqa: E731
       kernel, grid=(P, K, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interp, name=name)
   dq, dk, dv, dbias = flash.triton_call(make_call, operands, interpret=interpret)
   if dbias is not None:

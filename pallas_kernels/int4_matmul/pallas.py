@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import triton_backend
+
 from . import base
 from .base import PackedInt4Weight
 
@@ -250,7 +252,7 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
         kernel, grid=grid,
         in_specs=(x_spec, x_spec, pl.BlockSpec((cfg.block_m,), lambda n, m, s: (m,)), w_spec, st_spec),
         out_specs=out_spec, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret, name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
     )(ae, ao, zp, packed.weight, packed.scales.T)
 
@@ -348,7 +350,7 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=
             in_specs=(x_spec, x_spec, w_spec, st_spec),
             out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n)),
             out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32),
-            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             interpret=interpret, name="jb_int4_w4a16",
         )(xe, xo, packed.weight, packed.scales.T)
         out = jnp.sum(parts, axis=0)

@@ -10,6 +10,7 @@ Every export lowers inside :func:`pallas_kernels.gpu.cuda_target` (an abstract H
 needs to lower a Pallas GPU kernel on a machine with no GPU.
 """
 import functools
+import warnings
 import re
 from unittest import mock
 
@@ -211,3 +212,47 @@ def test_explain_on_cuda_picks_the_pallas_kernels_with_reasons():
   assert e.chosen == jb.SDPBackend.EFFICIENT_ATTENTION
   assert "bias" in str(e)
   assert "mem_efficient" in str(e.implementation)
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX >= 0.11 deprecates the Pallas Triton backend and warns at every Triton lowering: the warning
+# is for kernel authors (us), and never reaches a user of our kernels.
+# ---------------------------------------------------------------------------------------------
+
+_DEPRECATED = "Pallas Triton backend is deprecated"
+
+
+def _triton_deprecation_warnings(fn):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn()
+  return [w for w in caught if _DEPRECATED in str(w.message)]
+
+
+def _plain_triton_kernel(params):
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+  x = jnp.zeros((16, 16), jnp.float32)
+  f = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),  # noqa: E731
+                               compiler_params=params)(x)
+  return lambda: _export(jax.jit(f), ["cuda"])(x)
+
+
+def test_jax_triton_deprecation_is_kept_from_users():
+  from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+  from pallas_kernels import triton_backend  # noqa: PLC0415
+
+  # Premise: on a JAX that deprecates the backend, a kernel with JAX's own params warns ...
+  jax_version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+  plain = _triton_deprecation_warnings(_plain_triton_kernel(plgpu.CompilerParams(num_warps=4)))
+  assert bool(plain) == (jax_version >= (0, 11)), plain
+  # ... and the same kernel with ours, and every kernel of this package, does not.
+  assert not _triton_deprecation_warnings(
+      _plain_triton_kernel(triton_backend.CompilerParams(num_warps=4)))
+  for kernel, T in (("flash", 50), ("mem_efficient", 50), ("decode", 5)):
+    module = {"flash": flash, "mem_efficient": mem_efficient, "decode": decode}[kernel]
+    args = _zeros(1, T, 40, 2, 1, 32, is_causal=True, diag_offset=35 if kernel == "decode" else 0)
+    assert not _triton_deprecation_warnings(lambda: _export_fwd_bwd(module.attention, args)), kernel
