@@ -1,6 +1,6 @@
 """Test configuration shared by the whole suite.
 
-Four virtual CPU devices (for shard_map / sharding tests), strict rank promotion,
+Eight virtual CPU devices (for shard_map / sharding tests), strict rank promotion,
 and float64 left off (references upcast explicitly with numpy where they need it).
 
 The ``gpu`` lane: tests marked ``@pytest.mark.gpu`` run compiled kernels on a CUDA GPU and are
@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402

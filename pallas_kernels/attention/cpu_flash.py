@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import partition
 from pallas_kernels.attention import base
 
 __all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "set_threads",
@@ -209,7 +210,25 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
     B, T, N, _ = args.q.shape
     return (jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
             jnp.full((B, N, T), -jnp.inf, jnp.float32))
-  return _flash(st, args.q, args.k, args.v, (ql, kl, qs, ks))
+  return _partitioned(st, (ql, kl, qs, ks))(args.q, args.k, args.v, ql, kl, qs, ks)
+
+
+def _partitioned(st, aux):
+  """The kernel as a :func:`partition.sharded_vjp`: batch- / kv-head-sharded inputs stay sharded."""
+  def fwd(q, k, v, *aux):
+    return _forward(st, q, k, v, aux)
+
+  def bwd(q, k, v, ql, kl, qs, ks, out, lse, g_out, g_lse):
+    return _flash_bwd(st, (q, k, v, (ql, kl, qs, ks), out, lse), (g_out, g_lse))[:3]
+
+  # Absent lengths / ids are (0,) placeholders: factors of their own, never split.
+  aux_factors = tuple((f"z{i}",) if a.shape == (0,) else f
+                      for i, (a, f) in enumerate(zip(aux, (("b",), ("b",), ("b", "t"), ("b", "s")))))
+  qf, lsef = ("b", "t", ("k", "g"), "h"), ("b", ("k", "g"), "t")
+  return partition.sharded_vjp(
+      fwd, bwd, in_factors=(qf, ("b", "s", "k", "h"), ("b", "s", "k", "e")) + aux_factors,
+      out_factors=(("b", "t", ("k", "g"), "e"), lsef), parallel=("b", "k"), diff=(0, 1, 2),
+      name="cpu flash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,16 +285,6 @@ def _forward(st, q, k, v, aux):
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, aux):
-  return _forward(st, q, k, v, aux)
-
-
-def _flash_fwd(st, q, k, v, aux):
-  out, lse = _forward(st, q, k, v, aux)
-  return (out, lse), (q, k, v, aux, out, lse)
-
-
 def _flash_bwd(st, res, g):
   q, k, v, aux, out, lse = res
   g_out, g_lse = g
@@ -287,6 +296,3 @@ def _flash_bwd(st, res, g):
       _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True))
   dq, dk, dv = _varying((dq, dk, dv), (q, k, v, g_out, lse, delta, *aux))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)

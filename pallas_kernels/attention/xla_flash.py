@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import partition
 from pallas_kernels.attention import base, cpu_flash
 
 __all__ = ["Config", "attention", "kernel", "unsupported"]
@@ -225,7 +226,71 @@ def blockwise_attention(args: base.AttentionArgs, config: Config):
   if T == 0 or S == 0:
     out = jnp.zeros((B, T, N, Hv), q.dtype)
     return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
-  return _flash(st, q, k, v, args.bias, aux)
+  return _partitioned(st, q, k, v, args.bias, aux)
+
+
+_AUX = ("mask", "q_len", "kv_len", "q_seg", "kv_seg", "seed")
+
+
+def _partitioned(st, q, k, v, bias, aux):
+  """The engine as a :func:`partition.sharded_vjp`: batch- / kv-head-sharded inputs stay sharded.
+
+  With dropout nothing is split (the keep-mask hashes the global batch and head indices).
+  """
+  B, T, N = q.shape[:3]
+  S = k.shape[1]
+  full = {"b": B, "t": T, "s": S, "n": N}
+
+  def dims(x, want, tag):  # a dimension that is broadcast (size 1 < full) gets a factor of its own
+    out = []
+    for d, (f, size) in enumerate(zip(want, x.shape)):
+      key = f if isinstance(f, str) else "n"
+      out.append(f if size == full.get(key, size) else f"{tag}{d}")
+    return tuple(out)
+
+  heads = ("k", "g")
+  present = [(n, aux[n]) for n in _AUX if aux[n] is not None]
+  factors = [("b", "t", heads, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "e")]
+  operands = [q, k, v]
+  partial = {}
+  if bias is not None:
+    f = dims(bias, ("b", heads, "t", "s"), "bias")
+    factors.append(f)
+    operands.append(bias)
+    partial[3] = tuple(p for p, d in (("b", 0), ("k", 1)) if f[d] != ("b", heads)[d])
+  for n, x in present:
+    want = {"mask": ("b", heads, "t", "s"), "q_len": ("b",), "kv_len": ("b",),
+            "q_seg": ("b", "t"), "kv_seg": ("b", "s"), "seed": ("seed",)}[n]
+    factors.append(dims(x, want, n + "_") if x.ndim == len(want) else
+                   tuple(f"{n}_{d}" for d in range(x.ndim)))
+    operands.append(x)
+  n_fixed = 4 if bias is not None else 3
+
+  def unpack(xs):
+    q, k, v = xs[:3]
+    b = xs[3] if bias is not None else None
+    a = dict.fromkeys(_AUX)
+    a.update(zip((n for n, _ in present), xs[n_fixed:]))
+    local = dataclasses.replace(
+        st, B=q.shape[0], N=q.shape[2], K=k.shape[2],
+        bias_shape=None if b is None else tuple(b.shape),
+        mask_shape=None if a["mask"] is None else tuple(a["mask"].shape))
+    return local, q, k, v, b, a
+
+  def fwd(*xs):
+    return _forward(*unpack(xs))
+
+  def bwd(*xs):
+    *ins, out, lse, g_out, g_lse = xs
+    local, q, k, v, b, a = unpack(ins)
+    dq, dk, dv, db = _backward(local, q, k, v, b, a, out, lse, g_out, g_lse)
+    return (dq, dk, dv) if b is None else (dq, dk, dv, db)
+
+  return partition.sharded_vjp(
+      fwd, bwd, in_factors=factors,
+      out_factors=(("b", "t", heads, "e"), ("b", heads, "t")),
+      parallel=() if st.rate > 0 else ("b", "k"), diff=tuple(range(n_fixed)),
+      grad_partial_sums=partial, name="blockwise flash")(*operands)
 
 
 # ---- layouts ---------------------------------------------------------------------------------
@@ -638,24 +703,3 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     dbias = db_all[:, :, :, :Tb, :Sb].reshape(Bb, Nb, Tb, Sb).astype(bias.dtype)
   return dq, dk, dv, dbias
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, bias, aux):
-  return _forward(st, q, k, v, bias, aux)
-
-
-def _flash_fwd(st, q, k, v, bias, aux):
-  out, lse = _forward(st, q, k, v, bias, aux)
-  return (out, lse), (q, k, v, bias, aux, out, lse)
-
-
-def _flash_bwd(st, res, g):
-  q, k, v, bias, aux, out, lse = res
-  g_out, g_lse = g
-  if isinstance(g_lse, jax.custom_derivatives.SymbolicZero):  # pragma: no cover
-    g_lse = None
-  dq, dk, dv, dbias = _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse)
-  return dq, dk, dv, dbias, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,117 @@
+"""Batch- and head-sharded inputs stay sharded through every attention backend (8 virtual CPU devices).
+
+For each backend the compiled forward and gradient carry no all-gather, the outputs and gradients
+keep the inputs' sharding, and the values match the same call on unsharded inputs. A bias broadcast
+over the batch gets its gradient summed across the batch shards (an all-reduce: the one collective
+it needs). Both of JAX's sharding modes: Auto (jit propagates) and Explicit (sharding in the types).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jbackends as jb
+from pallas_kernels import partition
+
+B, T, N, K, H = 4, 40, 4, 2, 16
+
+BACKENDS = {
+    "math": dict(backends=[jb.SDPBackend.MATH]),
+    "flash_cpp": dict(backends=[jb.SDPBackend.FLASH_ATTENTION], flash_cpu_kernel="auto"),
+    "flash_xla": dict(backends=[jb.SDPBackend.FLASH_ATTENTION], flash_cpu_kernel="xla"),
+    "efficient": dict(backends=[jb.SDPBackend.EFFICIENT_ATTENTION]),
+}
+
+
+def _mesh(axis_type="Auto"):
+  t = getattr(jax.sharding.AxisType, axis_type)
+  return jax.make_mesh((4, 2), ("b", "h"), axis_types=(t, t))
+
+
+def _inputs(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+  k = jax.random.normal(keys[1], (B, T, K, H), jnp.float32)
+  v = jax.random.normal(keys[2], (B, T, K, H), jnp.float32)
+  bias = jax.random.normal(keys[3], (1, N, T, T), jnp.float32)  # broadcast over the batch
+  mask = jax.random.uniform(keys[4], (B, 1, T, T)) > 0.2
+  return q, k, v, bias, mask
+
+
+def _call(name, with_bias):
+  cfg = dict(BACKENDS[name])
+  backends = cfg.pop("backends")
+
+  def loss(q, k, v, bias, mask):
+    with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
+      out = jb.dot_product_attention(q, k, v, bias=bias if with_bias else None,
+                                     mask=mask if with_bias else None, is_causal=not with_bias)
+    return out, (out.astype(jnp.float32) ** 2).sum()
+
+  def value_and_grads(q, k, v, bias, mask):
+    (l, out), g = jax.value_and_grad(lambda *a: loss(*a)[::-1], argnums=(0, 1, 2, 3),
+                                     has_aux=True)(q, k, v, bias, mask)
+    return out, l, g
+  return jax.jit(value_and_grads)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("spec", [P("b"), P("b", None, "h"), P(None, None, "h")],
+                         ids=["batch", "batch+heads", "heads"])
+def test_sharded_inputs_stay_sharded_with_no_all_gather(name, spec):
+  with_bias = name == "efficient"
+  mesh = _mesh()
+  q, k, v, bias, mask = _inputs()
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+  qs, ks, vs = put(q, spec), put(k, spec), put(v, spec)
+  bs, ms = put(bias, P()), put(mask, P(spec[0] if len(spec) else None))
+  f = _call(name, with_bias)
+  hlo = f.lower(qs, ks, vs, bs, ms).compile().as_text()
+  assert "all-gather" not in hlo, f"{name}: the compiled call gathers its inputs"
+  out, _, grads = f(qs, ks, vs, bs, ms)
+  ref_out, _, ref_grads = f(q, k, v, bias, mask)
+  want = NamedSharding(mesh, spec)
+  assert out.sharding.is_equivalent_to(want, out.ndim), (name, out.sharding)
+  for g in grads[:3]:
+    assert g.sharding.is_equivalent_to(want, g.ndim), (name, g.sharding)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+  if with_bias and spec[0] == "b":
+    assert "all-reduce" in hlo  # dbias: each batch shard holds a partial sum
+
+
+@pytest.mark.parametrize("name", ["flash_cpp", "flash_xla", "efficient"])
+def test_explicit_sharding_mode(name):
+  """``jax.make_mesh``'s Explicit axes (sharding in the types): the kernel runs under shard_map."""
+  with_bias = name == "efficient"
+  mesh = _mesh("Explicit")
+  q, k, v, bias, mask = _inputs(1)
+  spec = P("b", None, "h")
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+  f = _call(name, with_bias)
+  out, _, grads = f(put(q, spec), put(k, spec), put(v, spec), put(bias, P()), put(mask, P("b")))
+  ref_out, _, ref_grads = f(q, k, v, bias, mask)
+  assert out.sharding.spec[:3] == spec[:3] or out.sharding.spec == spec, out.sharding
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_of_a_sharded_kernel_runs_unpartitioned():
+  def kern(x):
+    return (jnp.cumsum(x, axis=1),)
+  f = partition.sharded(kern, in_factors=(("b", "t"),), out_factors=(("b", "t"),), parallel=("b",))
+  x = jax.random.normal(jax.random.key(0), (3, 4, 5))
+  np.testing.assert_allclose(np.asarray(jax.vmap(lambda x: f(x)[0])(x)), np.cumsum(x, axis=2),
+                             rtol=1e-6)
+
+
+def test_sharded_checks_its_factors():
+  with pytest.raises(ValueError, match="parallel factors \\['k'\\] appear in no operand"):
+    partition.sharded(lambda x: (x,), in_factors=(("b",),), out_factors=(("b",),), parallel=("k",))
+  f = partition.sharded(lambda x: (x,), in_factors=(("b", "t"),), out_factors=(("b", "t"),),
+                        parallel=("b",))
+  with pytest.raises(ValueError, match="has factors"):
+    f(jnp.zeros((2, 3, 4)))
