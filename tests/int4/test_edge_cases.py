@@ -208,3 +208,100 @@ def test_dyn_quant_grad_bfloat16_and_layer():
     grads = nnx.grad(lambda m: jnp.sum(m(xin) ** 2))(model)
     gk = grads.layers[0].kernel[...]
     assert gk.shape == (16, 64) and float(jnp.abs(gk).max()) > 0
+
+
+# ------------------------------------------------------------------------ jb.nn.quantize_4bit
+
+
+def _two_layers():
+    r = nnx.Rngs(0)
+    return nnx.Sequential(nnx.Linear(96, 64, rngs=r), nnx.relu, nnx.Linear(64, 8, rngs=r))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(groupsize=0), ValueError, "groupsize must be a positive multiple of 32, got groupsize=0"),
+    (dict(groupsize=-32), ValueError, "groupsize must be a positive multiple of 32"),
+    (dict(groupsize=48), ValueError, "groupsize must be a positive multiple of 32, got groupsize=48"),
+    (dict(groupsize=32.0), TypeError, "groupsize must be an int"),
+    (dict(groupsize=True), TypeError, "groupsize must be an int"),
+    (dict(groupsize=32, mode="int8"), ValueError, "mode must be one of"),
+    (dict(groupsize=32, compute_dtype=jnp.int8), TypeError, "compute_dtype must be None or float32"),
+    (dict(groupsize=32, filter="layers"), TypeError, "filter must be None or a callable"),
+    (dict(groupsize=32, channelwise_fallback="no"), TypeError, "channelwise_fallback must be a bool"),
+])
+def test_quantize_model_validates_up_front(kwargs, error, match):
+    model = _two_layers()
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    with pytest.raises(error, match=match):
+        jb.nn.quantize_4bit(model, **kwargs)
+    assert isinstance(model.layers[0], nnx.Linear) and isinstance(model.layers[2], nnx.Linear)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model)))
+
+
+@pytest.mark.parametrize("bad", [{"w": np.ones((4, 4))}, np.ones((4, 4)), None, [nnx.Linear(32, 4, rngs=nnx.Rngs(0))]])
+def test_quantize_model_refuses_a_non_module(bad):
+    with pytest.raises(TypeError, match="model must be a flax nnx.Module"):
+        jb.nn.quantize_4bit(bad, groupsize=32)
+
+
+def test_quantize_model_all_or_nothing():
+    """A layer that cannot be quantized leaves every layer as it was."""
+    r = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(64, 128, rngs=r), nnx.Linear(128, 96, rngs=r), nnx.Linear(96, 4, rngs=r))
+    with pytest.raises(ValueError, match="layers/2: groupsize=64 does not divide in_features=96"):
+        jb.nn.quantize_4bit(model, groupsize=64, channelwise_fallback=False)
+    assert all(isinstance(l, nnx.Linear) for l in model.layers)
+    odd = nnx.Sequential(nnx.Linear(64, 33, rngs=r), nnx.Linear(33, 4, rngs=r))
+    with pytest.raises(ValueError, match="in_features is odd"):
+        jb.nn.quantize_4bit(odd, groupsize=32)
+    assert isinstance(odd.layers[0], nnx.Linear)
+
+
+def test_quantize_model_groupsize_per_layer_and_numbers():
+    model = _two_layers()
+    x = jax.random.normal(jax.random.key(2), (4, 96))
+    wants = [np.asarray(l.kernel[...], np.float64) for l in (model.layers[0], model.layers[2])]
+    q = jb.nn.quantize_4bit(model, groupsize=64)   # 96 % 64: channel-wise (documented fallback)
+    assert (q.layers[0].groupsize, q.layers[2].groupsize) == (96, 64)
+    for layer, w in zip((q.layers[0], q.layers[2]), wants):
+        deq = np.asarray(Q.dequantize_4bit(layer.packed), np.float64).T
+        assert np.abs(deq - w).max() <= np.abs(w).max() / 7 / 2 * 1.0001  # half a step of the coarsest scale
+    h = np.maximum(np.asarray(x, np.float64) @ np.asarray(Q.dequantize_4bit(q.layers[0].packed), np.float64).T
+                   + np.asarray(q.layers[0].bias[...], np.float64), 0)
+    want = h @ np.asarray(Q.dequantize_4bit(q.layers[2].packed), np.float64).T + np.asarray(q.layers[2].bias[...])
+    np.testing.assert_allclose(np.asarray(q(x), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+# ----------------------------------------------------------------------------- Int4Linear dtypes
+
+
+@pytest.mark.parametrize("mode", ["weight_only", "dyn_quant"])
+@pytest.mark.parametrize("dtype,param_dtype,x_dtype", [
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float32, jnp.float32),
+    (None, jnp.bfloat16, jnp.bfloat16), (None, jnp.bfloat16, jnp.float32), (None, jnp.float32, jnp.bfloat16),
+    (jnp.float16, jnp.float16, jnp.float32), (None, jnp.bfloat16, jnp.int32), (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+])
+def test_int4_linear_keeps_the_layer_dtype(mode, dtype, param_dtype, x_dtype):
+    lin = nnx.Linear(64, 16, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 64)) * 3
+    x = x.astype(x_dtype)
+    want = lin(x)
+    q = jb.nn.quantize_4bit(lin, groupsize=32, mode=mode)
+    got = q(x)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    w = np.asarray(Q.dequantize_4bit(q.packed), np.float64)
+    ref = np.asarray(x.astype(want.dtype), np.float64) @ w.T + np.asarray(q.bias[...], np.float64)
+    tol = 0.05 if mode == "dyn_quant" else (1e-5 if want.dtype == jnp.float32 else 2e-2)
+    err = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+    assert err < tol, err
+
+
+def test_int4_linear_validates_dtypes():
+    _, p = make_case(1, 64, 8, 32, False)
+    with pytest.raises(TypeError, match="dtype must be None or a floating dtype"):
+        nn_int4.Int4Linear(p, dtype=jnp.int32)
+    with pytest.raises(TypeError, match="compute_dtype must be None or float32, bfloat16, float16"):
+        nn_int4.Int4Linear(p, compute_dtype="float64x")
+    layer = nn_int4.Int4Linear(p)  # no float layer: the input's dtype, as before
+    assert layer(jnp.ones((2, 64), jnp.bfloat16)).dtype == jnp.bfloat16
+    assert layer(jnp.ones((2, 64), jnp.int32)).dtype == jnp.float32
