@@ -265,6 +265,25 @@ def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, 
     bfloat16 output truncated like torch's (any groupsize here; torch's x86
     fallback takes bfloat16 channel-wise only).
 
+    **NaN and inf** give torch's x86 answer on every engine, which is finite:
+    torch finds a row's range with ``std::max`` / ``std::min``, which forget
+    everything before a NaN, so the range comes from the elements after the
+    row's last NaN (``[0, 0]`` when the NaN is last); a NaN or infinite
+    element, or one beyond the int32 range once scaled, quantizes to
+    ``INT32_MIN + zero_point`` clamped (-128, or 127 when the zero point is
+    negative); a row whose range holds an infinity has scale 0, so its
+    output is the bias (0 without one). The output says nothing about the NaN: check ``jnp.isfinite`` on
+    the input if it may hold one.
+
+    **Gradients** (``jax.grad`` / ``jax.vjp``; torch has no derivative for
+    this op and raises): the straight-through estimator on every engine, i.e.
+    the activation quantization counts as the identity and the gradients are
+    those of `int4_matmul` (``x @ dequantize(w).T + bias``) for ``input``, the
+    packed scales and the bias (the nibbles get none). The exact derivative
+    is 0 almost everywhere (rounding) apart from the row-range term, which is
+    no useful training signal; STE is what quantization-aware training uses.
+    Forward mode (``jax.jvp``) is not defined.
+
     Args:
       input: float32 or bfloat16 ``[..., in_features]``.
       packed: from `dyn_quant_pack_4bit_weight`.
@@ -288,9 +307,11 @@ def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, 
     x = _base.check_input(input, packed)
     impl = _check_impl(implementation)
     if impl is not None:
-        return _run_dyn(impl, x, packed)
-    choose = lambda engine, platform: _choose_dyn(engine, platform, packed, x.dtype)
-    return _lowering_branches("dyn_quant_matmul_4bit", x, packed, choose, _run_dyn)
+        fwd = lambda a, p: _run_dyn(impl, a, p)
+    else:
+        choose = lambda engine, platform: _choose_dyn(engine, platform, packed, x.dtype)
+        fwd = lambda a, p: _lowering_branches("dyn_quant_matmul_4bit", a, p, choose, _run_dyn)
+    return _straight_through_vjp(fwd, x, packed)
 
 
 def _choose_wo(engine: str, platform: str, packed: PackedInt4Weight, x: jax.Array) -> tuple[str, dict[str, str]]:
@@ -351,11 +372,15 @@ def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
     else:
         choose = lambda engine, platform: _choose_wo(engine, platform, packed, x)
         fwd = lambda a, p: _lowering_branches("int4_matmul", a, p, choose, run)
-    return _weight_only_vjp(fwd, x, packed)
+    return _straight_through_vjp(fwd, x, packed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _weight_only_vjp(fwd, x, packed):
+def _straight_through_vjp(fwd, x, packed):
+    """``fwd(x, packed)`` with the gradients of ``x @ dequantize(w).T + bias``, whatever engine runs.
+
+    Exact for `int4_matmul`; the straight-through estimator for `dyn_quant_matmul_4bit`.
+    """
     return fwd(x, packed)
 
 
@@ -364,7 +389,7 @@ def _weight_only_fwd(fwd, x, packed):
 
 
 def _weight_only_bwd(fwd, res, g):
-    """Exact gradients of ``x @ (q * s).T + b`` for x, scales and bias (XLA)."""
+    """Gradients of ``x @ (q * s).T + b`` for x, scales and bias (XLA)."""
     x, p = res
     gf = g.astype(jnp.float32).reshape(-1, p.out_features)
     xf = x.astype(jnp.float32).reshape(-1, p.in_features)
@@ -379,7 +404,7 @@ def _weight_only_bwd(fwd, res, g):
     return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
 
 
-_weight_only_vjp.defvjp(_weight_only_fwd, _weight_only_bwd)
+_straight_through_vjp.defvjp(_weight_only_fwd, _weight_only_bwd)
 
 
 _mirror.install(_sys.modules[__name__])

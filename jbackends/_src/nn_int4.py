@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jbackends import quantized as _q
@@ -27,6 +28,21 @@ from jbackends import quantized as _q
 __all__ = ["Int4Weight", "Int4Linear", "quantize_4bit"]
 
 _MODES = ("weight_only", "dyn_quant")
+_COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _float_dtype(name: str, value: Any, allowed: tuple | None = None) -> Any:
+    """None, or ``value`` as a floating dtype (one of ``allowed`` when given); else a TypeError naming it."""
+    if value is None:
+        return None
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating) or (allowed and dt not in allowed):
+        want = ", ".join(d.name for d in allowed) if allowed else "a floating dtype"
+        raise TypeError(f"{name} must be None or {want}, got {value!r}")
+    return dt
 
 
 class Int4Weight(nnx.Variable):
@@ -39,10 +55,18 @@ class Int4Linear(nnx.Module):
     Build one from a float layer with `Int4Linear.from_linear`, or a whole
     model with `quantize_4bit`.
 
+    The output dtype follows `nnx.Linear`: ``dtype`` when set (the input is
+    cast to it first), else the promotion of the input with ``param_dtype``
+    (`from_linear` copies both from the float layer, so a bfloat16 layer stays
+    bfloat16), else the input's dtype (float32 for integer input).
+
     Args:
       packed: a `jbackends.quantized.PackedInt4Weight`.
       mode: "weight_only" (int4_matmul) or "dyn_quant" (dyn_quant_matmul_4bit).
       compute_dtype: operand dtype for weight-only matmuls (None: default).
+      dtype: computation / output dtype, as `nnx.Linear`'s (None: promote).
+      param_dtype: the float layer's parameter dtype, used in that promotion
+        (the packed weight itself is uint8 + float32).
 
     Example:
       >>> import jax.numpy as jnp
@@ -53,11 +77,15 @@ class Int4Linear(nnx.Module):
       (2, 8)
     """
 
-    def __init__(self, packed: _q.PackedInt4Weight, *, mode: str = "weight_only", compute_dtype: Any = None):
+    def __init__(self, packed: _q.PackedInt4Weight, *, mode: str = "weight_only", compute_dtype: Any = None,
+                 dtype: Any = None, param_dtype: Any = None):
         if not isinstance(packed, _q.PackedInt4Weight):
             raise TypeError(f"packed must be a PackedInt4Weight, got {type(packed).__name__}")
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode=!r}")
+        compute_dtype = _float_dtype("compute_dtype", compute_dtype, _COMPUTE_DTYPES)
+        self.dtype = _float_dtype("dtype", dtype)
+        self.param_dtype = _float_dtype("param_dtype", param_dtype)
         self.weight = Int4Weight(packed.weight)
         self.scales = Int4Weight(packed.scales)
         self.bias = Int4Weight(packed.bias) if packed.bias is not None else None
@@ -77,7 +105,8 @@ class Int4Linear(nnx.Module):
         K, N = linear.in_features, linear.out_features
         q, s = _q.quantize_4bit(w, groupsize)
         b = None if linear.bias is None else jnp.asarray(linear.bias[...])
-        return cls(_q.dyn_quant_pack_4bit_weight(q, s, b, groupsize, K, N), mode=mode, compute_dtype=compute_dtype)
+        return cls(_q.dyn_quant_pack_4bit_weight(q, s, b, groupsize, K, N), mode=mode, compute_dtype=compute_dtype,
+                   dtype=linear.dtype, param_dtype=linear.param_dtype)
 
     @property
     def packed(self) -> _q.PackedInt4Weight:
@@ -86,15 +115,25 @@ class Int4Linear(nnx.Module):
         return _q.PackedInt4Weight(self.weight[...], self.scales[...], bias, self.groupsize, self.in_features,
                                    self.out_features)
 
+    def _out_dtype(self, x: jax.Array):
+        if self.dtype is not None:
+            return self.dtype
+        if self.param_dtype is not None:
+            dt = jnp.result_type(x.dtype, self.param_dtype)  # nnx's promote_dtype
+        else:
+            dt = x.dtype
+        return dt if jnp.issubdtype(dt, jnp.floating) else jnp.dtype(jnp.float32)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(jnp.float32)
+        out = self._out_dtype(x)
+        x = x.astype(out)
         if self.mode == "dyn_quant":
             xd = x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.float32)
             y = _q.dyn_quant_matmul_4bit(xd, self.packed, self.groupsize, self.in_features, self.out_features)
-            return y.astype(x.dtype)
-        return _q.int4_matmul(x, self.packed, compute_dtype=self.compute_dtype)
+            return y.astype(out)
+        xw = x if x.dtype in _COMPUTE_DTYPES else x.astype(jnp.float32)
+        return _q.int4_matmul(xw, self.packed, compute_dtype=self.compute_dtype).astype(out)
 
 
 def _set(root: Any, path: tuple, value: Any) -> None:
@@ -112,20 +151,34 @@ def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weigh
                   filter: Any = None, channelwise_fallback: bool = True) -> nnx.Module:
     """Replaces ``model``'s `nnx.Linear` layers by `Int4Linear`, in place (inference).
 
+    Every argument is checked, and every layer is quantized, before the model
+    is changed: an error leaves it as it was.
+
     Args:
-      model: any nnx module graph (also a bare `nnx.Linear`, which is
-        returned converted).
-      groupsize: quantization group along in_features (a multiple of 32).
+      model: an `nnx.Module` graph (also a bare `nnx.Linear`, which is
+        returned converted). Anything else is a TypeError.
+      groupsize: quantization group along in_features: a positive multiple
+        of 32 (torch's rule; ValueError otherwise).
       mode: "weight_only" or "dyn_quant" (see `Int4Linear`).
-      compute_dtype: forwarded to `Int4Linear`.
-      filter: ``filter(path, linear) -> bool``; only layers it accepts are
-        converted (default: all).
+      compute_dtype: forwarded to `Int4Linear` (None, float32, bfloat16 or
+        float16).
+      filter: None or ``filter(path, linear) -> bool``; only layers it
+        accepts are converted (default: all).
       channelwise_fallback: a layer whose in_features is not a multiple of
-        ``groupsize`` gets channel-wise scales (``groupsize = in_features``)
-        instead of raising.
+        ``groupsize`` gets channel-wise scales (``groupsize = in_features``,
+        the layer's `Int4Linear.groupsize` says so) instead of raising.
 
     Returns:
       The model (the same object unless ``model`` itself is an `nnx.Linear`).
+      Each `Int4Linear` keeps its float layer's ``dtype`` / ``param_dtype``.
+
+    Raises:
+      TypeError: ``model`` is not an nnx module; ``groupsize`` is not an int;
+        ``filter`` is not callable; ``channelwise_fallback`` is not a bool;
+        ``compute_dtype`` is not a supported float dtype.
+      ValueError: ``groupsize`` is not a positive multiple of 32; ``mode`` is
+        unknown; a layer's in_features is not a multiple of ``groupsize``
+        and ``channelwise_fallback`` is False (or in_features is odd).
 
     Example:
       >>> import jax.numpy as jnp
@@ -135,15 +188,29 @@ def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weigh
       >>> type(mlp.layers[0]).__name__, mlp(jnp.ones((1, 64))).shape
       ('Int4Linear', (1, 4))
     """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be a flax nnx.Module (a model, or an nnx.Linear), got {type(model).__name__}")
+    if isinstance(groupsize, bool) or not isinstance(groupsize, (int, np.integer)):
+        raise TypeError(f"groupsize must be an int, got {groupsize!r}")
+    if groupsize <= 0 or groupsize % 32:
+        raise ValueError(f"groupsize must be a positive multiple of 32, got groupsize={groupsize}")
+    groupsize = int(groupsize)
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode=!r}")
+    _float_dtype("compute_dtype", compute_dtype, _COMPUTE_DTYPES)
+    if filter is not None and not callable(filter):
+        raise TypeError(f"filter must be None or a callable (path, linear) -> bool, got {filter!r}")
+    if not isinstance(channelwise_fallback, (bool, np.bool_)):
+        raise TypeError(f"channelwise_fallback must be a bool, got {channelwise_fallback!r}")
 
     def convert(path, lin: nnx.Linear) -> Int4Linear:
         g = groupsize
         if lin.in_features % g:
             if not channelwise_fallback or lin.in_features % 2:
                 where = "/".join(map(str, path)) or "<root>"
-                raise ValueError(f"layer {where}: groupsize={g} does not divide in_features={lin.in_features}")
+                why = ("channelwise_fallback=False" if not channelwise_fallback else
+                       "and in_features is odd, so no channel-wise fallback (two int4 weights per byte)")
+                raise ValueError(f"layer {where}: groupsize={g} does not divide in_features={lin.in_features} ({why})")
             g = lin.in_features
         return Int4Linear.from_linear(lin, g, mode=mode, compute_dtype=compute_dtype)
 
@@ -151,6 +218,7 @@ def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weigh
         return convert((), model)
     targets = [(path, node) for path, node in nnx.iter_graph(model)
                if isinstance(node, nnx.Linear) and path and (filter is None or filter(path, node))]
-    for path, lin in targets:
-        _set(model, path, convert(path, lin))
+    converted = [(path, convert(path, lin)) for path, lin in targets]  # all or nothing
+    for path, layer in converted:
+        _set(model, path, layer)
     return model

@@ -232,18 +232,55 @@ def dequantize(weight: jax.Array, scales: jax.Array, groupsize: int) -> jax.Arra
 # ------------------------------------------------------- dynamic quantization
 
 
+def _torch_row_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ``(min, max)`` torch's kernel finds scanning a row with ``std::min`` / ``std::max``.
+
+    ``max0 = std::max(x[k], max0)`` is ``x[k] < max0 ? max0 : x[k]``: a NaN
+    replaces the running value and the next element replaces the NaN, so the
+    scan only sees the elements after the row's last NaN (none: ``+inf`` /
+    ``-inf`` here, which the ``min(0, .)`` / ``max(0, .)`` that follow turn
+    into 0, as torch's NaN does).
+    """
+    K = x.shape[-1]
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    last_nan = jnp.max(jnp.where(jnp.isnan(x), idx, -1), axis=-1, initial=-1)
+    seen = idx > last_nan[..., None]
+    mn = jnp.min(jnp.where(seen, x, np.inf), axis=-1, initial=np.inf)
+    mx = jnp.max(jnp.where(seen, x, -np.inf), axis=-1, initial=-np.inf)
+    return mn, mx
+
+
+def _x86_to_int32(y: jax.Array) -> jax.Array:
+    """float32 -> int32 as torch's x86 build converts (``cvttss2si`` / ``lrintf``).
+
+    ``y`` is already an integer value; NaN, +-inf and anything outside the
+    int32 range become INT32_MIN (x86's "integer indefinite"), where XLA's
+    convert would give 0 or saturate.
+    """
+    ok = jnp.isfinite(y) & (y >= -2.0 ** 31) & (y < 2.0 ** 31)
+    return jnp.where(ok, jnp.where(ok, y, 0).astype(jnp.int32), jnp.int32(_INT32_MIN))
+
+
 def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """KleidiAI ``qai8dx`` per row of ``x[..., K]`` (float32 math).
+    """KleidiAI ``qai8dx`` per row of ``x[..., K]`` (float32 math), as torch's x86 kernel runs it.
 
     Returns ``(qa int32 [..., K] in -128..127, zp int32 [...], recip f32 [...])``
     with ``x ~= (qa - zp) * recip``. The zero-point test is written as torch
     writes it: ``(qmin + dmin) + (qmax + dmax) > 0`` in its channel-wise kernel,
     ``((qmin + dmin) + qmax) + dmax > 0`` in its group-wise one.
+
+    Non-finite input follows torch bit for bit (`_torch_row_range`,
+    `_x86_to_int32`): the row's range comes from the elements after its last
+    NaN; a NaN, an infinity or a value beyond int32 after scaling quantizes to
+    INT32_MIN + zp (integer wrap-around) clamped, i.e. -128 when ``zp >= 0``
+    and 127 when ``zp < 0``; a NaN zero point (a row holding -inf or +inf:
+    scale 0) is INT32_MIN. The output stays finite.
     """
     x = x.astype(jnp.float32)
     qmin, qmax = jnp.float32(-128), jnp.float32(127)
-    rmin = jnp.minimum(jnp.float32(0), jnp.min(x, axis=-1, initial=np.inf))
-    rmax = jnp.maximum(jnp.float32(0), jnp.max(x, axis=-1, initial=-np.inf))
+    mn, mx = _torch_row_range(x)
+    rmin = jnp.minimum(jnp.float32(0), mn)
+    rmax = jnp.maximum(jnp.float32(0), mx)
     scale = jnp.where(rmin == rmax, jnp.float32(1), (qmax - qmin) / (rmax - rmin))
     recip = jnp.where(scale != 0, jnp.float32(1) / scale, jnp.float32(0))
     dmin = rmin * scale
@@ -253,9 +290,9 @@ def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, ja
     else:
         from_min = ((qmin + dmin) + qmax) + dmax > 0
     zpf = jnp.clip(jnp.where(from_min, qmin - dmin, qmax - dmax), qmin, qmax)
-    zp = jnp.round(zpf).astype(jnp.int32)  # lrintf: ties to even
-    v = _round_half_away(x * scale[..., None]).astype(jnp.int32)
-    qa = jnp.clip(v + zp[..., None], -128, 127)
+    zp = _x86_to_int32(jnp.round(zpf))  # lrintf: ties to even; NaN -> INT32_MIN
+    v = _x86_to_int32(_round_half_away(x * scale[..., None]))
+    qa = jnp.clip(v + zp[..., None], -128, 127)  # int32 add wraps, as in torch's build
     return qa, zp, recip
 
 

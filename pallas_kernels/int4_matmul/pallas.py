@@ -11,7 +11,14 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
 * **W4A8** (`dyn_quant_matmul`, the dynamic-quant semantics of base.py): the
   activations are quantized to int8 by XLA (`base.quantize_activations`),
   the kernel runs int8 x int8 -> int32 MMAs per group and restores the zero
-  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q``. Decode: the grid
+  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q``. Every int8 dot
+  contracts over >= `MIN_INT8_DOT_K` = 32 k: Triton's NVIDIA backend has no
+  narrower int8 MMA (``mma.m16n8k32``, ``wgmma ... k32``), and a 16-k int8
+  operand (a 32-k group's nibble plane) is fed to the k32 instruction with its
+  registers repeated, so every product is counted twice (issue 14). A group
+  whose nibble plane is not a multiple of 32 bytes (groupsize an odd multiple
+  of 32) is covered by 32-byte windows that overlap the neighbouring k, with
+  the k outside the group masked to 0 (`_windows`). Decode: the grid
   is split over groups and each program writes the int32 group sums
   (``[G, M, N]``); XLA then applies torch's ordered float tail, so split-K
   stays bit-exact. Prefill: one program per ``[block_m, block_n]`` tile walks
@@ -37,10 +44,16 @@ from pallas_kernels import triton_backend
 from . import base
 from .base import PackedInt4Weight
 
-__all__ = ["Config", "heuristics", "dyn_quant_matmul", "weight_only_matmul", "unsupported", "DECODE_M"]
+__all__ = ["Config", "heuristics", "dyn_quant_matmul", "weight_only_matmul", "unsupported", "DECODE_M",
+           "MIN_INT8_DOT_K"]
 
 DECODE_M = 16
 """Rows up to which the decode configs (split-K) are used."""
+
+MIN_INT8_DOT_K = 32
+"""The narrowest int8 dot Triton compiles correctly on NVIDIA GPUs (its ``min_dot_size`` for 8-bit
+operands; the int8 MMA instructions are k32). Pallas does not check it: a narrower dot compiles and
+returns wrong sums."""
 
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
@@ -52,7 +65,10 @@ class Config:
     Attributes:
       block_m: rows of x per program (>= 16: the MMA minimum).
       block_n: output features per program.
-      block_k: k per inner step; a power of two (>= 32) dividing groupsize.
+      block_k: k per inner step, a power of two: W4A16 >= 32 and dividing
+        groupsize; W4A8 >= 64 (each nibble plane of a step is an int8 dot
+        over block_k / 2 >= `MIN_INT8_DOT_K` k), dividing groupsize where it
+        can (otherwise the steps of a group overlap and are masked).
       split_k: programs along K (W4A16: k-steps, W4A8 decode: groups); it
         divides the number of steps (groups).
       num_warps: Triton warps per program.
@@ -72,7 +88,8 @@ class Config:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {name}={v}")
         if self.block_k < 32:
-            raise ValueError(f"Config.block_k must be >= 32 (two nibble planes of >= 16), got block_k={self.block_k}")
+            raise ValueError(f"Config.block_k must be >= 32 (two nibble planes of >= 16 k; W4A8 needs >= 64), "
+                             f"got block_k={self.block_k}")
         if self.split_k < 1:
             raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
 
@@ -118,6 +135,8 @@ def heuristics(M: int, N: int, K: int, groupsize: int, *, mode: str = "w4a16", n
         block_m = min(128, max(32, _next_pow2(M)))
         block_n, cap_k, warps, stages = 128, 64, 8 if block_m >= 128 else 4, 3
     block_k = _pow2_divisor(groupsize, cap_k)
+    if mode == "w4a8":
+        block_k = max(block_k, 2 * MIN_INT8_DOT_K)
     split = 1
     if M <= DECODE_M:
         tiles = -(-N // block_n)
@@ -152,13 +171,26 @@ def _planes(w):
     return (w & 0x0F) - 8, (w >> 4) - 8
 
 
+def _windows(groupsize: int, block_k: int) -> tuple[int, bool]:
+    """(steps per group, masked) of the W4A8 kernel's walk over one group's bytes.
+
+    A step reads a window of ``block_k / 2`` bytes (each nibble plane an int8
+    dot over that many k). When the window does not divide the group's
+    ``groupsize / 2`` bytes, the last window of a group is moved back so that
+    it ends at the group's end (or starts at 0) and the bytes it shares with
+    the previous window, or with the neighbouring group, are masked out.
+    """
+    bkh, gh = block_k // 2, groupsize // 2
+    return -(-gh // bkh), gh % bkh != 0
+
+
 def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groupsize, block_m, block_n,
                  block_k, groups_per_prog, fused):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
     cmask = pid_n * block_n + jnp.arange(block_n) < N
-    bkh = block_k // 2
-    steps = groupsize // block_k
+    bkh, gh = block_k // 2, groupsize // 2
+    steps, masked = _windows(groupsize, block_k)
     zp = _load(zp_ref, rmask, 0)
 
     def group(j, acc):
@@ -166,13 +198,27 @@ def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groups
 
         def step(t, carry):
             idot, qsum = carry
-            k0 = g * (groupsize // 2) + t * bkh
+            first = g * gh + t * bkh                     # first byte of the group this step adds
+            if masked:
+                last = jnp.minimum(first + bkh, (g + 1) * gh)  # one past the last
+                k0 = jnp.maximum(last - bkh, 0)               # the window: in bounds, ends by `last`
+                col = k0 + jnp.arange(bkh)
+                valid = (col >= first) & (col < last)
+            else:
+                k0 = first
             ae = _load(ae_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
             ao = _load(ao_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
             lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
+            if masked:  # k outside this step's part of the group: activation 0, weight sum 0
+                ae = jnp.where(valid[None, :], ae, jnp.int8(0))
+                ao = jnp.where(valid[None, :], ao, jnp.int8(0))
+                both = jnp.where(valid[None, :], lo + hi, 0)
+            else:
+                both = lo + hi
+            # int8 dots over bkh >= MIN_INT8_DOT_K k (see the module docstring).
             idot += jnp.dot(ae, lo.astype(jnp.int8).T, preferred_element_type=jnp.int32)
             idot += jnp.dot(ao, hi.astype(jnp.int8).T, preferred_element_type=jnp.int32)
-            return idot, qsum + jnp.sum(lo + hi, axis=1)
+            return idot, qsum + jnp.sum(both, axis=1)
 
         idot, qsum = lax.fori_loop(
             0, steps, step, (jnp.zeros((block_m, block_n), jnp.int32), jnp.zeros((block_n,), jnp.int32)))
@@ -230,14 +276,21 @@ def _specs(cfg: Config, Kh: int, G: int):
 
 def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret: bool, fused: bool):
     M, K = qa.shape
-    N, g, G, Kh = packed.out_features, packed.groupsize, packed.num_groups, K // 2
-    if g % cfg.block_k:
-        raise ValueError(f"config.block_k={cfg.block_k} must divide groupsize={g}")
+    N, g, G = packed.out_features, packed.groupsize, packed.num_groups
+    if cfg.block_k < 2 * MIN_INT8_DOT_K:
+        raise ValueError(f"config.block_k={cfg.block_k} must be >= {2 * MIN_INT8_DOT_K} for W4A8: each nibble plane "
+                         f"is an int8 dot over block_k / 2 k, and Triton needs >= {MIN_INT8_DOT_K}")
     split = 1 if fused else cfg.split_k
     if G % split:
         raise ValueError(f"config.split_k={split} must divide the number of groups {G}")
     gpp = G // split
     ae, ao = _prepare(qa.astype(jnp.int8))
+    w = packed.weight
+    pad = cfg.block_k // 2 - K // 2
+    if pad > 0:  # K < block_k (small channel-wise rows): one window must fit; q = 0 bytes add nothing
+        ae, ao = (jnp.pad(a, ((0, 0), (0, pad))) for a in (ae, ao))
+        w = jnp.pad(w, ((0, 0), (0, pad)), constant_values=0x88)
+    Kh = ae.shape[1]
     x_spec, w_spec, st_spec = _specs(cfg, Kh, G)
     grid = (pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), split)
     if fused:
@@ -254,7 +307,7 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
         out_specs=out_spec, out_shape=out_shape,
         compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret, name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
-    )(ae, ao, zp, packed.weight, packed.scales.T)
+    )(ae, ao, zp, w, packed.scales.T)
 
 
 def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight, *, config: Config | None = None,

@@ -43,13 +43,14 @@ class TestCpp(Int4Suite):
             cpu.set_isa(default)
 
 
-# Interpret mode is slow: small tiles so that several ragged blocks and split-K are exercised.
-_DECODE = pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
+# Interpret mode is slow: small tiles so that several ragged blocks and split-K are exercised. W4A8 steps
+# are >= 64 k (int8 dots over >= 32 k, pallas.MIN_INT8_DOT_K): groupsize 32 and 96 take the masked windows.
+_DECODE = pallas.Config(block_m=16, block_n=16, block_k=64, split_k=2, num_warps=4, num_stages=2)
 
 
 def _pallas_dyn(x, p):
     M = x.size // x.shape[-1] if x.ndim else 1
-    cfg = _DECODE if M <= pallas.DECODE_M else pallas.Config(block_m=32, block_n=16, block_k=32)
+    cfg = _DECODE if M <= pallas.DECODE_M else pallas.Config(block_m=32, block_n=16, block_k=64)
     if p.num_groups % cfg.split_k:
         cfg = pallas.Config(cfg.block_m, cfg.block_n, cfg.block_k, 1)
     return pallas.dyn_quant_matmul(x, p, config=cfg, interpret=True)

@@ -1,0 +1,152 @@
+"""The Pallas Triton int4 kernels as the GPU compiles them (issue 14).
+
+The W4A8 kernel returned garbage for groupsize 32 on an H100 while interpret mode passed: each 32-k
+group's nibble plane was an int8 ``jnp.dot`` over 16 k. Triton's NVIDIA backend has no int8 MMA
+narrower than k32 (its ``min_dot_size`` asks for K >= 32 on 8-bit operands; Pallas does not check),
+and compiles the 16-k dot to ``mma.m16n8k32`` with the operand registers repeated
+(``{a0, a1, a0, a1} x {b0, b0}``): every product counted twice. The interpreter runs ``jnp.dot`` as
+written, so only the structure can be checked on CPU: `test_kernel_dots_fit_triton_mma` asserts the
+dot shapes of every kernel the heuristics pick (it fails on the old kernel), and the interpret tests
+run the new masked windows (groupsizes that are odd multiples of 32) bit for bit. The ``gpu`` tests
+run the compiled kernels against the XLA engine.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jbackends.quantized as Q
+from pallas_kernels.int4_matmul import base, pallas
+
+from tests.int4.int4_base import make_case, reference
+
+
+def _sub_jaxprs(eqn):
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(x, "eqns"):
+                yield x
+            elif hasattr(getattr(x, "jaxpr", None), "eqns"):
+                yield x.jaxpr
+
+
+def _kernel_dots(jaxpr, inside=False):
+    """The dot_general equations inside every pallas_call of ``jaxpr`` (loop bodies included)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            yield from _kernel_dots(e.params["jaxpr"], True)
+            continue
+        if inside and e.primitive.name == "dot_general":
+            yield e
+        for sub in _sub_jaxprs(e):
+            yield from _kernel_dots(sub, inside)
+
+
+def _abstract_packed(K, N, g):
+    return jax.eval_shape(lambda: base.PackedInt4Weight(jnp.zeros((N, K // 2), jnp.uint8), jnp.zeros((N, K // g)),
+                                                        jnp.zeros(N), g, K, N))
+
+
+# Triton's NVIDIA minimum contraction per operand width (bits -> k); M and N are padded by Triton.
+_MIN_K = {8: pallas.MIN_INT8_DOT_K, 16: 16}
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "w4a16"])
+@pytest.mark.parametrize("K,N,g", [(1024, 512, 32), (1024, 512, 64), (4096, 4096, 128), (1152, 500, 96),
+                                   (1120, 200, 160), (1120, 200, 1120), (1152, 500, 1152), (32, 64, 32)])
+def test_kernel_dots_fit_triton_mma(mode, K, N, g):
+    """Every int8 dot the compiled W4A8 kernel runs contracts over >= 32 k, every 16-bit one over >= 16."""
+    p = _abstract_packed(K, N, g)
+    for M in (1, 4, 16, 33, 64, 128, 512):
+        if mode == "w4a8":
+            x = jax.ShapeDtypeStruct((M, K), jnp.float32)
+            f = lambda x, p: pallas.dyn_quant_matmul(x, p)
+        else:
+            x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+            f = lambda x, p: pallas.weight_only_matmul(x, p)
+        dots = list(_kernel_dots(jax.make_jaxpr(f)(x, p).jaxpr))
+        assert dots, "no dot found in the kernel"
+        for e in dots:
+            a, b = (v.aval for v in e.invars)
+            (ca,), (cb,) = e.params["dimension_numbers"][0]
+            k = a.shape[ca]
+            assert b.shape[cb] == k
+            bits = jnp.dtype(a.dtype).itemsize * 8
+            if bits in _MIN_K:
+                assert k >= _MIN_K[bits], f"{mode} M={M} K={K} g={g}: {a.dtype} dot over {k} k {a.shape}x{b.shape}"
+            if mode == "w4a8":
+                assert a.dtype == jnp.int8 and b.dtype == jnp.int8
+
+
+def test_w4a8_config_refuses_narrow_int8_dots():
+    x, p = make_case(2, 128, 16, 32, False)
+    with pytest.raises(ValueError, match="block_k=32 must be >= 64"):
+        pallas.dyn_quant_matmul(x, p, config=pallas.Config(block_k=32), interpret=True)
+    assert pallas.heuristics(1, 512, 1024, 32, mode="w4a8").block_k == 64
+    assert pallas.heuristics(300, 512, 1024, 32, mode="w4a8").block_k == 64
+    assert pallas.heuristics(1, 512, 1024, 128, mode="w4a8").block_k == 128
+
+
+# (M, K, N, groupsize): the heuristic configs (what the GPU runs), in the interpreter. Odd multiples of 32
+# (32, 96, 160, channel-wise 96 / 160 / 32) take the masked windows; K = 32 is padded to one window.
+_HEURISTIC_CASES = [
+    (1, 192, 40, 32), (3, 192, 40, 96), (16, 192, 40, 64), (2, 96, 24, 96), (1, 32, 24, 32),
+    (17, 160, 24, 32), (40, 320, 24, 160), (33, 160, 70, 160), (20, 256, 24, 128),
+]
+
+
+@pytest.mark.parametrize("M,K,N,g", _HEURISTIC_CASES, ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-g{c[3]}" for c in _HEURISTIC_CASES])
+def test_w4a8_heuristic_configs_bit_exact(M, K, N, g):
+    x, p = make_case(M, K, N, g, True)
+    got = jax.jit(lambda x, p: pallas.dyn_quant_matmul(x, p, interpret=True))(x, p)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
+
+
+@pytest.mark.parametrize("block_k,split_k", [(128, 1), (256, 2), (64, 3)])
+def test_w4a8_windows_wider_than_the_group(block_k, split_k):
+    """Any block_k >= 64 is correct (masked) for groupsize 32 and 96, decode (split) and prefill."""
+    for M, g in ((2, 32), (20, 96)):
+        x, p = make_case(M, 384, 24, g, False)
+        cfg = pallas.Config(block_m=16, block_n=16, block_k=block_k, split_k=split_k)
+        got = pallas.dyn_quant_matmul(x, p, config=cfg, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
+
+
+# ------------------------------------------------------------------------------------ the gpu lane
+
+_GPU_SHAPES = [(1152, 500, g) for g in (32, 64, 96, 128, 1152)] + [(1120, 200, g) for g in (32, 160, 1120)] + [
+    (1024, 512, 32), (4096, 4096, 32)]
+_GPU_M = (1, 4, 16, 33, 64, 128, 256, 512)
+
+
+def _f64_reference(x, p):
+    w = np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
+    return np.asarray(x, np.float64) @ w.T + np.asarray(p.bias, np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,g", _GPU_SHAPES, ids=[f"K{k}-N{n}-g{g}" for k, n, g in _GPU_SHAPES])
+def test_gpu_w4a8_compiled_equals_xla(K, N, g):
+    """The compiled W4A8 kernel equals the XLA engine bit for bit (and is near the float64 product)."""
+    pallas_fn = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation="pallas"))
+    xla_fn = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation="xla"))
+    for M in _GPU_M:
+        x, p = make_case(M, K, N, g, True)
+        got, want = np.asarray(pallas_fn(x, p)), np.asarray(xla_fn(x, p))
+        rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        np.testing.assert_array_equal(got, want, err_msg=f"M={M} K={K} N={N} g={g}: relative error {rel:.3g}")
+        exact = _f64_reference(x, p)
+        assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.05, (M, K, N, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,g", _GPU_SHAPES[:8], ids=[f"K{k}-N{n}-g{g}" for k, n, g in _GPU_SHAPES[:8]])
+def test_gpu_w4a16_compiled_near_float64(K, N, g):
+    fn = jax.jit(lambda x, p: Q.int4_matmul(x, p, implementation="pallas"))
+    for M in _GPU_M:
+        x, p = make_case(M, K, N, g, True)
+        want = _f64_reference(x, p)
+        got = np.asarray(fn(x, p), np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=f"M={M}")
+        got16 = np.asarray(fn(x.astype(jnp.bfloat16), p), np.float64)
+        assert np.linalg.norm(got16 - want) / np.linalg.norm(want) < 2e-2, (M, K, N, g)
