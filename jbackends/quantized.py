@@ -43,6 +43,7 @@ import numpy as np
 
 from jbackends._src import mirror as _mirror
 from jbackends._src.flags import trace_flags as _trace_flags
+from pallas_kernels import partition as _partition
 from pallas_kernels.int4_matmul import base as _base
 from pallas_kernels.int4_matmul import cpu as _cpu
 from pallas_kernels.int4_matmul import pallas as _pallas
@@ -381,25 +382,42 @@ def _straight_through_vjp(fwd, x, packed):
 
     Exact for `int4_matmul`; the straight-through estimator for `dyn_quant_matmul_4bit`.
     """
-    return fwd(x, packed)
+    return _split_rows_and_features(fwd, x, packed)
 
 
 def _weight_only_fwd(fwd, x, packed):
-    return fwd(x, packed), (x, packed)
+    return _split_rows_and_features(fwd, x, packed), (x, packed)
+
+
+def _split_rows_and_features(fwd, x, packed):
+    """``fwd(x, packed)`` keeping x's rows (every leading dim) and the weight's output features as
+    sharded as they arrive, with no collective (``docs/sharding.md``): each shard multiplies its rows
+    by its slice of the packed weight. A sharded K is gathered (every engine needs whole rows)."""
+    rows = tuple(f"r{i}" for i in range(x.ndim - 1))
+    leaves = [packed.weight, packed.scales] + ([] if packed.bias is None else [packed.bias])
+    factors = [rows + ("k",), ("n", "kh"), ("n", "kg")] + ([] if packed.bias is None else [("n",)])
+
+    def local(a, w, s, *b):
+        p = PackedInt4Weight(w, s, b[0] if b else None, packed.groupsize, packed.in_features, w.shape[0])
+        return (fwd(a, p),)
+
+    return _partition.sharded(local, in_factors=factors, out_factors=(rows + ("n",),),
+                              parallel=rows + ("n",), name="int4 matmul")(x, *leaves)[0]
 
 
 def _weight_only_bwd(fwd, res, g):
     """Gradients of ``x @ (q * s).T + b`` for x, scales and bias (XLA)."""
     x, p = res
-    gf = g.astype(jnp.float32).reshape(-1, p.out_features)
-    xf = x.astype(jnp.float32).reshape(-1, p.in_features)
+    # Contractions over the leading dims as they are (no flattening), so sharded rows stay sharded.
+    gf, xf = g.astype(jnp.float32), x.astype(jnp.float32)
+    lead = tuple(range(x.ndim - 1))
     hi = jax.lax.Precision.HIGHEST
     w = _base.dequantize(p.weight, p.scales, p.groupsize)
-    dx = jnp.dot(gf, w, precision=hi).reshape(x.shape).astype(x.dtype)
+    dx = jnp.einsum("...n,nk->...k", gf, w, precision=hi).astype(x.dtype)
     q = _base.unpack_nibbles(p.weight).astype(jnp.float32)
-    gw = jnp.dot(gf.T, xf, precision=hi) * q  # d/d(scale * q) times q
+    gw = jnp.einsum("...n,...k->nk", gf, xf, precision=hi) * q  # d/d(scale * q) times q
     ds = gw.reshape(p.out_features, p.num_groups, p.groupsize).sum(-1)
-    db = None if p.bias is None else gf.sum(0)
+    db = None if p.bias is None else gf.sum(lead)
     dw = np.zeros(p.weight.shape, jax.dtypes.float0)
     return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
 

@@ -25,6 +25,8 @@ import math
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -271,18 +273,22 @@ def _typed_like(g, x):
 def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[Factor]],
                 out_factors: Sequence[Sequence[Factor]], parallel: Sequence[str],
                 diff: Sequence[int], grad_partial_sums: Optional[dict] = None,
-                name: Optional[str] = None) -> Callable:
+                skippable: Sequence[int] = (), name: Optional[str] = None) -> Callable:
   """A differentiable kernel whose forward and backward are each :func:`sharded`.
 
   Args:
     fwd: ``fwd(*xs) -> outs`` (a tuple), the forward kernel.
     bwd: ``bwd(*xs, *outs, *cotangents) -> grads``, one gradient per index in ``diff`` (the
-      backward kernel, given the forward's outputs as residuals).
+      backward kernel, given the forward's outputs as residuals). With ``skippable``, it is called
+      with a keyword ``skip``: the operand indices whose gradient nobody asked for (their entry may
+      be None; it is not used).
     in_factors, out_factors, parallel, name: as for :func:`sharded` (cotangents take the outputs'
       factors, gradients their operands').
     diff: indices of the operands that get gradients (the others, integer lengths or ids, get none).
     grad_partial_sums: ``{operand index: factors}``: that operand's gradient is a partial sum over
       those factors on each shard (a bias broadcast over the batch); see :func:`sharded`.
+    skippable: indices in ``diff`` whose gradient ``bwd`` can skip when that operand is not
+      differentiated (a bias used as a mask).
 
   Returns:
     ``call(*xs) -> outs``, reverse-mode differentiable w.r.t. ``xs[i]`` for ``i in diff``. Second
@@ -291,43 +297,62 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
   """
   in_factors = tuple(tuple(fs) for fs in in_factors)
   out_factors = tuple(tuple(fs) for fs in out_factors)
-  diff = tuple(diff)
+  diff, skippable = tuple(diff), tuple(skippable)
   label = name or getattr(fwd, "__name__", "kernel")
   fwd_sh = sharded(fwd, in_factors=in_factors, out_factors=out_factors, parallel=parallel,
                    name=label + " forward")
   grad_partial_sums = dict(grad_partial_sums or {})
-  bwd_sh = sharded(bwd, in_factors=in_factors + out_factors + out_factors,
-                   out_factors=tuple(in_factors[i] for i in diff), parallel=parallel,
-                   partial_sums={diff.index(i): fs for i, fs in grad_partial_sums.items()},
-                   name=label + " backward")
 
-  @jax.custom_vjp
-  def backward(*a):
-    return tuple(bwd_sh(*a))
+  def backward_for(skip):
+    """The differentiable, partitioned backward computing the gradients not in ``skip``."""
+    want = tuple(i for i in diff if i not in skip)
 
-  def backward_fwd(*a):
-    return tuple(bwd_sh(*a)), a
+    def bwd_wanted(*a):
+      grads = bwd(*a, skip=skip) if skippable else bwd(*a)
+      return tuple(g for i, g in zip(diff, grads) if i not in skip)
 
-  def backward_bwd(a, ct):
-    return jax.vjp(lambda *a: tuple(bwd(*a)), *a)[1](tuple(ct))
+    bwd_sh = sharded(bwd_wanted, in_factors=in_factors + out_factors + out_factors,
+                     out_factors=tuple(in_factors[i] for i in want), parallel=parallel,
+                     partial_sums={want.index(i): fs for i, fs in grad_partial_sums.items()
+                                   if i in want},
+                     name=label + " backward")
 
-  backward.defvjp(backward_fwd, backward_bwd)
+    @jax.custom_vjp
+    def backward(*a):
+      return tuple(bwd_sh(*a))
+
+    def backward_fwd(*a):
+      return tuple(bwd_sh(*a)), a
+
+    def backward_bwd(a, ct):
+      return jax.vjp(bwd_wanted, *a)[1](tuple(ct))
+
+    backward.defvjp(backward_fwd, backward_bwd)
+    return want, backward
 
   @jax.custom_vjp
   def call(*xs):
     return tuple(fwd_sh(*xs))
 
   def call_fwd(*xs):
+    skip = () if not skippable else tuple(i for i in skippable if not xs[i].perturbed)
+    xs = tuple(x.value for x in xs) if skippable else xs
     outs = tuple(fwd_sh(*xs))
-    return outs, (xs, outs)
+    flags = tuple(None if i in skip else () for i in skippable)  # static: pytree structure only
+    return outs, (xs, outs, flags)
 
   def call_bwd(res, cts):
-    xs, outs = res
+    xs, outs, flags = res
+    skip = tuple(i for i, f in zip(skippable, flags) if f is None)
+    if skippable:
+      cts = tuple(jnp.zeros(o.shape, o.dtype) if isinstance(c, SymbolicZero) else c
+                  for c, o in zip(cts, outs))
+    want, backward = backward_for(frozenset(skip))
     grads = backward(*xs, *outs, *cts)
     full = [None] * len(xs)
-    for i, g in zip(diff, grads):
+    for i, g in zip(want, grads):
       full[i] = _typed_like(g, xs[i])
     return tuple(full)
 
-  call.defvjp(call_fwd, call_bwd)
+  call.defvjp(call_fwd, call_bwd, symbolic_zeros=bool(skippable))
   return call

@@ -115,3 +115,70 @@ def test_sharded_checks_its_factors():
                         parallel=("b",))
   with pytest.raises(ValueError, match="has factors"):
     f(jnp.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "decode"])
+def test_pallas_kernels_keep_sharding(kernel):
+  """The Pallas kernels (interpret mode here; the same rule wraps the compiled ones)."""
+  from pallas_kernels.attention import base, decode, flash  # noqa: PLC0415
+
+  mesh = _mesh()
+  q, k, v, _, _ = _inputs(2)
+  if kernel == "decode":
+    q = q[:, :4]
+  spec = P("b", None, "h")
+  module = {"flash": flash, "decode": decode}[kernel]
+
+  def f(q, k, v):
+    def loss(q, k, v):
+      out, _ = module.attention(base.make_args(q, k, v, is_causal=kernel == "flash"),
+                                interpret=True)
+      return (out ** 2).sum(), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  jf = jax.jit(f)
+  hlo = jf.lower(put(q), put(k), put(v)).compile().as_text()
+  assert "all-gather" not in hlo
+  out, grads = jf(put(q), put(k), put(v))
+  ref_out, ref_grads = jf(q, k, v)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["auto", "xla", "pallas_interpret"])
+@pytest.mark.parametrize("op", ["dyn_quant", "weight_only"])
+def test_int4_keeps_row_and_feature_sharding(engine, op):
+  """int4 matmuls: x's rows (M) and the weight's output features (N) stay sharded, gradients too."""
+  import jbackends.quantized as Q  # noqa: PLC0415
+
+  mesh = jax.make_mesh((4, 2), ("m", "n"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  K, Nf, M, g = 256, 64, 16, 32
+  w = jax.random.normal(jax.random.key(0), (Nf, K))
+  qw, s = Q.quantize_4bit(w, g)
+  p = Q.dyn_quant_pack_4bit_weight(qw, s, jnp.arange(Nf, dtype=jnp.float32), g, K, Nf)
+  x = jax.random.normal(jax.random.key(1), (2, M, K))
+  impl = None if engine == "auto" else engine
+  if op == "dyn_quant":
+    f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, Nf, implementation=impl)  # noqa: E731
+  else:
+    f = lambda x, p: Q.int4_matmul(x, p, implementation=impl)  # noqa: E731
+
+  def run(x, p):
+    return f(x, p), jax.grad(lambda x: (f(x, p) ** 2).sum())(x)
+
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, "m")))
+  ps = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("n"))), p)
+  jf = jax.jit(run)
+  assert "all-gather" not in jf.lower(xs, ps).compile().as_text()
+  y, gx = jf(xs, ps)
+  y_ref, gx_ref = jf(x, p)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m", "n")), 3)
+  assert gx.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m")), 3)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gx), np.asarray(gx_ref), rtol=1e-5, atol=1e-5 * float(
+      jnp.abs(gx_ref).max()))

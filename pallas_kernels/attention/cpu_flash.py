@@ -46,8 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import partition
-from pallas_kernels.attention import base
+from pallas_kernels.attention import base, sharded
 
 __all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "set_threads",
            "unsupported", "attention", "workspace_bytes"]
@@ -194,6 +193,24 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
   if reasons:
     raise NotImplementedError("; ".join(reasons))
   cfg = (config or Config()).fit(args)
+  if args.q_len == 0 or args.kv_len == 0:
+    B, T, N, _ = args.q.shape
+    return (jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
+            jnp.full((B, N, T), -jnp.inf, jnp.float32))
+
+  def forward(a):
+    st, aux = _prepare(a, cfg)
+    return _forward(st, a.q, a.k, a.v, aux)
+
+  def backward(a, out, lse, g_out, g_lse):
+    st, aux = _prepare(a, cfg)
+    return _flash_bwd(st, (a.q, a.k, a.v, aux, out, lse), (g_out, g_lse))[:3] + (None,)
+
+  return sharded.attention_vjp(args, forward, backward, name="cpu flash (C++)")
+
+
+def _prepare(args, cfg):
+  """The kernel's attributes and its integer operands (lengths, segment ids; (0,) when absent)."""
   window = args.window
   st = _Static(scale=float(args.scale), causal=bool(args.causal), diag_offset=int(args.diag_offset),
                window=None if window is None else (int(window[0]), int(window[1])),
@@ -206,29 +223,7 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
   kl = z if args.kv_seq_lengths is None else jnp.broadcast_to(args.kv_seq_lengths, (B,)).astype(jnp.int32)
   qs = z if args.q_segment_ids is None else args.q_segment_ids.astype(jnp.int32)
   ks = z if args.kv_segment_ids is None else args.kv_segment_ids.astype(jnp.int32)
-  if args.q_len == 0 or args.kv_len == 0:
-    B, T, N, _ = args.q.shape
-    return (jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
-            jnp.full((B, N, T), -jnp.inf, jnp.float32))
-  return _partitioned(st, (ql, kl, qs, ks))(args.q, args.k, args.v, ql, kl, qs, ks)
-
-
-def _partitioned(st, aux):
-  """The kernel as a :func:`partition.sharded_vjp`: batch- / kv-head-sharded inputs stay sharded."""
-  def fwd(q, k, v, *aux):
-    return _forward(st, q, k, v, aux)
-
-  def bwd(q, k, v, ql, kl, qs, ks, out, lse, g_out, g_lse):
-    return _flash_bwd(st, (q, k, v, (ql, kl, qs, ks), out, lse), (g_out, g_lse))[:3]
-
-  # Absent lengths / ids are (0,) placeholders: factors of their own, never split.
-  aux_factors = tuple((f"z{i}",) if a.shape == (0,) else f
-                      for i, (a, f) in enumerate(zip(aux, (("b",), ("b",), ("b", "t"), ("b", "s")))))
-  qf, lsef = ("b", "t", ("k", "g"), "h"), ("b", ("k", "g"), "t")
-  return partition.sharded_vjp(
-      fwd, bwd, in_factors=(qf, ("b", "s", "k", "h"), ("b", "s", "k", "e")) + aux_factors,
-      out_factors=(("b", "t", ("k", "g"), "e"), lsef), parallel=("b", "k"), diff=(0, 1, 2),
-      name="cpu flash")
+  return st, (ql, kl, qs, ks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,13 +30,13 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_backend
 from pallas_kernels.attention import base
 from pallas_kernels.attention import flash
+from pallas_kernels.attention import sharded
 
 Array = Any
 
@@ -341,55 +341,21 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
   return dq, dk, dv, dbias
 
 
-def _zero_if_symbolic(ct, like):
-  if isinstance(ct, SymbolicZero) or ct is None:
-    return None if like is None else jnp.zeros(like.shape, like.dtype)
-  return ct
-
-
 def differentiable(args: base.AttentionArgs, *, fwd: Callable, bwd_config: Optional[Config] = None,
                    interpret: bool = False, allow_tf32: bool = False):
   """Wraps a forward kernel ``fwd(args) -> (out, lse)`` in a ``custom_vjp`` using :func:`backward`.
 
   Differentiable w.r.t. ``q``, ``k``, ``v`` and ``bias``; the bias gradient is computed only when
   the bias is actually differentiated (``symbolic_zeros``). Masks, lengths, segment ids and the
-  dropout key get no gradient.
+  dropout key get no gradient. Batch- and kv-head-sharded inputs stay sharded
+  (:func:`sharded.attention_vjp`).
   """
   if bwd_config is not None and not isinstance(bwd_config, Config):
     raise TypeError(f"`bwd_config` must be a flash_vjp.Config or None; got "
                     f"{type(bwd_config).__name__}")
-  aux = dict(mask=args.mask, q_seq_lengths=args.q_seq_lengths,
-             kv_seq_lengths=args.kv_seq_lengths, q_segment_ids=args.q_segment_ids,
-             kv_segment_ids=args.kv_segment_ids, dropout_rng=args.dropout_rng)
 
-  def rebuild(q, k, v, bias, aux):
-    return args.replace(q=q, k=k, v=v, bias=bias, **aux)
+  def bwd(a, out, lse, dout, dlse, need_dbias=True):
+    return backward(a, out, lse, dout, dlse, config=bwd_config, interpret=interpret,
+                    allow_tf32=allow_tf32, need_dbias=need_dbias)
 
-  @jax.custom_vjp
-  def f(q, k, v, bias, aux):
-    return fwd(rebuild(q, k, v, bias, aux))
-
-  def f_fwd(q, k, v, bias, aux):
-    need_dbias = bias is not None and bias.perturbed
-    q, k, v = q.value, k.value, v.value
-    bias = None if bias is None else bias.value
-    aux = jax.tree.map(lambda x: x.value, aux)
-    out, lse = fwd(rebuild(q, k, v, bias, aux))
-    flag = () if need_dbias else None
-    return (out, lse), (q, k, v, bias, aux, out, lse, flag)
-
-  def f_bwd(res, cts):
-    q, k, v, bias, aux, out, lse, flag = res
-    dout, dlse = cts
-    dout = _zero_if_symbolic(dout, out)
-    dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    a = rebuild(q, k, v, bias, aux)
-    dq, dk, dv, dbias = backward(a, out, lse, dout, dlse, config=bwd_config, interpret=interpret,
-                                 allow_tf32=allow_tf32, need_dbias=flag is not None)
-    if bias is not None and dbias is None:
-      dbias = jnp.zeros(bias.shape, bias.dtype)
-    daux = jax.tree.map(lambda x: None, aux)
-    return dq, dk, dv, dbias, daux
-
-  f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
-  return f(args.q, args.k, args.v, args.bias, aux)
+  return sharded.attention_vjp(args, fwd, bwd, name="Pallas flash", skips_dbias=True)

@@ -45,8 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import partition
-from pallas_kernels.attention import base, cpu_flash
+from pallas_kernels.attention import base, cpu_flash, sharded
 
 __all__ = ["Config", "attention", "kernel", "unsupported"]
 
@@ -206,6 +205,24 @@ class _Static:
 
 def blockwise_attention(args: base.AttentionArgs, config: Config):
   """Runs the blockwise engine on ``args`` (bias / mask allowed) with ``config``'s tiles."""
+  q = args.q
+  B, T, N, _ = q.shape
+  if T == 0 or args.k.shape[1] == 0:
+    return jnp.zeros((B, T, N, args.v.shape[3]), q.dtype), jnp.full((B, N, T), -jnp.inf, jnp.float32)
+
+  def forward(a):
+    st, aux = _prepare(a, config)
+    return _forward(st, a.q, a.k, a.v, a.bias, aux)
+
+  def backward(a, out, lse, g_out, g_lse):
+    st, aux = _prepare(a, config)
+    return _backward(st, a.q, a.k, a.v, a.bias, aux, out, lse, g_out, g_lse)
+
+  return sharded.attention_vjp(args, forward, backward, name="blockwise flash (XLA)")
+
+
+def _prepare(args: base.AttentionArgs, config: Config):
+  """The engine's static record and its data operands, from ``args`` (global or one shard's)."""
   q, k, v = args.q, args.k, args.v
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
@@ -223,74 +240,7 @@ def blockwise_attention(args: base.AttentionArgs, config: Config):
   aux = dict(mask=args.mask, q_len=args.q_seq_lengths, kv_len=args.kv_seq_lengths,
              q_seg=args.q_segment_ids, kv_seg=args.kv_segment_ids,
              seed=None if args.dropout_rng is None else base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)))
-  if T == 0 or S == 0:
-    out = jnp.zeros((B, T, N, Hv), q.dtype)
-    return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
-  return _partitioned(st, q, k, v, args.bias, aux)
-
-
-_AUX = ("mask", "q_len", "kv_len", "q_seg", "kv_seg", "seed")
-
-
-def _partitioned(st, q, k, v, bias, aux):
-  """The engine as a :func:`partition.sharded_vjp`: batch- / kv-head-sharded inputs stay sharded.
-
-  With dropout nothing is split (the keep-mask hashes the global batch and head indices).
-  """
-  B, T, N = q.shape[:3]
-  S = k.shape[1]
-  full = {"b": B, "t": T, "s": S, "n": N}
-
-  def dims(x, want, tag):  # a dimension that is broadcast (size 1 < full) gets a factor of its own
-    out = []
-    for d, (f, size) in enumerate(zip(want, x.shape)):
-      key = f if isinstance(f, str) else "n"
-      out.append(f if size == full.get(key, size) else f"{tag}{d}")
-    return tuple(out)
-
-  heads = ("k", "g")
-  present = [(n, aux[n]) for n in _AUX if aux[n] is not None]
-  factors = [("b", "t", heads, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "e")]
-  operands = [q, k, v]
-  partial = {}
-  if bias is not None:
-    f = dims(bias, ("b", heads, "t", "s"), "bias")
-    factors.append(f)
-    operands.append(bias)
-    partial[3] = tuple(p for p, d in (("b", 0), ("k", 1)) if f[d] != ("b", heads)[d])
-  for n, x in present:
-    want = {"mask": ("b", heads, "t", "s"), "q_len": ("b",), "kv_len": ("b",),
-            "q_seg": ("b", "t"), "kv_seg": ("b", "s"), "seed": ("seed",)}[n]
-    factors.append(dims(x, want, n + "_") if x.ndim == len(want) else
-                   tuple(f"{n}_{d}" for d in range(x.ndim)))
-    operands.append(x)
-  n_fixed = 4 if bias is not None else 3
-
-  def unpack(xs):
-    q, k, v = xs[:3]
-    b = xs[3] if bias is not None else None
-    a = dict.fromkeys(_AUX)
-    a.update(zip((n for n, _ in present), xs[n_fixed:]))
-    local = dataclasses.replace(
-        st, B=q.shape[0], N=q.shape[2], K=k.shape[2],
-        bias_shape=None if b is None else tuple(b.shape),
-        mask_shape=None if a["mask"] is None else tuple(a["mask"].shape))
-    return local, q, k, v, b, a
-
-  def fwd(*xs):
-    return _forward(*unpack(xs))
-
-  def bwd(*xs):
-    *ins, out, lse, g_out, g_lse = xs
-    local, q, k, v, b, a = unpack(ins)
-    dq, dk, dv, db = _backward(local, q, k, v, b, a, out, lse, g_out, g_lse)
-    return (dq, dk, dv) if b is None else (dq, dk, dv, db)
-
-  return partition.sharded_vjp(
-      fwd, bwd, in_factors=factors,
-      out_factors=(("b", "t", heads, "e"), ("b", heads, "t")),
-      parallel=() if st.rate > 0 else ("b", "k"), diff=tuple(range(n_fixed)),
-      grad_partial_sums=partial, name="blockwise flash")(*operands)
+  return st, aux
 
 
 # ---- layouts ---------------------------------------------------------------------------------

@@ -301,7 +301,9 @@ def test_export_for_other_platforms_lowers_the_xla_path(platform):
   q = rand((1, 16, 2, 8))
   f = jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True))
   exp = jax.export.export(f, platforms=[platform])(q)
-  assert "triton" not in exp.mlir_module()
+  # No Triton kernel (its custom call); a location may still name a function traced elsewhere.
+  assert "__gpu$xla.gpu.triton" not in exp.mlir_module()
+  assert "stablehlo.custom_call" not in exp.mlir_module()
 
 
 @settings(max_examples=5, deadline=None)
