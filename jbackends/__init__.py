@@ -21,6 +21,7 @@ from jbackends._src.flags import BackendFlags as BackendFlags
 from jbackends._src.flags import Flag as Flag
 from jbackends._src.flags import FlagsFrozenError as FlagsFrozenError
 from jbackends._src.flags import FlagsOutOfSyncError as FlagsOutOfSyncError
+from jbackends._src.flags import FlagsTracingError as FlagsTracingError
 from jbackends._src.flags import compiler_options as compiler_options
 from jbackends._src.flags import current_flags as current_flags
 from jbackends._src.flags import disable_global_flags as disable_global_flags

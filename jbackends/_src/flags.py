@@ -27,12 +27,15 @@ State model:
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -46,6 +49,7 @@ __all__ = [
     "Flag",
     "FlagsFrozenError",
     "FlagsOutOfSyncError",
+    "FlagsTracingError",
     "current_flags",
     "disable_global_flags",
     "enable_global_flags",
@@ -66,6 +70,10 @@ class FlagsFrozenError(RuntimeError):
 
 class FlagsOutOfSyncError(RuntimeError):
     """The jit key of this thread does not match the flags of the running context (see `sync`)."""
+
+
+class FlagsTracingError(RuntimeError):
+    """A process default was changed while JAX traces a function: use `with_backends` there."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,6 +377,36 @@ BackendFlags.__doc__ = (
 # --------------------------------------------------------------------------------------------------
 # State.
 # --------------------------------------------------------------------------------------------------
+#
+# Process defaults are *published*: one immutable `_Publication` (values, jit key, sequence number)
+# replaces the previous one under `_defaults_lock`, together with the global values of the two JAX user
+# contexts that make up the jit key. Readers never look at a half-updated state.
+#
+# JAX reads its jit key (the C++ dispatch cache, the trace cache, nested jits) at several moments of a
+# call, before and while a function is traced, and another thread may publish new defaults at any of
+# those moments. Two rules keep every cache entry consistent with its key:
+#
+# 1. One snapshot per trace. The first flag read inside a top-level trace (the outermost JAX trace of
+#    this thread) pins the publication then in force: every later read in that trace (nested jits,
+#    scans, `with_backends` scopes inside it) starts from the same defaults, and this thread's value of
+#    `_DEFAULTS_KEY` is pinned to that publication's key until JAX drops the trace object, so nested
+#    jits are looked up and filed under the pinned key too. A function calling two kernels can no
+#    longer mix two flag states, nor pick up a nested executable traced under other defaults.
+# 2. Keys read before the pin are retired. The key the call itself is filed under was read before its
+#    first flag read, from a publication between the last one this thread saw (`last_seq`) and the
+#    pinned one. Every such publication whose key differs from the pinned one is retired: its epoch is
+#    bumped, so publishing those flags again later yields a new key, and the entry filed under the old
+#    key is never looked up again.
+#
+# Retiring costs a retrace, and happens only when a publication falls between a thread's last look at
+# the defaults and its next trace; flags set again later without such an overlap hit the cache as
+# before. An unscoped thread never raises because another thread changed a default: it traces with
+# the defaults it pinned.
+#
+# Scoped overrides live in a `contextvars.ContextVar`. While a scope makes the traced flags differ from
+# the defaults, this thread's value of `_JIT_KEY` is a tagged tuple of the scope's traced flags (the
+# entry's flags are then exactly its key, whatever the defaults); otherwise it is unset and the global
+# value (the defaults' traced flags) is in force, so equal flag sets share cache entries.
 
 # Process state survives `importlib.reload` (a reload re-executes this module in the same namespace):
 # defaults set before the reload stay in force, and the JAX precision saved by the bridge is not lost.
@@ -377,7 +415,6 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in _DECLARATIONS}
 _DEFAULTS.update({k: v for k, v in _previous_defaults.items() if k in _DEFAULTS})
 del _previous_defaults
 _defaults_lock = globals().get("_defaults_lock") or threading.RLock()
-_defaults_version = globals().get("_defaults_version", 0) + 1
 _frozen = globals().get("_frozen", False)
 # defaults changed through set_flags (bridged to JAX where relevant)
 _explicit_defaults: set[str] = {n for n in globals().get("_explicit_defaults", ()) if n in _DEFAULTS}
@@ -386,43 +423,181 @@ _Overrides = tuple  # sorted tuple of (name, value): immutable and hashable
 _OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("_OVERRIDES") or contextvars.ContextVar(
     "jbackends_overrides", default=()
 )
+_SCOPED_TAG = "jbackends-scope"  # first item of a scoped jit key: never equal to a defaults key
 
 
 def _key_of(values: Mapping[str, Any]) -> tuple:
     return tuple(values[n] for n in _TRACED)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Publication:
+    """One atomic state of the process defaults and of the jit-key values published with it."""
+
+    seq: int
+    values: Mapping[str, Any]
+    key: tuple  # traced flags: the global value of _JIT_KEY
+    gkey: tuple  # (key, epoch): the value of _DEFAULTS_KEY
+
+
 # The jit key, in two user contexts, each created once per process (`importlib.reload` re-executes this
 # module in the same namespace, so existing contexts are reused rather than registering new ones):
 #
-# * `_JIT_KEY` carries the flags in force. Its global value mirrors the process defaults; its
-#   thread-local value (set while a scope overrides a traced flag) mirrors the ContextVar.
-# * `_DEFAULTS_KEY` is global only and mirrors the process defaults. JAX's thread-local value shadows
-#   the global one, so without it a thread inside a scope would keep a key computed against the old
-#   defaults after another thread called `set_flags`, and a plain `jax.jit` call there would hit a
-#   cache entry traced under other flags. With it, the key changes in every thread at once; the stale
-#   thread then retraces, and `trace_flags` either finds the same flags (the scope overrides the
-#   changed default) or raises `FlagsOutOfSyncError`: never a stale executable.
+# * `_JIT_KEY`: global value = the defaults' traced flags; thread-local value = a scope's tagged key.
+# * `_DEFAULTS_KEY`: global only, `(defaults' traced flags, epoch)`. JAX's thread-local value shadows
+#   the global one, so without it a thread inside a scope would keep its key after another thread
+#   called `set_flags`; with it, every thread retraces, and the epoch lets rule 2 retire a key.
 _JIT_KEY = globals().get("_JIT_KEY") or jax.make_user_context(default_value=_key_of(_DEFAULTS))
-_JIT_KEY.set_global(_key_of(_DEFAULTS))
-_DEFAULTS_KEY = globals().get("_DEFAULTS_KEY") or jax.make_user_context(default_value=_key_of(_DEFAULTS))
-_DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
+_DEFAULTS_KEY = globals().get("_DEFAULTS_KEY") or jax.make_user_context(default_value=None)
 _UNSET = None  # filled lazily: the marker jax uses for "no thread-local value"
-# Per thread: whether jbackends set JAX's thread-local default_matmul_precision, what it was before,
-# and the value applied (see `_sync_precision`).
+# Per thread: jbackends' ownership of JAX's thread-local default_matmul_precision (`_sync_precision`),
+# the last publication seen (`last_seq`) and the pinned trace (`trace_ref`, `record`).
 _thread_state = globals().get("_thread_state") or threading.local()
+
+_epochs: dict[tuple, int] = globals().get("_epochs", {})
+_history: collections.deque = globals().get("_history") or collections.deque(maxlen=256)
+_retired_count = globals().get("_retired_count", 0)  # keys retired so far (for tests and the report)
+
+
+def _make_publication(values: Mapping[str, Any]) -> _Publication:
+    """Build and publish a new `_Publication` (under `_defaults_lock`)."""
+    global _PUB
+    previous = globals().get("_PUB")
+    key = _key_of(values)
+    pub = _Publication(seq=(previous.seq + 1 if previous is not None else 0), values=dict(values),
+                       key=key, gkey=(key, _epochs.setdefault(key, 0)))
+    # JAX's values first, then the publication: a reader that sees `_PUB.seq == n` knows JAX's key is
+    # publication n's or newer (rule 2 relies on it).
+    _JIT_KEY.set_global(pub.key)
+    _DEFAULTS_KEY.set_global(pub.gkey)
+    _PUB = pub
+    _history.append(pub)
+    return pub
+
+
+def _retire(gkey: tuple, keep: tuple | None = None) -> None:
+    """Never publish `gkey` again (under `_defaults_lock`): entries filed under it become unreachable."""
+    global _retired_count
+    key, epoch = gkey
+    if gkey != keep and _epochs.get(key, 0) == epoch:
+        _epochs[key] = epoch + 1
+        _retired_count += 1
+
+
+def _retire_since(lo: int | None, keep: tuple | None) -> None:
+    """Retire the keys of every publication with `seq >= lo` (all of them if `lo` is None or too old)."""
+    if lo is None or not _history or lo < _history[0].seq:
+        for key in list(_epochs):
+            _retire((key, _epochs[key]), keep)
+        return
+    for pub in list(_history):
+        if pub.seq >= lo:
+            _retire(pub.gkey, keep)
+
+
+class _TraceRecord:
+    """A top-level trace in progress in one thread, and the publication it pinned."""
+
+    __slots__ = ("pub", "thread", "saved")
+
+    def __init__(self, pub: _Publication, saved: Any):
+        self.pub, self.thread, self.saved = pub, threading.get_ident(), saved
+
+
+def _end_trace(record: _TraceRecord) -> None:
+    """JAX dropped the pinned trace: give this thread the global defaults key back."""
+    ts = _thread_state
+    if threading.get_ident() == record.thread and getattr(ts, "record", None) is record:
+        _DEFAULTS_KEY._obj.set_local(record.saved)
+        ts.record = ts.trace_ref = None
+
+
+def _outermost_trace() -> Any:
+    trace = _jax_core.trace_ctx.trace
+    while True:
+        parent = getattr(trace, "parent_trace", None)
+        if parent is None or isinstance(parent, _jax_core.EvalTrace):
+            return trace
+        trace = parent
+
+
+def _unpin_ended() -> None:
+    """Release a pin whose trace ended where its finalizer could not (another thread's GC)."""
+    ts = _thread_state
+    record = getattr(ts, "record", None)
+    if record is not None:
+        ref = ts.trace_ref
+        if ref is None or ref() is None or not _tracing():
+            _DEFAULTS_KEY._obj.set_local(record.saved)
+            ts.record = ts.trace_ref = None
+
+
+def _trace_record() -> _TraceRecord | None:
+    """This thread's record for the top-level trace in progress (pinning one at the first read)."""
+    ts = _thread_state
+    if not _tracing():
+        if getattr(ts, "record", None) is not None:
+            _unpin_ended()
+        return None
+    outer = _outermost_trace()
+    ref = getattr(ts, "trace_ref", None)
+    if ref is not None and ref() is outer:
+        return ts.record
+    previous = getattr(ts, "record", None)
+    if previous is not None:  # a pin whose finalizer has not run here: release it first
+        _DEFAULTS_KEY._obj.set_local(previous.saved)
+        ts.record = ts.trace_ref = None
+    with _defaults_lock:
+        pub = _PUB
+        lo = getattr(ts, "last_seq", None)
+        if lo != pub.seq:  # JAX may have read the key of any publication since `lo`: rule 2
+            _retire_since(lo, keep=pub.gkey)
+        ts.last_seq = pub.seq
+    record = _TraceRecord(pub, _DEFAULTS_KEY._obj.swap_local(pub.gkey))
+    try:
+        ts.trace_ref = weakref.ref(outer)
+    except TypeError:  # not weak-referenceable: released at this thread's next read
+        ts.trace_ref = None
+    else:
+        weakref.finalize(outer, _end_trace, record)
+    ts.record = record
+    return record
+
 
 _snapshot_cache: dict[tuple, Any] = {}
 
 
-def _effective(overrides: _Overrides) -> dict[str, Any]:
-    values = dict(_DEFAULTS)
-    values.update(overrides)
-    return values
+def _effective(overrides: _Overrides, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    out = dict(_PUB.values if values is None else values)
+    out.update(overrides)
+    return out
+
+
+def _snapshot(overrides: _Overrides, pub: _Publication) -> Any:
+    cache_key = (overrides, pub.seq)
+    snap = _snapshot_cache.get(cache_key)
+    if snap is None:
+        snap = BackendFlags(**_effective(overrides, pub.values))
+        if len(_snapshot_cache) > 512:
+            _snapshot_cache.clear()
+        _snapshot_cache[cache_key] = snap
+    return snap
+
+
+def _publication_in_force() -> _Publication:
+    """The pinned publication under a trace, else the current one (recording it as seen)."""
+    record = _trace_record()
+    if record is not None:
+        return record.pub
+    pub = _PUB
+    _thread_state.last_seq = pub.seq
+    return pub
 
 
 def current_flags() -> Any:
     """The flags in force in the current context, as a frozen, hashable `BackendFlags`.
+
+    Under a trace these are the flags the trace pinned (see `trace_flags`).
 
     Example:
       >>> import jbackends as jb
@@ -430,33 +605,32 @@ def current_flags() -> Any:
       ...     jb.current_flags().flash
       False
     """
-    overrides = _OVERRIDES.get()
-    cache_key = (overrides, _defaults_version)
-    snap = _snapshot_cache.get(cache_key)
-    if snap is None:
-        snap = BackendFlags(**_effective(overrides))
-        if len(_snapshot_cache) > 512:
-            _snapshot_cache.clear()
-        _snapshot_cache[cache_key] = snap
-    return snap
+    return _snapshot(_OVERRIDES.get(), _publication_in_force())
+
+
+def _thread_key_for(snap: Any, pub: _Publication) -> tuple:
+    """The value `_JIT_KEY` must have in this thread for the flags `snap` (see the State notes)."""
+    key = tuple(getattr(snap, n) for n in _TRACED)
+    return pub.key if key == pub.key else (_SCOPED_TAG, key)
 
 
 def _expected_key() -> tuple:
-    snap = current_flags()
-    return tuple(getattr(snap, n) for n in _TRACED)
+    pub = _publication_in_force()
+    return _thread_key_for(_snapshot(_OVERRIDES.get(), pub), pub)
 
 
 def _set_thread_key() -> None:
     """Make this thread's jit key and JAX matmul precision mirror the ContextVar.
 
-    The key's thread-local value is unset when no traced flag is overridden (the global value, the
-    process defaults, is then in force).
+    The key's thread-local value is unset when the traced flags in force equal the defaults' (the global
+    value is then in force, and such a scope shares cache entries with unscoped code).
     """
     global _UNSET
     overrides = dict(_OVERRIDES.get())
     obj = _JIT_KEY._obj
-    if any(n in overrides for n in _TRACED):
-        obj.swap_local(_expected_key())
+    expected = _expected_key() if any(n in overrides for n in _TRACED) else None
+    if expected is not None and expected[:1] == (_SCOPED_TAG,):
+        obj.swap_local(expected)
     else:
         if _UNSET is None:
             from jax._src.config import config_ext
@@ -464,6 +638,11 @@ def _set_thread_key() -> None:
             _UNSET = config_ext.unset
         obj.set_local(_UNSET)
     _sync_precision(overrides)
+
+
+with _defaults_lock:
+    _make_publication(_DEFAULTS)
+    _thread_state.last_seq = _PUB.seq
 
 
 def _sync_precision(overrides: Mapping[str, Any]) -> None:
@@ -516,25 +695,40 @@ def _tracing() -> bool:
 def trace_flags() -> Any:
     """The flags a kernel must use while it is being traced (the one trace-time accessor).
 
-    Returns the same snapshot as `current_flags()`, after checking that JAX's jit key for this thread
-    agrees with it. Under a trace a disagreement means the cache entry being built would be filed under
-    other flags, so it raises `FlagsOutOfSyncError`; outside a trace it re-syncs the key silently.
+    Under a trace, every read in one top-level trace starts from the same snapshot of the process
+    defaults (pinned at the first read; see the State notes in this module), so a function calling
+    several kernels never mixes two flag states, whatever other threads publish meanwhile. The scoped
+    overrides of the running context apply on top. It then checks that JAX's jit key for this thread
+    agrees with these flags: a disagreement means the cache entry being built would be filed under
+    other flags (an asyncio task that resumed on a thread whose key another task set, or a scope whose
+    flags another thread's `set_flags` changed), so it raises `FlagsOutOfSyncError`. A thread with no
+    scope never raises. Outside a trace it re-syncs the key silently.
     """
-    snap = current_flags()
-    expected = tuple(getattr(snap, n) for n in _TRACED)
+    record = _trace_record()
+    if record is None:
+        pub = _PUB
+        _thread_state.last_seq = pub.seq
+        snap = _snapshot(_OVERRIDES.get(), pub)
+        if _JIT_KEY.value != _thread_key_for(snap, pub):
+            _set_thread_key()
+        return snap
+    pub = record.pub
+    snap = _snapshot(_OVERRIDES.get(), pub)
     actual = _JIT_KEY.value
-    if actual != expected:
-        if _tracing():
-            raise FlagsOutOfSyncError(
-                "jbackends flags in this context differ from the jit key of this thread, so a compiled "
-                "function would be cached under the wrong flags. This happens when asyncio tasks (or "
-                "code that sets the ContextVar directly) interleave on one thread, or when another thread "
-                "changed a process default (jb.set_flags) while this thread was inside a with_backends "
-                "scope: call jb.sync() before calling jitted functions (or use jb.jit, which does), or "
-                "enter jb.with_backends(...) again. "
-                f"context={dict(zip(_TRACED, expected))} key={dict(zip(_TRACED, actual or ()))}"
-            )
-        _set_thread_key()
+    key = tuple(getattr(snap, n) for n in _TRACED)
+    scoped = isinstance(actual, tuple) and actual[:1] == (_SCOPED_TAG,)
+    # A tagged key must name exactly these flags; the defaults' key must come with the pinned defaults.
+    if (actual != (_SCOPED_TAG, key)) if scoped else (key != pub.key):
+        raise FlagsOutOfSyncError(
+            "jbackends flags in this context differ from the jit key of this thread, so a compiled "
+            "function would be cached under the wrong flags. This happens when asyncio tasks (or "
+            "code that sets the ContextVar directly) interleave on one thread, or when another thread "
+            "changed a process default (jb.set_flags) that this thread's with_backends scope does not "
+            "override: call jb.sync() before calling jitted functions (or use jb.jit, which does), or "
+            "enter jb.with_backends(...) again. "
+            f"context={dict(zip(_TRACED, key))} "
+            f"key={dict(zip(_TRACED, actual[1] if scoped else pub.key))}"
+        )
     return snap
 
 
@@ -577,7 +771,13 @@ def _validate(updates: Mapping[str, Any], where: str, base: Mapping[str, Any]) -
 def set_flags(**flags: Any) -> None:
     """Set process defaults (torch semantics: every thread and later notebook cell sees them).
 
-    Omitted flags are unchanged. Raises `FlagsFrozenError` after `disable_global_flags()`.
+    Omitted flags are unchanged. The new defaults are published atomically: a trace running in another
+    thread keeps the defaults it started with, and its cache entry is never reused under other flags.
+
+    Raises:
+      FlagsFrozenError: after `disable_global_flags()`.
+      FlagsTracingError: called while JAX traces a function (use `with_backends` there).
+      TypeError / ValueError: an unknown flag or a bad value (the message names the flag).
 
     Example:
       >>> import jbackends as jb
@@ -585,6 +785,7 @@ def set_flags(**flags: Any) -> None:
       False
       >>> jb.reset_flags()
     """
+    _refuse_under_trace("set_flags", flags)
     parsed = _validate(flags, "set_flags", _DEFAULTS)
     if _frozen:
         raise FlagsFrozenError(
@@ -598,7 +799,8 @@ def set_flags(**flags: Any) -> None:
 
 
 def reset_flags() -> None:
-    """Restore every process default to its declared (torch) default."""
+    """Restore every process default to its declared (torch) default (not allowed under a trace)."""
+    _refuse_under_trace("reset_flags", {})
     if _frozen:
         raise FlagsFrozenError("process defaults are frozen (jb.disable_global_flags())")
     with _defaults_lock:
@@ -609,15 +811,25 @@ def reset_flags() -> None:
 
 
 def _publish_defaults() -> None:
-    """After `_DEFAULTS` changed (under `_defaults_lock`): snapshots, both jit keys, JAX's precision."""
-    global _defaults_version
-    _defaults_version += 1
-    _JIT_KEY.set_global(_key_of(_DEFAULTS))
-    _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
+    """After `_DEFAULTS` changed (under `_defaults_lock`): publish it, with both jit keys and JAX's precision."""
+    _make_publication(_DEFAULTS)
+    _thread_state.last_seq = _PUB.seq
     _bridge_global_precision()
     # This thread may hold a local key computed against the old defaults.
     if dict(_OVERRIDES.get()):
         _set_thread_key()
+
+
+def _refuse_under_trace(where: str, flags: Mapping[str, Any]) -> None:
+    if _tracing():
+        scoped = ", ".join(f"{k}={v!r}" for k, v in flags.items()) or "..."
+        raise FlagsTracingError(
+            f"jb.{where}() called while JAX is tracing a function (inside jax.jit, grad, vmap, scan, ...). "
+            "A process default set here would change at trace time only (not when the compiled function "
+            "runs, and not at all on a cache hit) and would leak to every other thread. Use a scope "
+            f"inside the function instead: `with jb.with_backends({scoped}): ...`, or call "
+            f"jb.{where}() before tracing."
+        )
 
 
 def disable_global_flags() -> None:
