@@ -748,7 +748,29 @@ def test_reduced_precision_reduction_flags_drive_jb_einsum(dtype, flag):
         assert f"preferred_element_type={jnp.dtype(other).name}" in str(jax.make_jaxpr(f)(a.astype(other)))
 
 
-def test_jb_jit_inside_plain_jit_warns_when_options_would_be_lost():
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+# jax 0.10 refuses compiler options on a jit under an eager grad / vjp (it stages the jit); jax 0.12
+# compiles the forward and the backward pieces as top-level jits and applies the options there.
+_JAX_APPLIES_OPTIONS_UNDER_EAGER_GRAD = _JAX_VERSION >= (0, 12)
+
+
+@pytest.fixture
+def compiled_options(monkeypatch):
+    """The compiler options of every XLA compilation JAX lowers while the test runs."""
+    from jax._src.interpreters import pxla
+
+    seen = []
+    real = pxla.lower_sharding_computation
+
+    def spy(*args, **kwargs):
+        seen.append(dict(kwargs.get("compiler_options_kvs", ())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pxla, "lower_sharding_computation", spy)
+    return seen
+
+
+def test_jb_jit_inside_plain_jit_warns_when_options_would_be_lost(compiled_options):
     inner = jb.jit(lambda x: x + 1)
     with jb.with_backends(deterministic=True):
         with pytest.warns(UserWarning, match="top-level jit"):  # staged into a plain jax.jit
@@ -760,15 +782,63 @@ def test_jb_jit_inside_plain_jit_warns_when_options_would_be_lost():
         with jb.with_backends(deterministic=True):
             assert float(outer(jnp.float32(3))) == 8.0
             assert dict(next(iter(outer.executables)))["xla_gpu_deterministic_ops"] is True
-    # JAX refuses compiler options on a jit under an eager grad too: jb.jit runs there as a plain jit
-    # (correct values) and says which options were lost. An eager vmap keeps them.
-    f = jb.jit(lambda x: x * x)
+
+
+def test_jb_jit_under_eager_grad_applies_or_reports_the_options(compiled_options):
+    """Under an eager grad, jax 0.12 compiles jb.jit's pieces top-level with the options; jax 0.10
+    refuses them there, and jb.jit runs as a plain jit (correct values) and names what is lost."""
+    traces = []
+    f = jb.jit(lambda x: traces.append(1) or x * x)
     with jb.with_backends(deterministic=True):
-        with pytest.warns(UserWarning, match="deterministic"):
-            assert float(jax.grad(f)(jnp.float32(3))) == 6.0
+        if _JAX_APPLIES_OPTIONS_UNDER_EAGER_GRAD:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert float(jax.grad(f)(jnp.float32(3))) == 6.0
+            pieces = [o for o in compiled_options if o]  # the forward and the backward of f
+            assert len(pieces) >= 2, compiled_options
+            assert all(o.get("xla_gpu_deterministic_ops") is True for o in pieces), compiled_options
+        else:
+            with pytest.warns(UserWarning, match="deterministic"):
+                assert float(jax.grad(f)(jnp.float32(3))) == 6.0
+            assert not any(o.get("xla_gpu_deterministic_ops") for o in compiled_options[1:])
+        # An eager vmap compiles one top-level jit: the options apply, on every version.
+        compiled_options.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert jax.vmap(f)(jnp.arange(3.0)).tolist() == [0.0, 1.0, 4.0]
+        assert {"xla_gpu_deterministic_ops": True}.items() <= compiled_options[-1].items()
+
+
+def test_jb_jit_staged_into_plain_jit_traces_once():
+    """Staged into jax.jit, jb.jit does not let JAX trace the function and then refuse the options."""
+    traces = []
+    f = jb.jit(lambda x: traces.append(1) or x + 1)
+    with jb.with_backends(deterministic=True):
+        with pytest.warns(UserWarning, match="deterministic"):
+            assert float(jax.jit(lambda x: f(x))(jnp.float32(1))) == 2.0
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("where", ["top", "jit", "grad"])
+def test_jb_jit_lets_a_users_value_error_through(where):
+    """Issue 15 q: a ValueError mentioning "top-level" is the function's, not JAX's refusal."""
+    traces = []
+
+    def fn(x):
+        traces.append(1)
+        raise ValueError("the top-level layer of my model is missing")
+
+    f = jb.jit(fn)
+    call = {"top": f, "jit": jax.jit(f), "grad": jax.grad(f)}[where]
+    with jb.with_backends(deterministic=True):  # options set: a refusal would fall back
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match="top-level layer of my model"):
+                call(jnp.float32(1))
+    # staged into jax.jit the options are lost (said up front); elsewhere nothing is said
+    assert [str(w.message) for w in caught if "top-level jit" in str(w.message)] != [] if where == "jit" \
+        else caught == []
+    assert len(traces) == 1  # traced once: no silent second trace as a plain jit
 
 
 def test_reloading_a_mirror_module_keeps_its_attributes_working(defaults):
