@@ -51,7 +51,6 @@ from jbackends import kleidiai as kleidiai
 from jbackends import linalg as linalg
 from jbackends import miopen as miopen
 from jbackends import mps as mps
-from jbackends import nn as nn
 from jbackends import nnpack as nnpack
 from jbackends import openmp as openmp
 from jbackends import xeon as xeon
@@ -64,7 +63,6 @@ from jbackends._src.verbose import verbose as verbose
 
 # --- attention / quantized exports: owned by the lead ---
 from jbackends import attention as attention
-from jbackends import quantized as quantized
 from jbackends.attention import SDPBackend as SDPBackend
 from jbackends.attention import dot_product_attention as dot_product_attention
 from jbackends.attention import explain as explain
@@ -78,5 +76,24 @@ flags = _types.SimpleNamespace(**_FLAGS)
 flags.__doc__ = "The flag declarations by short name: `jb.flags.deterministic.value`, `.set(v)`, `(v)` scope."
 
 __version__ = "0.1.0"
+
+# Optional heavy dependencies load on first use, not at `import jbackends` (flax alone costs more than
+# jax's own import): `jb.nn` (flax nnx layers) and `jb.quantized` (the int4 kernels, whose GPU path
+# loads Pallas and Triton) are imported when first accessed.
+_LAZY_SUBMODULES = ("nn", "quantized")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 _mirror.install(_sys.modules[__name__])  # set_/get_float32_matmul_precision, as torch spells them

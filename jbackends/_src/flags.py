@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 import opt_einsum as _opt_einsum
@@ -82,16 +83,25 @@ class FlagsTracingError(RuntimeError):
 
 
 def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    # numpy / jax scalar booleans are fine; arrays and other types are not.
-    if type(value).__name__ == "bool_":
+    """True/False, a NumPy bool (`np.True_`), or a concrete 0-d bool array; nothing else."""
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(f"flag {name!r} expects a bool, got {type(value).__name__} {value!r}")
+    if isinstance(value, _jax_core.Tracer):
+        raise TypeError(
+            f"flag {name!r} expects a bool, got a traced value {value!r}: flags are read at trace time, "
+            "so they must be concrete Python / NumPy bools (choose them outside the jitted function)"
+        )
+    if getattr(value, "shape", None) == () and getattr(value, "dtype", None) == np.bool_:
+        return bool(value)  # a 0-d numpy / jax bool array
+    raise TypeError(
+        f"flag {name!r} expects a bool (True or False; NumPy bools are accepted), got "
+        f"{type(value).__name__} {value!r}"
+    )
 
 
 def _parse_int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A Python or NumPy integer (not a bool) >= `minimum`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"flag {name!r} expects an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"flag {name!r} expects an int >= {minimum}, got {value}")
@@ -919,18 +929,79 @@ class with_backends:
         _set_thread_key()
 
     def __call__(self, fun: Callable) -> Callable:
+        """Decorate `fun`: every call runs in the scope (see the class docstring).
+
+        Coroutine functions hold the scope for the whole coroutine. Generator and async generator
+        functions hold it while their body runs, from the first `next()` to the end (also in the
+        `finally` blocks run by `close()`), and not while the consumer runs between two items.
+        """
+        updates = self._updates
+        if inspect.isgeneratorfunction(fun):
+
+            @functools.wraps(fun)
+            def generator_wrapper(*args, **kwargs):
+                scope = with_backends(**updates)
+                with scope:
+                    gen = fun(*args, **kwargs)
+                send, error = None, None
+                while True:
+                    try:
+                        with scope:
+                            item = gen.send(send) if error is None else gen.throw(error)
+                    except StopIteration as stop:
+                        return stop.value
+                    finally:
+                        error = None
+                    try:
+                        send = yield item
+                    except GeneratorExit:
+                        with scope:
+                            gen.close()
+                        raise
+                    except BaseException as e:  # thrown in by the consumer: deliver it in the scope
+                        send, error = None, e
+
+            return generator_wrapper
+
+        if inspect.isasyncgenfunction(fun):
+
+            @functools.wraps(fun)
+            async def async_generator_wrapper(*args, **kwargs):
+                scope = with_backends(**updates)
+                with scope:
+                    agen = fun(*args, **kwargs)
+                send, error = None, None
+                while True:
+                    try:
+                        with scope:
+                            item = await (agen.asend(send) if error is None else agen.athrow(error))
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        error = None
+                    try:
+                        send = yield item
+                    except GeneratorExit:
+                        with scope:
+                            await agen.aclose()
+                        raise
+                    except BaseException as e:
+                        send, error = None, e
+
+            return async_generator_wrapper
+
         if inspect.iscoroutinefunction(fun):
 
             @functools.wraps(fun)
             async def async_wrapper(*args, **kwargs):
-                with with_backends(**self._updates):
+                with with_backends(**updates):
                     return await fun(*args, **kwargs)
 
             return async_wrapper
 
         @functools.wraps(fun)
         def wrapper(*args, **kwargs):
-            with with_backends(**self._updates):
+            with with_backends(**updates):
                 return fun(*args, **kwargs)
 
         return wrapper
