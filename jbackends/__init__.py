@@ -81,6 +81,10 @@ __version__ = "0.1.0"
 # jax's own import): `jb.nn` (flax nnx layers) and `jb.quantized` (the int4 kernels, whose GPU path
 # loads Pallas and Triton) are imported when first accessed.
 _LAZY_SUBMODULES = ("nn", "quantized")
+# Pallas' core is cheap and declares trace-context configs: imported for the first time mid-program (by
+# a kernel), it would grow JAX's trace context and make every jitted function retrace once. Its GPU
+# back ends (Triton, Mosaic) stay lazy.
+import jax.experimental.pallas as _pallas  # noqa: E402,F401
 
 
 def __getattr__(name: str):

@@ -1000,18 +1000,23 @@ def test_set_flags_under_a_trace_is_an_error_naming_with_backends(setter):
     assert jb.current_flags() == jb.BackendFlags(**flags_mod._DEFAULTS)  # nothing changed
 
 
-def test_import_does_not_load_flax_or_pallas():
+def test_import_does_not_load_flax_or_the_gpu_kernels():
     code = textwrap.dedent(
         """
         import sys
         import jbackends as jb
+        from jax._src import config
         heavy = sorted(m for m in sys.modules
                        if m.split(".")[0] in ("flax", "optax", "treescope")
-                       or m.startswith(("jax.experimental.pallas", "jax._src.pallas")))
+                       or m.startswith(("jax._src.pallas.triton", "jax._src.lib.triton",
+                                        "jax.experimental.pallas.triton", "pallas_kernels.int4_matmul")))
         assert not heavy, heavy
         assert "nn" in dir(jb) and "quantized" in dir(jb)
+        context = len(config.trace_context())
         assert jb.nn.Int4Linear.__name__ == "Int4Linear"  # loaded on first use
         assert "flax" in sys.modules and jb.quantized.engine == "auto"
+        # loading them later does not grow JAX's trace context (which would retrace every jit once)
+        assert len(config.trace_context()) == context
         from jbackends.nn import attention_fn  # the submodule import works as before
         print("ok")
         """
