@@ -355,3 +355,42 @@ def test_attention_twice_under_concurrent_set_flags(defaults):
     for name, mode in (("math", MATH), ("flash", FLASH)):
         jb.set_flags(**mode)
         np.testing.assert_array_equal(np.asarray(fn(q)), out[name])
+
+
+def test_scope_equal_to_the_defaults_keeps_its_flags_when_another_thread_changes_them(defaults):
+    """A scope sets flash=True while that is the default (so it shares the unscoped cache entries);
+    another thread then sets the default flash=False. The scope's code keeps flash=True, without
+    an error, and unscoped code gets flash=False: neither is served the other's executable."""
+    traces = []
+
+    def fn(x):
+        traces.append(1)
+        return _kernel(x)
+
+    f = jax.jit(fn)
+    x = jnp.arange(1.0, 4.0, dtype=jnp.float32)
+    jb.set_flags(**FLASH)
+    entered, changed, results = threading.Event(), threading.Event(), {}
+
+    def worker():
+        with jb.with_backends(flash=True, math=False):  # equal to the defaults now
+            results["before"] = np.asarray(f(x))
+            entered.set()
+            changed.wait(30)
+            results["after"] = np.asarray(f(x))  # the defaults are MATH now; the scope says FLASH
+            results["again"] = np.asarray(f(x))
+        results["outside"] = np.asarray(f(x))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    entered.wait(30)
+    jb.set_flags(**MATH)
+    changed.set()
+    t.join(60)
+    np.testing.assert_array_equal(results["before"], 2 * np.asarray(x))
+    np.testing.assert_array_equal(results["after"], 2 * np.asarray(x))
+    np.testing.assert_array_equal(results["again"], 2 * np.asarray(x))
+    np.testing.assert_array_equal(results["outside"], 3 * np.asarray(x))
+    np.testing.assert_array_equal(f(x), 3 * np.asarray(x))  # unscoped, here: MATH
+    jb.set_flags(**FLASH)
+    np.testing.assert_array_equal(f(x), 2 * np.asarray(x))

@@ -416,7 +416,9 @@ BackendFlags.__doc__ = (
 # Scoped overrides live in a `contextvars.ContextVar`. While a scope makes the traced flags differ from
 # the defaults, this thread's value of `_JIT_KEY` is a tagged tuple of the scope's traced flags (the
 # entry's flags are then exactly its key, whatever the defaults); otherwise it is unset and the global
-# value (the defaults' traced flags) is in force, so equal flag sets share cache entries.
+# value (the defaults' traced flags) is in force, so equal flag sets share cache entries. If another
+# thread then changes the defaults under such a scope, its next trace switches it to its tagged key
+# and retires the keys the call may be filed under (`_adopt_scope`).
 
 # Process state survives `importlib.reload` (a reload re-executes this module in the same namespace):
 # defaults set before the reload stay in force, and the JAX precision saved by the bridge is not lost.
@@ -508,10 +510,10 @@ def _retire_since(lo: int | None, keep: tuple | None) -> None:
 class _TraceRecord:
     """A top-level trace in progress in one thread, and the publication it pinned."""
 
-    __slots__ = ("pub", "thread", "saved")
+    __slots__ = ("pub", "lo", "thread", "saved")
 
-    def __init__(self, pub: _Publication, saved: Any):
-        self.pub, self.thread, self.saved = pub, threading.get_ident(), saved
+    def __init__(self, pub: _Publication, lo: int | None, saved: Any):
+        self.pub, self.lo, self.thread, self.saved = pub, lo, threading.get_ident(), saved
 
 
 def _end_trace(record: _TraceRecord) -> None:
@@ -563,7 +565,7 @@ def _trace_record() -> _TraceRecord | None:
         if lo != pub.seq:  # JAX may have read the key of any publication since `lo`: rule 2
             _retire_since(lo, keep=pub.gkey)
         ts.last_seq = pub.seq
-    record = _TraceRecord(pub, _DEFAULTS_KEY._obj.swap_local(pub.gkey))
+    record = _TraceRecord(pub, lo, _DEFAULTS_KEY._obj.swap_local(pub.gkey))
     try:
         ts.trace_ref = weakref.ref(outer)
     except TypeError:  # not weak-referenceable: released at this thread's next read
@@ -639,6 +641,9 @@ def _set_thread_key() -> None:
     overrides = dict(_OVERRIDES.get())
     obj = _JIT_KEY._obj
     expected = _expected_key() if any(n in overrides for n in _TRACED) else None
+    # Which scope this thread's key was computed for, when that scope equals the defaults (see
+    # `_adopt_scope`); an asyncio task that did not sync has other overrides.
+    _thread_state.shared_for = _OVERRIDES.get() if expected is not None else None
     if expected is not None and expected[:1] == (_SCOPED_TAG,):
         obj.swap_local(expected)
     else:
@@ -698,6 +703,21 @@ def sync() -> None:
     _set_thread_key()
 
 
+def _adopt_scope(record: _TraceRecord, key: tuple) -> None:
+    """Under a trace: this thread's scope shared the defaults' key, and another thread changed them.
+
+    The scope's flags win (they are what the code in the scope asked for): from now on this thread
+    uses the scope's own tagged key, nested jits included. The call itself was filed under the
+    defaults' key with the scope's flags, so every key it may have read is retired (rule 2) and the
+    current defaults are published again under a fresh epoch.
+    """
+    _JIT_KEY._obj.swap_local((_SCOPED_TAG, key))
+    _thread_state.shared_for = None
+    with _defaults_lock:
+        _retire_since(record.lo, None)
+        _make_publication(_PUB.values)
+
+
 def _tracing() -> bool:
     return not _jax_core.trace_state_clean()
 
@@ -710,9 +730,11 @@ def trace_flags() -> Any:
     several kernels never mixes two flag states, whatever other threads publish meanwhile. The scoped
     overrides of the running context apply on top. It then checks that JAX's jit key for this thread
     agrees with these flags: a disagreement means the cache entry being built would be filed under
-    other flags (an asyncio task that resumed on a thread whose key another task set, or a scope whose
-    flags another thread's `set_flags` changed), so it raises `FlagsOutOfSyncError`. A thread with no
-    scope never raises. Outside a trace it re-syncs the key silently.
+    other flags (an asyncio task that resumed on a thread whose key another task set, or a scope that
+    leaves a flag to the defaults while another thread's `set_flags` changed that flag), so it raises
+    `FlagsOutOfSyncError`. A thread with no scope never raises; nor does a scope whose flags equal
+    the old defaults (it shared their key): it keeps its flags under its own key from then on. Outside
+    a trace it re-syncs the key silently.
     """
     record = _trace_record()
     if record is None:
@@ -728,7 +750,10 @@ def trace_flags() -> Any:
     key = tuple(getattr(snap, n) for n in _TRACED)
     scoped = isinstance(actual, tuple) and actual[:1] == (_SCOPED_TAG,)
     # A tagged key must name exactly these flags; the defaults' key must come with the pinned defaults.
-    if (actual != (_SCOPED_TAG, key)) if scoped else (key != pub.key):
+    if not scoped and key != pub.key and _OVERRIDES.get() and \
+            getattr(_thread_state, "shared_for", None) == _OVERRIDES.get():
+        _adopt_scope(record, key)  # a scope equal to the old defaults, which another thread changed
+    elif (actual != (_SCOPED_TAG, key)) if scoped else (key != pub.key):
         raise FlagsOutOfSyncError(
             "jbackends flags in this context differ from the jit key of this thread, so a compiled "
             "function would be cached under the wrong flags. This happens when asyncio tasks (or "
