@@ -394,3 +394,49 @@ def test_scope_equal_to_the_defaults_keeps_its_flags_when_another_thread_changes
     np.testing.assert_array_equal(f(x), 3 * np.asarray(x))  # unscoped, here: MATH
     jb.set_flags(**FLASH)
     np.testing.assert_array_equal(f(x), 2 * np.asarray(x))
+
+
+def test_default_matmul_precision_is_pinned_with_the_trace(defaults):
+    """Process-default precision is bridged to JAX's global matmul precision; a trace keeps the one of
+    the defaults it pinned, so its two matmuls agree and its entry matches its key."""
+    def fn(a):
+        trace_flags()  # the first read pins the defaults (and JAX's bridged precision)
+        return (a @ a) @ a
+
+    def precisions(traced) -> list:
+        return [str(e.params["precision"]) for e in traced.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+    expected = {"highest": str((jax.lax.Precision.HIGHEST,) * 2), "medium": str((jax.lax.Precision.DEFAULT,) * 2)}
+    traced = jax.jit(fn)
+    shapes = [jax.ShapeDtypeStruct((n + 2, n + 2), jnp.float32) for n in range(max(TRACES // 2, 60))]
+    mixed, errors = [], []
+    stop = threading.Event()
+
+    def flipper():
+        i = 0
+        while not stop.is_set():
+            jb.set_float32_matmul_precision("medium" if i % 2 else "highest")
+            i += 1
+            time.sleep(0.0002)
+
+    def thread_b():
+        for s in shapes:
+            try:
+                p = precisions(traced.trace(s))
+                if len(p) != 2 or p[0] != p[1]:
+                    mixed.append(p)
+            except jb.FlagsOutOfSyncError as e:
+                errors.append(e)
+
+    a = threading.Thread(target=flipper)
+    b = threading.Thread(target=thread_b)
+    a.start()
+    b.start()
+    b.join(120)
+    stop.set()
+    a.join(30)
+    assert errors == [] and mixed == [], (len(errors), mixed[:3])
+    for name in ("highest", "medium"):
+        jb.set_float32_matmul_precision(name)
+        wrong = [s.shape for s in shapes if precisions(traced.trace(s)) != [expected[name]] * 2]
+        assert wrong == [], (name, len(wrong))

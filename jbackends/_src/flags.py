@@ -450,6 +450,7 @@ class _Publication:
     values: Mapping[str, Any]
     key: tuple  # traced flags: the global value of _JIT_KEY
     gkey: tuple  # (key, epoch): the value of _DEFAULTS_KEY
+    jax_precision: str | None  # JAX's default_matmul_precision bridged from these defaults, if any
 
 
 # The jit key, in two user contexts, each created once per process (`importlib.reload` re-executes this
@@ -476,8 +477,10 @@ def _make_publication(values: Mapping[str, Any]) -> _Publication:
     global _PUB
     previous = globals().get("_PUB")
     key = _key_of(values)
+    bridged = any(n in _explicit_defaults for n in _PRECISION_FLAGS)
     pub = _Publication(seq=(previous.seq + 1 if previous is not None else 0), values=dict(values),
-                       key=key, gkey=(key, _epochs.setdefault(key, 0)))
+                       key=key, gkey=(key, _epochs.setdefault(key, 0)),
+                       jax_precision=_PRECISION_TO_JAX[values["float32_matmul_precision"]] if bridged else None)
     # JAX's values first, then the publication: a reader that sees `_PUB.seq == n` knows JAX's key is
     # publication n's or newer (rule 2 relies on it).
     _JIT_KEY.set_global(pub.key)
@@ -510,18 +513,32 @@ def _retire_since(lo: int | None, keep: tuple | None) -> None:
 class _TraceRecord:
     """A top-level trace in progress in one thread, and the publication it pinned."""
 
-    __slots__ = ("pub", "lo", "thread", "saved")
+    __slots__ = ("pub", "lo", "thread", "saved", "saved_precision")
 
-    def __init__(self, pub: _Publication, lo: int | None, saved: Any):
-        self.pub, self.lo, self.thread, self.saved = pub, lo, threading.get_ident(), saved
+    def __init__(self, pub: _Publication, lo: int | None):
+        self.pub, self.lo, self.thread = pub, lo, threading.get_ident()
+        self.saved = self.saved_precision = None
+
+    def pin(self) -> None:
+        """This thread's defaults key, and JAX's matmul precision bridged from the defaults (unless a
+        scope owns it), follow the pinned publication until `release`."""
+        self.saved = _DEFAULTS_KEY._obj.swap_local(self.pub.gkey)
+        if self.pub.jax_precision is not None and not getattr(_thread_state, "precision_owned", False):
+            self.saved_precision = (_jax_config.default_matmul_precision.swap_local(self.pub.jax_precision),)
+
+    def release(self) -> None:
+        _DEFAULTS_KEY._obj.set_local(self.saved)
+        if self.saved_precision is not None:
+            _jax_config.default_matmul_precision.set_local(self.saved_precision[0])
+        ts = _thread_state
+        if getattr(ts, "record", None) is self:
+            ts.record = ts.trace_ref = None
 
 
 def _end_trace(record: _TraceRecord) -> None:
     """JAX dropped the pinned trace: give this thread the global defaults key back."""
-    ts = _thread_state
-    if threading.get_ident() == record.thread and getattr(ts, "record", None) is record:
-        _DEFAULTS_KEY._obj.set_local(record.saved)
-        ts.record = ts.trace_ref = None
+    if threading.get_ident() == record.thread and getattr(_thread_state, "record", None) is record:
+        record.release()
 
 
 def _outermost_trace() -> Any:
@@ -540,8 +557,7 @@ def _unpin_ended() -> None:
     if record is not None:
         ref = ts.trace_ref
         if ref is None or ref() is None or not _tracing():
-            _DEFAULTS_KEY._obj.set_local(record.saved)
-            ts.record = ts.trace_ref = None
+            record.release()
 
 
 def _trace_record() -> _TraceRecord | None:
@@ -557,15 +573,15 @@ def _trace_record() -> _TraceRecord | None:
         return ts.record
     previous = getattr(ts, "record", None)
     if previous is not None:  # a pin whose finalizer has not run here: release it first
-        _DEFAULTS_KEY._obj.set_local(previous.saved)
-        ts.record = ts.trace_ref = None
+        previous.release()
     with _defaults_lock:
         pub = _PUB
         lo = getattr(ts, "last_seq", None)
         if lo != pub.seq:  # JAX may have read the key of any publication since `lo`: rule 2
             _retire_since(lo, keep=pub.gkey)
         ts.last_seq = pub.seq
-    record = _TraceRecord(pub, lo, _DEFAULTS_KEY._obj.swap_local(pub.gkey))
+    record = _TraceRecord(pub, lo)
+    record.pin()
     try:
         ts.trace_ref = weakref.ref(outer)
     except TypeError:  # not weak-referenceable: released at this thread's next read
