@@ -32,7 +32,6 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-import itertools
 import threading
 import warnings
 import weakref
@@ -584,8 +583,8 @@ def _trace_record() -> _TraceRecord | None:
     record.pin()
     try:
         ts.trace_ref = weakref.ref(outer)
-    except TypeError:  # not weak-referenceable: released at this thread's next read
-        ts.trace_ref = None
+    except TypeError:  # not weak-referenceable: held, and released at this thread's next read outside it
+        ts.trace_ref = lambda: outer
     else:
         weakref.finalize(outer, _end_trace, record)
     ts.record = record
