@@ -21,6 +21,7 @@ from jbackends._src.flags import BackendFlags as BackendFlags
 from jbackends._src.flags import Flag as Flag
 from jbackends._src.flags import FlagsFrozenError as FlagsFrozenError
 from jbackends._src.flags import FlagsOutOfSyncError as FlagsOutOfSyncError
+from jbackends._src.flags import FlagsTracingError as FlagsTracingError
 from jbackends._src.flags import compiler_options as compiler_options
 from jbackends._src.flags import current_flags as current_flags
 from jbackends._src.flags import disable_global_flags as disable_global_flags
@@ -50,7 +51,6 @@ from jbackends import kleidiai as kleidiai
 from jbackends import linalg as linalg
 from jbackends import miopen as miopen
 from jbackends import mps as mps
-from jbackends import nn as nn
 from jbackends import nnpack as nnpack
 from jbackends import openmp as openmp
 from jbackends import xeon as xeon
@@ -63,7 +63,6 @@ from jbackends._src.verbose import verbose as verbose
 
 # --- attention / quantized exports: owned by the lead ---
 from jbackends import attention as attention
-from jbackends import quantized as quantized
 from jbackends.attention import SDPBackend as SDPBackend
 from jbackends.attention import dot_product_attention as dot_product_attention
 from jbackends.attention import explain as explain
@@ -77,5 +76,28 @@ flags = _types.SimpleNamespace(**_FLAGS)
 flags.__doc__ = "The flag declarations by short name: `jb.flags.deterministic.value`, `.set(v)`, `(v)` scope."
 
 __version__ = "0.1.0"
+
+# Optional heavy dependencies load on first use, not at `import jbackends` (flax alone costs more than
+# jax's own import): `jb.nn` (flax nnx layers) and `jb.quantized` (the int4 kernels, whose GPU path
+# loads Pallas and Triton) are imported when first accessed.
+_LAZY_SUBMODULES = ("nn", "quantized")
+# Pallas' core is cheap and declares trace-context configs: imported for the first time mid-program (by
+# a kernel), it would grow JAX's trace context and make every jitted function retrace once. Its GPU
+# back ends (Triton, Mosaic) stay lazy.
+import jax.experimental.pallas as _pallas  # noqa: E402,F401
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 _mirror.install(_sys.modules[__name__])  # set_/get_float32_matmul_precision, as torch spells them

@@ -1,5 +1,8 @@
 """`torch.backends.opt_einsum`, for JAX: `enabled` and `strategy` drive `jb.einsum`'s contraction order.
 
+torch's surface, same names: `is_available()`, `get_opt_einsum()`, the attributes `enabled` and
+`strategy`, `set_flags(_enabled=None, _strategy=None)` and `flags(enabled=None, strategy=None)`.
+
 `enabled` / `strategy` are generated from the flag registry (reading gives the value in force, assigning
 sets the process default; scoped: `jb.with_backends(opt_einsum_strategy="greedy")`). `strategy` accepts
 "auto", "greedy", "optimal" and opt_einsum's other path names; setting it while disabled raises, as in
@@ -13,6 +16,7 @@ Example:
 
 import sys as _sys
 
+from jbackends._src import flags as _flags
 from jbackends._src import mirror as _mirror
 
 # --- issue 6 (non-flag rows of torch.backends.opt_einsum) ---
@@ -45,5 +49,43 @@ def get_opt_einsum():
 
 
 # --- end issue 6 ---
+
+
+def set_flags(_enabled=None, _strategy=None) -> tuple:
+    """Set the process defaults of `enabled` / `strategy` (None: unchanged), like torch's.
+
+    Returns the previous process defaults as `(enabled, strategy)`, so `set_flags(*previous)` restores
+    them. Values are validated first (a bool; a strategy name, refused while disabled, as in torch).
+
+    Example:
+      >>> import jbackends as jb
+      >>> previous = jb.opt_einsum.set_flags(True, "greedy")
+      >>> previous, jb.opt_einsum.strategy
+      ((True, 'auto'), 'greedy')
+      >>> _ = jb.opt_einsum.set_flags(*previous)
+    """
+    previous = _flags._PUB.values
+    orig = (previous["opt_einsum_enabled"], previous["opt_einsum_strategy"] if is_available() else None)
+    given = {"opt_einsum_enabled": _enabled, "opt_einsum_strategy": _strategy}
+    updates = {k: v for k, v in given.items() if v is not None}
+    if updates:
+        _flags.set_flags(**updates)
+    return orig
+
+
+def flags(enabled=None, strategy=None):
+    """Scoped `enabled` / `strategy` (None: unchanged), a context manager and a decorator.
+
+    Unlike torch's (process-global), the scope is per thread / asyncio task and restores on exit,
+    like every `jb.with_backends` scope; jitted functions traced inside it see it (and retrace).
+
+    Example:
+      >>> import jbackends as jb
+      >>> with jb.opt_einsum.flags(strategy="optimal"):
+      ...     jb.opt_einsum.strategy
+      'optimal'
+    """
+    given = {"opt_einsum_enabled": enabled, "opt_einsum_strategy": strategy}
+    return _flags.with_backends(**{k: v for k, v in given.items() if v is not None})
 
 _mirror.install(_sys.modules[__name__])

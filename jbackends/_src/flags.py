@@ -27,16 +27,19 @@ State model:
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import functools
 import inspect
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 import opt_einsum as _opt_einsum
@@ -46,6 +49,7 @@ __all__ = [
     "Flag",
     "FlagsFrozenError",
     "FlagsOutOfSyncError",
+    "FlagsTracingError",
     "current_flags",
     "disable_global_flags",
     "enable_global_flags",
@@ -68,22 +72,35 @@ class FlagsOutOfSyncError(RuntimeError):
     """The jit key of this thread does not match the flags of the running context (see `sync`)."""
 
 
+class FlagsTracingError(RuntimeError):
+    """A process default was changed while JAX traces a function: use `with_backends` there."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Parsers: each canonicalises a value or raises with the allowed values in the message.
 # --------------------------------------------------------------------------------------------------
 
 
 def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    # numpy / jax scalar booleans are fine; arrays and other types are not.
-    if type(value).__name__ == "bool_":
+    """True/False, a NumPy bool (`np.True_`), or a concrete 0-d bool array; nothing else."""
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(f"flag {name!r} expects a bool, got {type(value).__name__} {value!r}")
+    if isinstance(value, _jax_core.Tracer):
+        raise TypeError(
+            f"flag {name!r} expects a bool, got a traced value {value!r}: flags are read at trace time, "
+            "so they must be concrete Python / NumPy bools (choose them outside the jitted function)"
+        )
+    if getattr(value, "shape", None) == () and getattr(value, "dtype", None) == np.bool_:
+        return bool(value)  # a 0-d numpy / jax bool array
+    raise TypeError(
+        f"flag {name!r} expects a bool (True or False; NumPy bools are accepted), got "
+        f"{type(value).__name__} {value!r}"
+    )
 
 
 def _parse_int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A Python or NumPy integer (not a bool) >= `minimum`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"flag {name!r} expects an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"flag {name!r} expects an int >= {minimum}, got {value}")
@@ -369,6 +386,38 @@ BackendFlags.__doc__ = (
 # --------------------------------------------------------------------------------------------------
 # State.
 # --------------------------------------------------------------------------------------------------
+#
+# Process defaults are *published*: one immutable `_Publication` (values, jit key, sequence number)
+# replaces the previous one under `_defaults_lock`, together with the global values of the two JAX user
+# contexts that make up the jit key. Readers never look at a half-updated state.
+#
+# JAX reads its jit key (the C++ dispatch cache, the trace cache, nested jits) at several moments of a
+# call, before and while a function is traced, and another thread may publish new defaults at any of
+# those moments. Two rules keep every cache entry consistent with its key:
+#
+# 1. One snapshot per trace. The first flag read inside a top-level trace (the outermost JAX trace of
+#    this thread) pins the publication then in force: every later read in that trace (nested jits,
+#    scans, `with_backends` scopes inside it) starts from the same defaults, and this thread's value of
+#    `_DEFAULTS_KEY` is pinned to that publication's key until JAX drops the trace object, so nested
+#    jits are looked up and filed under the pinned key too. A function calling two kernels can no
+#    longer mix two flag states, nor pick up a nested executable traced under other defaults.
+# 2. Keys read before the pin are retired. The key the call itself is filed under was read before its
+#    first flag read, from a publication between the last one this thread saw (`last_seq`) and the
+#    pinned one. Every such publication whose key differs from the pinned one is retired: its epoch is
+#    bumped, so publishing those flags again later yields a new key, and the entry filed under the old
+#    key is never looked up again.
+#
+# Retiring costs a retrace, and happens only when a publication falls between a thread's last look at
+# the defaults and its next trace; flags set again later without such an overlap hit the cache as
+# before. An unscoped thread never raises because another thread changed a default: it traces with
+# the defaults it pinned.
+#
+# Scoped overrides live in a `contextvars.ContextVar`. While a scope makes the traced flags differ from
+# the defaults, this thread's value of `_JIT_KEY` is a tagged tuple of the scope's traced flags (the
+# entry's flags are then exactly its key, whatever the defaults); otherwise it is unset and the global
+# value (the defaults' traced flags) is in force, so equal flag sets share cache entries. If another
+# thread then changes the defaults under such a scope, its next trace switches it to its tagged key
+# and retires the keys the call may be filed under (`_adopt_scope`).
 
 # Process state survives `importlib.reload` (a reload re-executes this module in the same namespace):
 # defaults set before the reload stay in force, and the JAX precision saved by the bridge is not lost.
@@ -377,7 +426,6 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in _DECLARATIONS}
 _DEFAULTS.update({k: v for k, v in _previous_defaults.items() if k in _DEFAULTS})
 del _previous_defaults
 _defaults_lock = globals().get("_defaults_lock") or threading.RLock()
-_defaults_version = globals().get("_defaults_version", 0) + 1
 _frozen = globals().get("_frozen", False)
 # defaults changed through set_flags (bridged to JAX where relevant)
 _explicit_defaults: set[str] = {n for n in globals().get("_explicit_defaults", ()) if n in _DEFAULTS}
@@ -386,43 +434,197 @@ _Overrides = tuple  # sorted tuple of (name, value): immutable and hashable
 _OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("_OVERRIDES") or contextvars.ContextVar(
     "jbackends_overrides", default=()
 )
+_SCOPED_TAG = "jbackends-scope"  # first item of a scoped jit key: never equal to a defaults key
 
 
 def _key_of(values: Mapping[str, Any]) -> tuple:
     return tuple(values[n] for n in _TRACED)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Publication:
+    """One atomic state of the process defaults and of the jit-key values published with it."""
+
+    seq: int
+    values: Mapping[str, Any]
+    key: tuple  # traced flags: the global value of _JIT_KEY
+    gkey: tuple  # (key, epoch): the value of _DEFAULTS_KEY
+    jax_precision: str | None  # JAX's default_matmul_precision bridged from these defaults, if any
+
+
 # The jit key, in two user contexts, each created once per process (`importlib.reload` re-executes this
 # module in the same namespace, so existing contexts are reused rather than registering new ones):
 #
-# * `_JIT_KEY` carries the flags in force. Its global value mirrors the process defaults; its
-#   thread-local value (set while a scope overrides a traced flag) mirrors the ContextVar.
-# * `_DEFAULTS_KEY` is global only and mirrors the process defaults. JAX's thread-local value shadows
-#   the global one, so without it a thread inside a scope would keep a key computed against the old
-#   defaults after another thread called `set_flags`, and a plain `jax.jit` call there would hit a
-#   cache entry traced under other flags. With it, the key changes in every thread at once; the stale
-#   thread then retraces, and `trace_flags` either finds the same flags (the scope overrides the
-#   changed default) or raises `FlagsOutOfSyncError`: never a stale executable.
+# * `_JIT_KEY`: global value = the defaults' traced flags; thread-local value = a scope's tagged key.
+# * `_DEFAULTS_KEY`: global only, `(defaults' traced flags, epoch)`. JAX's thread-local value shadows
+#   the global one, so without it a thread inside a scope would keep its key after another thread
+#   called `set_flags`; with it, every thread retraces, and the epoch lets rule 2 retire a key.
 _JIT_KEY = globals().get("_JIT_KEY") or jax.make_user_context(default_value=_key_of(_DEFAULTS))
-_JIT_KEY.set_global(_key_of(_DEFAULTS))
-_DEFAULTS_KEY = globals().get("_DEFAULTS_KEY") or jax.make_user_context(default_value=_key_of(_DEFAULTS))
-_DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
+_DEFAULTS_KEY = globals().get("_DEFAULTS_KEY") or jax.make_user_context(default_value=None)
 _UNSET = None  # filled lazily: the marker jax uses for "no thread-local value"
-# Per thread: whether jbackends set JAX's thread-local default_matmul_precision, what it was before,
-# and the value applied (see `_sync_precision`).
+# Per thread: jbackends' ownership of JAX's thread-local default_matmul_precision (`_sync_precision`),
+# the last publication seen (`last_seq`) and the pinned trace (`trace_ref`, `record`).
 _thread_state = globals().get("_thread_state") or threading.local()
+
+_epochs: dict[tuple, int] = globals().get("_epochs", {})
+_history: collections.deque = globals().get("_history") or collections.deque(maxlen=256)
+_retired_count = globals().get("_retired_count", 0)  # keys retired so far (for tests and the report)
+
+
+def _make_publication(values: Mapping[str, Any]) -> _Publication:
+    """Build and publish a new `_Publication` (under `_defaults_lock`)."""
+    global _PUB
+    previous = globals().get("_PUB")
+    key = _key_of(values)
+    bridged = any(n in _explicit_defaults for n in _PRECISION_FLAGS)
+    pub = _Publication(seq=(previous.seq + 1 if previous is not None else 0), values=dict(values),
+                       key=key, gkey=(key, _epochs.setdefault(key, 0)),
+                       jax_precision=_PRECISION_TO_JAX[values["float32_matmul_precision"]] if bridged else None)
+    # JAX's values first, then the publication: a reader that sees `_PUB.seq == n` knows JAX's key is
+    # publication n's or newer (rule 2 relies on it).
+    _JIT_KEY.set_global(pub.key)
+    _DEFAULTS_KEY.set_global(pub.gkey)
+    _PUB = pub
+    _history.append(pub)
+    return pub
+
+
+def _retire(gkey: tuple, keep: tuple | None = None) -> None:
+    """Never publish `gkey` again (under `_defaults_lock`): entries filed under it become unreachable."""
+    global _retired_count
+    key, epoch = gkey
+    if gkey != keep and _epochs.get(key, 0) == epoch:
+        _epochs[key] = epoch + 1
+        _retired_count += 1
+
+
+def _retire_since(lo: int | None, keep: tuple | None) -> None:
+    """Retire the keys of every publication with `seq >= lo` (all of them if `lo` is None or too old)."""
+    if lo is None or not _history or lo < _history[0].seq:
+        for key in list(_epochs):
+            _retire((key, _epochs[key]), keep)
+        return
+    for pub in list(_history):
+        if pub.seq >= lo:
+            _retire(pub.gkey, keep)
+
+
+class _TraceRecord:
+    """A top-level trace in progress in one thread, and the publication it pinned."""
+
+    __slots__ = ("pub", "lo", "thread", "saved", "saved_precision")
+
+    def __init__(self, pub: _Publication, lo: int | None):
+        self.pub, self.lo, self.thread = pub, lo, threading.get_ident()
+        self.saved = self.saved_precision = None
+
+    def pin(self) -> None:
+        """This thread's defaults key, and JAX's matmul precision bridged from the defaults (unless a
+        scope owns it), follow the pinned publication until `release`."""
+        self.saved = _DEFAULTS_KEY._obj.swap_local(self.pub.gkey)
+        if self.pub.jax_precision is not None and not getattr(_thread_state, "precision_owned", False):
+            self.saved_precision = (_jax_config.default_matmul_precision.swap_local(self.pub.jax_precision),)
+
+    def release(self) -> None:
+        _DEFAULTS_KEY._obj.set_local(self.saved)
+        if self.saved_precision is not None:
+            _jax_config.default_matmul_precision.set_local(self.saved_precision[0])
+        ts = _thread_state
+        if getattr(ts, "record", None) is self:
+            ts.record = ts.trace_ref = None
+
+
+def _end_trace(record: _TraceRecord) -> None:
+    """JAX dropped the pinned trace: give this thread the global defaults key back."""
+    if threading.get_ident() == record.thread and getattr(_thread_state, "record", None) is record:
+        record.release()
+
+
+def _outermost_trace() -> Any:
+    trace = _jax_core.trace_ctx.trace
+    while True:
+        parent = getattr(trace, "parent_trace", None)
+        if parent is None or isinstance(parent, _jax_core.EvalTrace):
+            return trace
+        trace = parent
+
+
+def _unpin_ended() -> None:
+    """Release a pin whose trace ended where its finalizer could not (another thread's GC)."""
+    ts = _thread_state
+    record = getattr(ts, "record", None)
+    if record is not None:
+        ref = ts.trace_ref
+        if ref is None or ref() is None or not _tracing():
+            record.release()
+
+
+def _trace_record() -> _TraceRecord | None:
+    """This thread's record for the top-level trace in progress (pinning one at the first read)."""
+    ts = _thread_state
+    if not _tracing():
+        if getattr(ts, "record", None) is not None:
+            _unpin_ended()
+        return None
+    outer = _outermost_trace()
+    ref = getattr(ts, "trace_ref", None)
+    if ref is not None and ref() is outer:
+        return ts.record
+    previous = getattr(ts, "record", None)
+    if previous is not None:  # a pin whose finalizer has not run here: release it first
+        previous.release()
+    with _defaults_lock:
+        pub = _PUB
+        lo = getattr(ts, "last_seq", None)
+        if lo != pub.seq:  # JAX may have read the key of any publication since `lo`: rule 2
+            _retire_since(lo, keep=pub.gkey)
+        ts.last_seq = pub.seq
+    record = _TraceRecord(pub, lo)
+    record.pin()
+    try:
+        ts.trace_ref = weakref.ref(outer)
+    except TypeError:  # not weak-referenceable: held, and released at this thread's next read outside it
+        ts.trace_ref = lambda: outer
+    else:
+        weakref.finalize(outer, _end_trace, record)
+    ts.record = record
+    return record
+
 
 _snapshot_cache: dict[tuple, Any] = {}
 
 
-def _effective(overrides: _Overrides) -> dict[str, Any]:
-    values = dict(_DEFAULTS)
-    values.update(overrides)
-    return values
+def _effective(overrides: _Overrides, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    out = dict(_PUB.values if values is None else values)
+    out.update(overrides)
+    return out
+
+
+def _snapshot(overrides: _Overrides, pub: _Publication) -> Any:
+    cache_key = (overrides, pub.seq)
+    snap = _snapshot_cache.get(cache_key)
+    if snap is None:
+        snap = BackendFlags(**_effective(overrides, pub.values))
+        if len(_snapshot_cache) > 512:
+            _snapshot_cache.clear()
+        _snapshot_cache[cache_key] = snap
+    return snap
+
+
+def _publication_in_force() -> _Publication:
+    """The pinned publication under a trace, else the current one (recording it as seen)."""
+    record = _trace_record()
+    if record is not None:
+        return record.pub
+    pub = _PUB
+    _thread_state.last_seq = pub.seq
+    return pub
 
 
 def current_flags() -> Any:
     """The flags in force in the current context, as a frozen, hashable `BackendFlags`.
+
+    Under a trace these are the flags the trace pinned (see `trace_flags`).
 
     Example:
       >>> import jbackends as jb
@@ -430,33 +632,35 @@ def current_flags() -> Any:
       ...     jb.current_flags().flash
       False
     """
-    overrides = _OVERRIDES.get()
-    cache_key = (overrides, _defaults_version)
-    snap = _snapshot_cache.get(cache_key)
-    if snap is None:
-        snap = BackendFlags(**_effective(overrides))
-        if len(_snapshot_cache) > 512:
-            _snapshot_cache.clear()
-        _snapshot_cache[cache_key] = snap
-    return snap
+    return _snapshot(_OVERRIDES.get(), _publication_in_force())
+
+
+def _thread_key_for(snap: Any, pub: _Publication) -> tuple:
+    """The value `_JIT_KEY` must have in this thread for the flags `snap` (see the State notes)."""
+    key = tuple(getattr(snap, n) for n in _TRACED)
+    return pub.key if key == pub.key else (_SCOPED_TAG, key)
 
 
 def _expected_key() -> tuple:
-    snap = current_flags()
-    return tuple(getattr(snap, n) for n in _TRACED)
+    pub = _publication_in_force()
+    return _thread_key_for(_snapshot(_OVERRIDES.get(), pub), pub)
 
 
 def _set_thread_key() -> None:
     """Make this thread's jit key and JAX matmul precision mirror the ContextVar.
 
-    The key's thread-local value is unset when no traced flag is overridden (the global value, the
-    process defaults, is then in force).
+    The key's thread-local value is unset when the traced flags in force equal the defaults' (the global
+    value is then in force, and such a scope shares cache entries with unscoped code).
     """
     global _UNSET
     overrides = dict(_OVERRIDES.get())
     obj = _JIT_KEY._obj
-    if any(n in overrides for n in _TRACED):
-        obj.swap_local(_expected_key())
+    expected = _expected_key() if any(n in overrides for n in _TRACED) else None
+    # Which scope this thread's key was computed for, when that scope equals the defaults (see
+    # `_adopt_scope`); an asyncio task that did not sync has other overrides.
+    _thread_state.shared_for = _OVERRIDES.get() if expected is not None else None
+    if expected is not None and expected[:1] == (_SCOPED_TAG,):
+        obj.swap_local(expected)
     else:
         if _UNSET is None:
             from jax._src.config import config_ext
@@ -464,6 +668,11 @@ def _set_thread_key() -> None:
             _UNSET = config_ext.unset
         obj.set_local(_UNSET)
     _sync_precision(overrides)
+
+
+with _defaults_lock:
+    _make_publication(_DEFAULTS)
+    _thread_state.last_seq = _PUB.seq
 
 
 def _sync_precision(overrides: Mapping[str, Any]) -> None:
@@ -509,6 +718,21 @@ def sync() -> None:
     _set_thread_key()
 
 
+def _adopt_scope(record: _TraceRecord, key: tuple) -> None:
+    """Under a trace: this thread's scope shared the defaults' key, and another thread changed them.
+
+    The scope's flags win (they are what the code in the scope asked for): from now on this thread
+    uses the scope's own tagged key, nested jits included. The call itself was filed under the
+    defaults' key with the scope's flags, so every key it may have read is retired (rule 2) and the
+    current defaults are published again under a fresh epoch.
+    """
+    _JIT_KEY._obj.swap_local((_SCOPED_TAG, key))
+    _thread_state.shared_for = None
+    with _defaults_lock:
+        _retire_since(record.lo, None)
+        _make_publication(_PUB.values)
+
+
 def _tracing() -> bool:
     return not _jax_core.trace_state_clean()
 
@@ -516,25 +740,45 @@ def _tracing() -> bool:
 def trace_flags() -> Any:
     """The flags a kernel must use while it is being traced (the one trace-time accessor).
 
-    Returns the same snapshot as `current_flags()`, after checking that JAX's jit key for this thread
-    agrees with it. Under a trace a disagreement means the cache entry being built would be filed under
-    other flags, so it raises `FlagsOutOfSyncError`; outside a trace it re-syncs the key silently.
+    Under a trace, every read in one top-level trace starts from the same snapshot of the process
+    defaults (pinned at the first read; see the State notes in this module), so a function calling
+    several kernels never mixes two flag states, whatever other threads publish meanwhile. The scoped
+    overrides of the running context apply on top. It then checks that JAX's jit key for this thread
+    agrees with these flags: a disagreement means the cache entry being built would be filed under
+    other flags (an asyncio task that resumed on a thread whose key another task set, or a scope that
+    leaves a flag to the defaults while another thread's `set_flags` changed that flag), so it raises
+    `FlagsOutOfSyncError`. A thread with no scope never raises; nor does a scope whose flags equal
+    the old defaults (it shared their key): it keeps its flags under its own key from then on. Outside
+    a trace it re-syncs the key silently.
     """
-    snap = current_flags()
-    expected = tuple(getattr(snap, n) for n in _TRACED)
+    record = _trace_record()
+    if record is None:
+        pub = _PUB
+        _thread_state.last_seq = pub.seq
+        snap = _snapshot(_OVERRIDES.get(), pub)
+        if _JIT_KEY.value != _thread_key_for(snap, pub):
+            _set_thread_key()
+        return snap
+    pub = record.pub
+    snap = _snapshot(_OVERRIDES.get(), pub)
     actual = _JIT_KEY.value
-    if actual != expected:
-        if _tracing():
-            raise FlagsOutOfSyncError(
-                "jbackends flags in this context differ from the jit key of this thread, so a compiled "
-                "function would be cached under the wrong flags. This happens when asyncio tasks (or "
-                "code that sets the ContextVar directly) interleave on one thread, or when another thread "
-                "changed a process default (jb.set_flags) while this thread was inside a with_backends "
-                "scope: call jb.sync() before calling jitted functions (or use jb.jit, which does), or "
-                "enter jb.with_backends(...) again. "
-                f"context={dict(zip(_TRACED, expected))} key={dict(zip(_TRACED, actual or ()))}"
-            )
-        _set_thread_key()
+    key = tuple(getattr(snap, n) for n in _TRACED)
+    scoped = isinstance(actual, tuple) and actual[:1] == (_SCOPED_TAG,)
+    # A tagged key must name exactly these flags; the defaults' key must come with the pinned defaults.
+    if not scoped and key != pub.key and _OVERRIDES.get() and \
+            getattr(_thread_state, "shared_for", None) == _OVERRIDES.get():
+        _adopt_scope(record, key)  # a scope equal to the old defaults, which another thread changed
+    elif (actual != (_SCOPED_TAG, key)) if scoped else (key != pub.key):
+        raise FlagsOutOfSyncError(
+            "jbackends flags in this context differ from the jit key of this thread, so a compiled "
+            "function would be cached under the wrong flags. This happens when asyncio tasks (or "
+            "code that sets the ContextVar directly) interleave on one thread, or when another thread "
+            "changed a process default (jb.set_flags) that this thread's with_backends scope does not "
+            "override: call jb.sync() before calling jitted functions (or use jb.jit, which does), or "
+            "enter jb.with_backends(...) again. "
+            f"context={dict(zip(_TRACED, key))} "
+            f"key={dict(zip(_TRACED, actual[1] if scoped else pub.key))}"
+        )
     return snap
 
 
@@ -577,7 +821,13 @@ def _validate(updates: Mapping[str, Any], where: str, base: Mapping[str, Any]) -
 def set_flags(**flags: Any) -> None:
     """Set process defaults (torch semantics: every thread and later notebook cell sees them).
 
-    Omitted flags are unchanged. Raises `FlagsFrozenError` after `disable_global_flags()`.
+    Omitted flags are unchanged. The new defaults are published atomically: a trace running in another
+    thread keeps the defaults it started with, and its cache entry is never reused under other flags.
+
+    Raises:
+      FlagsFrozenError: after `disable_global_flags()`.
+      FlagsTracingError: called while JAX traces a function (use `with_backends` there).
+      TypeError / ValueError: an unknown flag or a bad value (the message names the flag).
 
     Example:
       >>> import jbackends as jb
@@ -585,6 +835,7 @@ def set_flags(**flags: Any) -> None:
       False
       >>> jb.reset_flags()
     """
+    _refuse_under_trace("set_flags", flags)
     parsed = _validate(flags, "set_flags", _DEFAULTS)
     if _frozen:
         raise FlagsFrozenError(
@@ -598,7 +849,8 @@ def set_flags(**flags: Any) -> None:
 
 
 def reset_flags() -> None:
-    """Restore every process default to its declared (torch) default."""
+    """Restore every process default to its declared (torch) default (not allowed under a trace)."""
+    _refuse_under_trace("reset_flags", {})
     if _frozen:
         raise FlagsFrozenError("process defaults are frozen (jb.disable_global_flags())")
     with _defaults_lock:
@@ -609,15 +861,25 @@ def reset_flags() -> None:
 
 
 def _publish_defaults() -> None:
-    """After `_DEFAULTS` changed (under `_defaults_lock`): snapshots, both jit keys, JAX's precision."""
-    global _defaults_version
-    _defaults_version += 1
-    _JIT_KEY.set_global(_key_of(_DEFAULTS))
-    _DEFAULTS_KEY.set_global(_key_of(_DEFAULTS))
+    """After `_DEFAULTS` changed (under `_defaults_lock`): publish it, with both jit keys and JAX's precision."""
+    _make_publication(_DEFAULTS)
+    _thread_state.last_seq = _PUB.seq
     _bridge_global_precision()
     # This thread may hold a local key computed against the old defaults.
     if dict(_OVERRIDES.get()):
         _set_thread_key()
+
+
+def _refuse_under_trace(where: str, flags: Mapping[str, Any]) -> None:
+    if _tracing():
+        scoped = ", ".join(f"{k}={v!r}" for k, v in flags.items()) or "..."
+        raise FlagsTracingError(
+            f"jb.{where}() called while JAX is tracing a function (inside jax.jit, grad, vmap, scan, ...). "
+            "A process default set here would change at trace time only (not when the compiled function "
+            "runs, and not at all on a cache hit) and would leak to every other thread. Use a scope "
+            f"inside the function instead: `with jb.with_backends({scoped}): ...`, or call "
+            f"jb.{where}() before tracing."
+        )
 
 
 def disable_global_flags() -> None:
@@ -707,18 +969,79 @@ class with_backends:
         _set_thread_key()
 
     def __call__(self, fun: Callable) -> Callable:
+        """Decorate `fun`: every call runs in the scope (see the class docstring).
+
+        Coroutine functions hold the scope for the whole coroutine. Generator and async generator
+        functions hold it while their body runs, from the first `next()` to the end (also in the
+        `finally` blocks run by `close()`), and not while the consumer runs between two items.
+        """
+        updates = self._updates
+        if inspect.isgeneratorfunction(fun):
+
+            @functools.wraps(fun)
+            def generator_wrapper(*args, **kwargs):
+                scope = with_backends(**updates)
+                with scope:
+                    gen = fun(*args, **kwargs)
+                send, error = None, None
+                while True:
+                    try:
+                        with scope:
+                            item = gen.send(send) if error is None else gen.throw(error)
+                    except StopIteration as stop:
+                        return stop.value
+                    finally:
+                        error = None
+                    try:
+                        send = yield item
+                    except GeneratorExit:
+                        with scope:
+                            gen.close()
+                        raise
+                    except BaseException as e:  # thrown in by the consumer: deliver it in the scope
+                        send, error = None, e
+
+            return generator_wrapper
+
+        if inspect.isasyncgenfunction(fun):
+
+            @functools.wraps(fun)
+            async def async_generator_wrapper(*args, **kwargs):
+                scope = with_backends(**updates)
+                with scope:
+                    agen = fun(*args, **kwargs)
+                send, error = None, None
+                while True:
+                    try:
+                        with scope:
+                            item = await (agen.asend(send) if error is None else agen.athrow(error))
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        error = None
+                    try:
+                        send = yield item
+                    except GeneratorExit:
+                        with scope:
+                            await agen.aclose()
+                        raise
+                    except BaseException as e:
+                        send, error = None, e
+
+            return async_generator_wrapper
+
         if inspect.iscoroutinefunction(fun):
 
             @functools.wraps(fun)
             async def async_wrapper(*args, **kwargs):
-                with with_backends(**self._updates):
+                with with_backends(**updates):
                     return await fun(*args, **kwargs)
 
             return async_wrapper
 
         @functools.wraps(fun)
         def wrapper(*args, **kwargs):
-            with with_backends(**self._updates):
+            with with_backends(**updates):
                 return fun(*args, **kwargs)
 
         return wrapper
@@ -767,6 +1090,24 @@ _IN_JB_JIT: contextvars.ContextVar[bool] = globals().get("_IN_JB_JIT") or contex
 )
 
 
+# The start of JAX's error for compiler options on a jit that is not top-level (jax 0.10 - 0.12).
+_JAX_OPTIONS_REFUSAL = "`compiler_options` can only be passed to top-level `jax.jit`"
+
+
+def _staging() -> bool:
+    """Whether a jit called now would be staged into an enclosing jaxpr (not compiled top-level)."""
+    if not _tracing():
+        return False
+    from jax._src.interpreters import partial_eval as pe
+
+    trace = _jax_core.trace_ctx.trace
+    while trace is not None and not isinstance(trace, _jax_core.EvalTrace):
+        if isinstance(trace, pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def compiler_options(flags: Any | None = None) -> dict[str, Any]:
     """The XLA compiler options the compile-time flags map to (what `jb.jit` passes)."""
     flags = flags if flags is not None else current_flags()
@@ -784,6 +1125,17 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
     choice). `jb.jit` keeps one `jax.jit` per distinct option
     set, so two flag settings never share an executable. Options given in `compiler_options=` win.
 
+    XLA takes compiler options for a top-level compilation only. Where a `jb.jit` function is called
+    matters:
+
+    * at top level, under an eager `jax.vmap` or `jax.jvp`, and (jax >= 0.12) under an eager
+      `jax.grad` / `jax.vjp`, whose pieces JAX compiles as top-level jits: the options apply;
+    * inside an outer `jb.jit`: a plain inner jit, and the outer one carries the same options;
+    * staged into a plain `jax.jit`, `lax.scan`, `jax.make_jaxpr`, ... (and under an eager `jax.grad`
+      on jax <= 0.10, which refuses the options there): a plain inner jit, with a warning naming the
+      options that are lost when any are set. JAX's refusal is recognised by its exact message for
+      these options, so a `ValueError` raised by the function itself propagates unchanged.
+
     Example:
       >>> import jax.numpy as jnp, jbackends as jb
       >>> f = jb.jit(lambda x: x + 1)
@@ -795,6 +1147,12 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
         return functools.partial(jit, **jit_kwargs)
     user_options = dict(jit_kwargs.pop("compiler_options", None) or {})
     jitted: dict[tuple, Callable] = {}
+    _options_of: dict[int, dict] = {}
+
+    def _is_options_refusal(e: ValueError, f: Callable) -> bool:
+        opts = _options_of.get(id(f))
+        return bool(opts) and str(e).startswith(_JAX_OPTIONS_REFUSAL) and f"compiler_options={opts!r}" in str(e)
+
     lock = threading.Lock()
 
     def _for_current() -> Callable:
@@ -804,6 +1162,7 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
         if f is None:
             with lock:
                 f = jitted.setdefault(key, jax.jit(fun, compiler_options=opts, **jit_kwargs))
+                _options_of[id(f)] = opts
         return f
 
     name = getattr(fun, "__name__", "jit")
@@ -815,11 +1174,26 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
                 f = jitted.setdefault(None, jax.jit(fun, **jit_kwargs))
         return f
 
+    def _warn_lost(reason: str) -> None:
+        changed = [n for n in _COMPILE_TIME if getattr(current_flags(), n) != FLAGS[n].default]
+        if changed or user_options:
+            warnings.warn(
+                f"jb.jit({name}) runs {reason}: XLA compiler options only apply to a top-level jit, so "
+                f"{', '.join(changed + sorted(user_options))} will not take effect here; make the "
+                "outer function a jb.jit",
+                stacklevel=3,
+            )
+
     @functools.wraps(fun)
     def wrapper(*args, **kwargs):
         if _tracing() and _IN_JB_JIT.get():
             # Inside an outer jb.jit, which carries the same options (JAX accepts compiler options on
             # top-level jits only): a plain inner jit.
+            return _plain()(*args, **kwargs)
+        if _staging():
+            # Staged into another jaxpr (jax.jit, lax.scan, make_jaxpr, ...): JAX would trace the
+            # function, then refuse the options. Go straight to a plain jit and say what is lost.
+            _warn_lost("inside a function staged by jax.jit (or lax.scan, make_jaxpr, ...)")
             return _plain()(*args, **kwargs)
         f = _for_current()
         token = _IN_JB_JIT.set(True)
@@ -830,19 +1204,12 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
                 return verbose.call(name, f, *args, **kwargs)
             return f(*args, **kwargs)
         except ValueError as e:
-            # Under another trace (jax.jit, lax.scan, also an eager grad; not an eager vmap) JAX
-            # refuses compiler options: run as a plain jit and say which options are lost.
-            if "top-level" not in str(e):
+            # Under an eager transformation JAX may stage the jit after all (jax <= 0.10 refuses under
+            # an eager grad; jax 0.12 compiles each piece as a top-level jit, with the options). Only
+            # JAX's own refusal of *these* options falls back; any other ValueError is the caller's.
+            if not _is_options_refusal(e, f):
                 raise
-            changed = [n for n in _COMPILE_TIME if getattr(current_flags(), n) != FLAGS[n].default]
-            if changed or user_options:
-                warnings.warn(
-                    f"jb.jit({name}) runs under another trace (jax.jit, lax.scan, grad, ...): "
-                    f"XLA compiler options only apply to a top-level jit, so "
-                    f"{', '.join(changed + sorted(user_options))} will not take effect here; make the "
-                    "outer function a jb.jit",
-                    stacklevel=2,
-                )
+            _warn_lost("under another trace (an eager grad / vjp on this JAX version)")
             return _plain()(*args, **kwargs)
         finally:
             _IN_JB_JIT.reset(token)
