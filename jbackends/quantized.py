@@ -71,9 +71,16 @@ _GPU = ("cuda", "rocm")
 CPP_WEIGHT_ONLY_MAX_M = 16
 
 
-def supported_engines() -> list[str]:
-    """The values ``engine`` accepts (torch: ``supported_engines``)."""
-    return ["auto", "pallas", "xla"]
+class _EngineList(list):
+    """A list, as torch's ``torch.backends.quantized.supported_engines`` is; calling it returns a copy
+    (this package's first API was a function)."""
+
+    def __call__(self) -> list[str]:
+        return list(self)
+
+
+#: The values ``quantized_engine`` / ``jb.quantized.engine`` accept, a list like torch's.
+supported_engines = _EngineList(["auto", "pallas", "xla"])
 
 
 def quantize_4bit(weight: Any, groupsize: int) -> tuple[jax.Array, jax.Array]:

@@ -75,7 +75,7 @@ def _int4_rows() -> Iterator[tuple[str, str]]:
     from jbackends import quantized
     from pallas_kernels.int4_matmul import cpu as int4_cpu
 
-    yield "engines", ", ".join(quantized.supported_engines())
+    yield "engines", ", ".join(quantized.supported_engines)
     yield "C++ CPU kernel (XLA FFI)", (
         f"built, {int4_cpu.isa()}" if int4_cpu.available()
         else "not built (no compiler at install time?): pure-XLA fallback in use")
