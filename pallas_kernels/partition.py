@@ -112,20 +112,20 @@ def _explicit_mesh(operands):
   return None
 
 
-def _shard_mapped(local, mesh, operands, in_factors, out_factors, parallel, sizes):
-  """Explicit sharding (known at trace time): the kernel under ``shard_map`` over the parallel axes.
+def _shard_mapped(local, choose, mesh, operands, in_factors, out_factors):
+  """Explicit sharding (known at trace time): the kernel under ``shard_map`` over the chosen axes.
 
-  Operands sharded along other factors (say the sequence) are first made whole along them
-  (``reshard``): that is the one collective, and it is what the kernel needs.
+  Operands sharded along other factors are first made whole along them (``reshard``): that is the
+  one collective, and it is what the kernel needs.
   """
   shardings = [jax.typeof(x).sharding for x in operands]
-  chosen = _choose(mesh, [x.shape for x in operands], shardings, in_factors, parallel, sizes)
+  chosen, base_fn = choose(mesh, [x.shape for x in operands], shardings)
   want_in = _specs(mesh, in_factors, chosen)
   specs_in = [s.spec for s in want_in]
   specs_out = [s.spec for s in _specs(mesh, out_factors, chosen)]
   operands = [x if _spec_of(jax.typeof(x).sharding, x.ndim) == _spec_of(want, x.ndim)
               else jax.sharding.reshard(x, want) for x, want in zip(operands, want_in)]
-  fn = local(chosen)
+  fn = local(chosen, base_fn)
   if not chosen:
     return tuple(fn(*operands))
   axes = {a for v in chosen.values() for a in v}
@@ -149,7 +149,8 @@ def _normalise(factors_list, sizes):
 
 def sharded(fn: Callable, *, in_factors: Sequence[Sequence[Factor]],
             out_factors: Sequence[Sequence[Factor]], parallel: Sequence[str],
-            partial_sums: Optional[dict] = None, name: Optional[str] = None) -> Callable:
+            partial_sums: Optional[dict] = None, ring: Optional[Tuple[Tuple[str, ...], Callable]] = None,
+            name: Optional[str] = None) -> Callable:
   """``fn`` (arrays -> tuple of arrays) partitioned along the ``parallel`` factors.
 
   Args:
@@ -162,6 +163,10 @@ def sharded(fn: Callable, *, in_factors: Sequence[Sequence[Factor]],
     partial_sums: ``{output index: factors}`` for outputs that each shard computes as a partial sum
       over those factors (the gradient of a bias broadcast over the batch): they are summed across
       the devices that split those factors (the one collective such an output needs).
+    ring: ``(factors, make)``: when the operands arrive split along the first of these factors (the
+      sequence), every one of them is split along the same mesh axes and each shard runs
+      ``make(axes, n)`` (``n`` devices along ``axes``) instead of ``fn``: a function of the local
+      blocks that may use collectives over ``axes`` (a ring). Without it those factors are gathered.
     name: a name for error messages.
 
   Returns:
@@ -207,15 +212,30 @@ def sharded(fn: Callable, *, in_factors: Sequence[Sequence[Factor]],
     compound_only = {n: sizes[n] for n in names if n not in whole}
     # Shardy wants special factors in the order the rule first names them.
     order = [n for fs in ins + outs for f in fs for n in _names(f)]
-    replicated = tuple(sorted((n for n in names if n not in parallel), key=order.index))
+    ring_names = () if ring is None else tuple(ring[0])
+    replicated = tuple(sorted((n for n in names if n not in parallel and n not in ring_names),
+                              key=order.index))
 
-    def local(chosen):
-      """The per-shard function: ``fn``, then the partial sums across the devices that split them."""
+    def choose(mesh, shapes, shardings):
+      """(chosen axes per factor, the per-shard base function)."""
+      chosen = _choose(mesh, shapes, shardings, ins, parallel, sizes)
+      if ring is None:
+        return chosen, fn
+      axes = _choose(mesh, shapes, shardings, ins, ring_names[:1], sizes).get(ring_names[0])
+      used = {a for v in chosen.values() for a in v}
+      if not axes or used & set(axes) or any(sizes[f] % _axis_size(mesh, axes) for f in ring_names):
+        return chosen, fn
+      chosen.update({f: axes for f in ring_names})
+      return chosen, ring[1](axes, _axis_size(mesh, axes))
+
+    def local(chosen, base_fn):
+      """The per-shard function: ``base_fn``, then the partial sums across the devices that split
+      them."""
       if not any(f in chosen for fs in partial_sums.values() for f in fs):
-        return fn
+        return base_fn
 
       def run_local(*xs):
-        res = list(fn(*xs))
+        res = list(base_fn(*xs))
         for i, fs in partial_sums.items():
           axes = tuple(a for f in fs if f in chosen for a in chosen[f])
           if axes:
@@ -225,19 +245,17 @@ def sharded(fn: Callable, *, in_factors: Sequence[Sequence[Factor]],
 
     explicit = _explicit_mesh(operands)
     if explicit is not None:
-      return _shard_mapped(local, explicit, operands, ins, outs, parallel, sizes)
+      return _shard_mapped(local, choose, explicit, operands, ins, outs)
 
     cp = custom_partitioning(fn)
 
     def partition(mesh, arg_shapes, result_shape):
-      shapes = [a.shape for a in arg_shapes]
-      chosen = _choose(mesh, shapes, [a.sharding for a in arg_shapes], ins, parallel, sizes)
-      return (mesh, local(chosen), tuple(_specs(mesh, outs, chosen)),
+      chosen, base_fn = choose(mesh, [a.shape for a in arg_shapes], [a.sharding for a in arg_shapes])
+      return (mesh, local(chosen, base_fn), tuple(_specs(mesh, outs, chosen)),
               tuple(_specs(mesh, ins, chosen)))
 
     def infer(mesh, arg_shapes, result_shape):
-      shapes = [a.shape for a in arg_shapes]
-      chosen = _choose(mesh, shapes, [a.sharding for a in arg_shapes], ins, parallel, sizes)
+      chosen, _ = choose(mesh, [a.shape for a in arg_shapes], [a.sharding for a in arg_shapes])
       return tuple(_specs(mesh, outs, chosen))
 
     cp.def_partition(partition, infer_sharding_from_operands=infer,
@@ -273,7 +291,8 @@ def _typed_like(g, x):
 def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[Factor]],
                 out_factors: Sequence[Sequence[Factor]], parallel: Sequence[str],
                 diff: Sequence[int], grad_partial_sums: Optional[dict] = None,
-                skippable: Sequence[int] = (), name: Optional[str] = None) -> Callable:
+                skippable: Sequence[int] = (), ring: Optional[tuple] = None,
+                name: Optional[str] = None) -> Callable:
   """A differentiable kernel whose forward and backward are each :func:`sharded`.
 
   Args:
@@ -289,6 +308,8 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
       those factors on each shard (a bias broadcast over the batch); see :func:`sharded`.
     skippable: indices in ``diff`` whose gradient ``bwd`` can skip when that operand is not
       differentiated (a bias used as a mask).
+    ring: ``(factors, make_fwd, make_bwd)``: the :func:`sharded` ``ring`` of the forward and of the
+      backward (``make_bwd(axes, n)`` takes the backward's operands, with no ``skip``).
 
   Returns:
     ``call(*xs) -> outs``, reverse-mode differentiable w.r.t. ``xs[i]`` for ``i in diff``. Second
@@ -300,7 +321,7 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
   diff, skippable = tuple(diff), tuple(skippable)
   label = name or getattr(fwd, "__name__", "kernel")
   fwd_sh = sharded(fwd, in_factors=in_factors, out_factors=out_factors, parallel=parallel,
-                   name=label + " forward")
+                   ring=None if ring is None else (ring[0], ring[1]), name=label + " forward")
   grad_partial_sums = dict(grad_partial_sums or {})
 
   def backward_for(skip):
@@ -311,11 +332,12 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
       grads = bwd(*a, skip=skip) if skippable else bwd(*a)
       return tuple(g for i, g in zip(diff, grads) if i not in skip)
 
+    bwd_ring = None if ring is None or skip else (ring[0], ring[2])
     bwd_sh = sharded(bwd_wanted, in_factors=in_factors + out_factors + out_factors,
                      out_factors=tuple(in_factors[i] for i in want), parallel=parallel,
                      partial_sums={want.index(i): fs for i, fs in grad_partial_sums.items()
                                    if i in want},
-                     name=label + " backward")
+                     ring=bwd_ring, name=label + " backward")
 
     @jax.custom_vjp
     def backward(*a):
