@@ -107,6 +107,33 @@ def attention_vjp(args: base.AttentionArgs, forward: Callable, backward: Callabl
   return call(*operands)
 
 
+def _unsplit_vjp(args, forward, backward, skips_dbias):
+  """The same differentiable call with nothing split (dropout)."""
+  rest_fields = [f for f in (*_OPTIONAL, "dropout_rng") if f != "bias" and getattr(args, f) is not None]
+
+  def rebuild(q, k, v, bias, rest):
+    return args.replace(q=q, k=k, v=v, bias=bias, **dict(zip(rest_fields, rest)))
+
+  @jax.custom_vjp
+  def f(q, k, v, bias, rest):
+    return tuple(forward(rebuild(q, k, v, bias, rest)))
+
+  def f_fwd(q, k, v, bias, rest):
+    outs = f(q, k, v, bias, rest)
+    return outs, (q, k, v, bias, rest, outs)
+
+  def f_bwd(res, cts):
+    q, k, v, bias, rest, (out, lse) = res
+    kw = dict(need_dbias=bias is not None) if skips_dbias else {}
+    dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, rest), out, lse, *cts, **kw)
+    if bias is not None and dbias is None:
+      dbias = jnp.zeros(bias.shape, bias.dtype)
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, rest)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f(args.q, args.k, args.v, args.bias, tuple(getattr(args, n) for n in rest_fields))
+
+
 # ---- sequence parallelism: a ring over the devices that split the sequence ------------------------
 #
 # q, k, v arrive split along the sequence in n equal chunks of c rows, chunk i on device i of the
