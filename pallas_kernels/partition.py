@@ -166,7 +166,8 @@ def sharded(fn: Callable, *, in_factors: Sequence[Sequence[Factor]],
     ring: ``(factors, make)``: when the operands arrive split along the first of these factors (the
       sequence), every one of them is split along the same mesh axes and each shard runs
       ``make(axes, n)`` (``n`` devices along ``axes``) instead of ``fn``: a function of the local
-      blocks that may use collectives over ``axes`` (a ring). Without it those factors are gathered.
+      blocks that may use collectives over ``axes`` (a ring), or None to decline that split.
+      Without it (or declined) those factors are gathered.
     name: a name for error messages.
 
   Returns:
@@ -225,8 +226,11 @@ def sharded(fn: Callable, *, in_factors: Sequence[Sequence[Factor]],
       used = {a for v in chosen.values() for a in v}
       if not axes or used & set(axes) or any(sizes[f] % _axis_size(mesh, axes) for f in ring_names):
         return chosen, fn
+      ring_fn = ring[1](axes, _axis_size(mesh, axes))
+      if ring_fn is None:  # the ring declines this split: gather along the sequence
+        return chosen, fn
       chosen.update({f: axes for f in ring_names})
-      return chosen, ring[1](axes, _axis_size(mesh, axes))
+      return chosen, ring_fn
 
     def local(chosen, base_fn):
       """The per-shard function: ``base_fn``, then the partial sums across the devices that split

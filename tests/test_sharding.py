@@ -259,3 +259,15 @@ def test_ring_is_chosen_only_where_it_applies():
   assert not sharded.ring_supported(base.make_args(q, q, q, is_causal=True, diag_offset=3))
   assert not sharded.ring_supported(base.make_args(q, q, q, window=(4, 0)))
   assert not sharded.ring_supported(base.make_args(q, q, q, kv_seq_lengths=jnp.array([9])))
+
+
+def test_causal_ring_with_an_odd_chunk_gathers_instead():
+  """8 devices, L=40: chunks of 5 rows cannot be cut in two for the zigzag layout."""
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  q = jax.random.normal(jax.random.key(4), (1, 40, 2, 8))
+  x = jax.device_put(q, NamedSharding(mesh, P(None, "d")))
+  f = _ring_call("flash_xla", True)
+  assert "collective-permute" not in f.lower(x, x, x).compile().as_text()
+  out, _ = f(x, x, x)
+  ref, _ = f(q, q, q)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)

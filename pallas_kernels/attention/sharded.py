@@ -137,13 +137,16 @@ def _unsplit_vjp(args, forward, backward, skips_dbias):
 # ---- sequence parallelism: a ring over the devices that split the sequence ------------------------
 #
 # q, k, v arrive split along the sequence in n equal chunks of c rows, chunk i on device i of the
-# ring. Step r (a lax.scan over 0 <= r < n) gives device i the k / v chunk j = (i - r) mod n, passed
-# on by one ppermute per step. With a causal mask (diagonal offset 0) the pair (i, j) is fully
-# visible for j < i (a call without the mask), the diagonal for j == i (the causal call) and fully
-# masked for j > i (skipped): lax.switch picks one, so the kernel is compiled three times, not n.
-# The forward combines the per-step (out, lse) by their log-sum-exp; the backward, given the global
-# out and lse, sums dq on the spot and carries dk / dv with their chunk round the ring: after n
-# steps every chunk's gradients are back on its owner.
+# ring. Step r (a lax.scan over 0 <= r < n) gives device i the k / v held by device j = (i - r) mod n,
+# passed on by one ppermute per step. The forward combines the per-step (out, lse) by their
+# log-sum-exp; the backward, given the global out and lse, sums dq on the spot and carries dk / dv
+# with their keys round the ring: after n steps every device holds its own keys' gradients.
+#
+# Causal calls are load balanced (the "zigzag" layout): the sequence is cut in 2n half-chunks and
+# device i works on half-chunks i and 2n-1-i (two ppermutes in, two out), so every device has the same
+# amount of unmasked work at every step. For query half a and key half b the pair is fully visible
+# (b < a: the kernel without the mask), diagonal (b == a: the causal kernel) or fully masked (b > a:
+# skipped), picked by lax.switch, so the kernel is compiled three times, not n.
 
 def ring_supported(args: base.AttentionArgs) -> bool:
   """Whether a sequence-split call can run as a ring (else it is gathered along the sequence)."""
@@ -152,40 +155,98 @@ def ring_supported(args: base.AttentionArgs) -> bool:
           and args.q_len == args.kv_len and (not args.causal or args.diag_offset == 0))
 
 
-def _pair(args, i, j, run, zeros):
-  """``run`` for the (q chunk i, kv chunk j) pair: full, diagonal, or skipped (causal)."""
-  if not args.causal:
-    return run(args)
+def _pair(args, a, b, run, zeros):
+  """``run`` for query block a against key block b of a causal call: full, diagonal or skipped."""
   full = args.replace(causal=False)
-  case = jnp.where(j < i, 1, jnp.where(j == i, 2, 0))
+  case = jnp.where(b < a, 1, jnp.where(b == a, 2, 0))
   return jax.lax.switch(case, [lambda: zeros, lambda: run(full), lambda: run(args)])
+
+
+def _owner(s, n):
+  """The device that holds half-chunk s in the zigzag layout."""
+  return s if s < n else 2 * n - 1 - s
+
+
+def _to_zigzag(x, axis, axes, n):
+  """Device d's chunk (half-chunks 2d, 2d+1 along ``axis``) -> half-chunks (d, 2n-1-d)."""
+  h0, h1 = jnp.split(x, 2, axis=axis)
+  even = jax.lax.ppermute(h0, axes, [(d, _owner(2 * d, n)) for d in range(n)])
+  odd = jax.lax.ppermute(h1, axes, [(d, _owner(2 * d + 1, n)) for d in range(n)])
+  first = jax.lax.axis_index(axes) % 2 == 0
+  return jnp.concatenate([jnp.where(first, even, odd), jnp.where(first, odd, even)], axis=axis)
+
+
+def _from_zigzag(x, axis, axes, n):
+  """The inverse of :func:`_to_zigzag`."""
+  p0, p1 = jnp.split(x, 2, axis=axis)
+  first = jax.lax.axis_index(axes) % 2 == 0
+  h0 = jax.lax.ppermute(jnp.where(first, p0, p1), axes, [(_owner(2 * d, n), d) for d in range(n)])
+  h1 = jax.lax.ppermute(jnp.where(first, p1, p0), axes, [(_owner(2 * d + 1, n), d) for d in range(n)])
+  return jnp.concatenate([h0, h1], axis=axis)
+
+
+def _merge(acc, new):
+  """Two partial attention results over disjoint keys, combined by their log-sum-exp."""
+  (out, lse), (o, l) = acc, new
+  m = jnp.maximum(lse, l)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_old, w_new = jnp.exp(lse - m), jnp.exp(l - m)
+  tot = w_old + w_new
+  safe = jnp.where(tot > 0, tot, 1.0)
+  w = lambda x: jnp.swapaxes(x / safe, 1, 2)[..., None]  # noqa: E731 - [B,N,T] -> [B,T,N,1]
+  return (out * w(w_old) + o.astype(jnp.float32) * w(w_new),
+          jnp.where(tot > 0, m + jnp.log(safe), -jnp.inf))
+
+
+def _fits(args, n):
+  """The zigzag layout cuts each device's chunk in two: causal calls need an even chunk."""
+  return not args.causal or (args.q_len // n) % 2 == 0
 
 
 def _fwd_ring(args, forward):
   def make(axes, n):
+    if not _fits(args, n):
+      return None
     perm = [(j, (j + 1) % n) for j in range(n)]
 
     def run(q, k, v):
       i = jax.lax.axis_index(axes)
+      if args.causal:
+        q, k, v = (_to_zigzag(x, 1, axes, n) for x in (q, k, v))
       B, T, N, _ = q.shape
-      empty = (jnp.zeros((B, T, N, v.shape[3]), q.dtype), jnp.full((B, N, T), -jnp.inf, jnp.float32))
+      h = T // 2
+
+      def empty(t):
+        return (jnp.zeros((B, t, N, v.shape[3]), jnp.float32), jnp.full((B, N, t), -jnp.inf, jnp.float32))
+
+      def call(a):
+        return tuple(forward(a))
 
       def step(carry, r):
-        out, lse, k, v = carry
-        o, l = _pair(args.replace(q=q, k=k, v=v), i, (i - r) % n, lambda a: tuple(forward(a)), empty)
-        m = jnp.maximum(lse, l)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        w_old, w_new = jnp.exp(lse - m), jnp.exp(l - m)
-        tot = w_old + w_new
-        safe = jnp.where(tot > 0, tot, 1.0)
-        lse = jnp.where(tot > 0, m + jnp.log(safe), -jnp.inf)
-        w = lambda x: jnp.swapaxes(x / safe, 1, 2)[..., None]  # noqa: E731 - [B,N,T] -> [B,T,N,1]
-        out = out * w(w_old) + o.astype(jnp.float32) * w(w_new)
+        acc, k, v = carry
+        j = (i - r) % n
+        if args.causal:  # query halves (i, 2n-1-i) against key halves (j, 2n-1-j)
+          qa, qb = q[:, :h], q[:, h:]
+          ka, kb, va, vb = k[:, :h], k[:, h:], v[:, :h], v[:, h:]
+          acc_a, acc_b = acc
+          acc_a = _merge(acc_a, _pair(args.replace(q=qa, k=ka, v=va), i, j, call, empty(h)))
+          acc_b = _merge(acc_b, call(args.replace(q=qb, k=ka, v=va, causal=False)))
+          acc_b = _merge(acc_b, _pair(args.replace(q=qb, k=kb, v=vb), 2 * n - 1 - i,
+                                      2 * n - 1 - j, call, empty(h)))
+          acc = (acc_a, acc_b)
+        else:
+          acc = _merge(acc, call(args.replace(q=q, k=k, v=v)))
         k, v = jax.lax.ppermute((k, v), axes, perm)
-        return (out, lse, k, v), None
+        return (acc, k, v), None
 
-      init = (jnp.zeros(empty[0].shape, jnp.float32), empty[1], k, v)
-      (out, lse, _, _), _ = jax.lax.scan(step, init, jnp.arange(n))
+      init = (empty(h), empty(h)) if args.causal else empty(T)
+      (acc, _, _), _ = jax.lax.scan(step, (init, k, v), jnp.arange(n))
+      if args.causal:
+        (oa, la), (ob, lb) = acc
+        out, lse = jnp.concatenate([oa, ob], axis=1), jnp.concatenate([la, lb], axis=2)
+        out, lse = _from_zigzag(out, 1, axes, n), _from_zigzag(lse, 2, axes, n)
+      else:
+        out, lse = acc
       return out.astype(q.dtype), lse
     return run
   return make
@@ -193,23 +254,51 @@ def _fwd_ring(args, forward):
 
 def _bwd_ring(args, backward):
   def make(axes, n):
+    if not _fits(args, n):
+      return None
     perm = [(j, (j + 1) % n) for j in range(n)]
 
     def run(q, k, v, out, lse, d_out, d_lse):
       i = jax.lax.axis_index(axes)
+      dtypes = (q.dtype, k.dtype, v.dtype)
+      if args.causal:
+        q, k, v, out, d_out = (_to_zigzag(x, 1, axes, n) for x in (q, k, v, out, d_out))
+        lse, d_lse = (_to_zigzag(x, 2, axes, n) for x in (lse, d_lse))
+      h = q.shape[1] // 2
       f32 = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-      empty = (f32(q), f32(k), f32(v))
 
       def grads(a):
-        return tuple(x.astype(jnp.float32) for x in backward(a, out, lse, d_out, d_lse)[:3])
+        return tuple(g.astype(jnp.float32) for g in backward(a, out, lse, d_out, d_lse)[:3])
 
       def step(carry, r):
         dq, k, v, dk, dv = carry
-        g = _pair(args.replace(q=q, k=k, v=v), i, (i - r) % n, grads, empty)
-        k, v, dk, dv = jax.lax.ppermute((k, v, dk + g[1], dv + g[2]), axes, perm)
-        return (dq + g[0], k, v, dk, dv), None
+        j = (i - r) % n
+        if args.causal:
+          top, bot = (slice(None), slice(None, h)), (slice(None), slice(h, None))
+          top_l, bot_l = (slice(None), slice(None), slice(None, h)), (slice(None), slice(None), slice(h, None))
+          qa, qb = q[top], q[bot]
+          ka, kb, va, vb = k[top], k[bot], v[top], v[bot]
+
+          def rows(sl, sl_l):
+            return lambda a: tuple(g.astype(jnp.float32) for g in backward(
+                a, out[sl], lse[sl_l], d_out[sl], d_lse[sl_l])[:3])
+          zeros = (f32(qa), f32(ka), f32(va))
+          g_aa = _pair(args.replace(q=qa, k=ka, v=va), i, j, rows(top, top_l), zeros)
+          g_ba = rows(bot, bot_l)(args.replace(q=qb, k=ka, v=va, causal=False))
+          g_bb = _pair(args.replace(q=qb, k=kb, v=vb), 2 * n - 1 - i, 2 * n - 1 - j,
+                       rows(bot, bot_l), zeros)
+          dq = dq + jnp.concatenate([g_aa[0], g_ba[0] + g_bb[0]], axis=1)
+          dk = dk + jnp.concatenate([g_aa[1] + g_ba[1], g_bb[1]], axis=1)
+          dv = dv + jnp.concatenate([g_aa[2] + g_ba[2], g_bb[2]], axis=1)
+        else:
+          g = grads(args.replace(q=q, k=k, v=v))
+          dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+        k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axes, perm)
+        return (dq, k, v, dk, dv), None
 
       (dq, _, _, dk, dv), _ = jax.lax.scan(step, (f32(q), k, v, f32(k), f32(v)), jnp.arange(n))
-      return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+      if args.causal:
+        dq, dk, dv = (_from_zigzag(x, 1, axes, n) for x in (dq, dk, dv))
+      return tuple(x.astype(t) for x, t in zip((dq, dk, dv), dtypes))
     return run
   return make
