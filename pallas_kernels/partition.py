@@ -296,7 +296,7 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
                 out_factors: Sequence[Sequence[Factor]], parallel: Sequence[str],
                 diff: Sequence[int], grad_partial_sums: Optional[dict] = None,
                 skippable: Sequence[int] = (), ring: Optional[tuple] = None,
-                name: Optional[str] = None) -> Callable:
+                bwd_derivative: Optional[Callable] = None, name: Optional[str] = None) -> Callable:
   """A differentiable kernel whose forward and backward are each :func:`sharded`.
 
   Args:
@@ -314,11 +314,13 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
       differentiated (a bias used as a mask).
     ring: ``(factors, make_fwd, make_bwd)``: the :func:`sharded` ``ring`` of the forward and of the
       backward (``make_bwd(axes, n)`` takes the backward's operands, with no ``skip``).
+    bwd_derivative: a differentiable function with ``bwd``'s signature and values (the backward in a
+      plain formulation), differentiated instead of ``bwd`` for second order (grad of grad); by
+      default ``bwd`` itself.
 
   Returns:
-    ``call(*xs) -> outs``, reverse-mode differentiable w.r.t. ``xs[i]`` for ``i in diff``. Second
-    order differentiates ``bwd`` itself, unpartitioned (it raises where ``bwd`` is not
-    differentiable).
+    ``call(*xs) -> outs``, reverse-mode differentiable w.r.t. ``xs[i]`` for ``i in diff``, to any
+    order: the second differentiates ``bwd_derivative`` (or ``bwd``), unpartitioned.
   """
   in_factors = tuple(tuple(fs) for fs in in_factors)
   out_factors = tuple(tuple(fs) for fs in out_factors)
@@ -332,9 +334,14 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
     """The differentiable, partitioned backward computing the gradients not in ``skip``."""
     want = tuple(i for i in diff if i not in skip)
 
-    def bwd_wanted(*a):
-      grads = bwd(*a, skip=skip) if skippable else bwd(*a)
-      return tuple(g for i, g in zip(diff, grads) if i not in skip)
+    def wanted(f):
+      def run(*a):
+        grads = f(*a, skip=skip) if skippable else f(*a)
+        return tuple(g for i, g in zip(diff, grads) if i not in skip)
+      return run
+
+    bwd_wanted = wanted(bwd)
+    bwd_plain = wanted(bwd_derivative) if bwd_derivative is not None else bwd_wanted
 
     bwd_ring = None if ring is None or skip else (ring[0], ring[2])
     bwd_sh = sharded(bwd_wanted, in_factors=in_factors + out_factors + out_factors,
@@ -351,7 +358,7 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
       return tuple(bwd_sh(*a)), a
 
     def backward_bwd(a, ct):
-      return jax.vjp(bwd_wanted, *a)[1](tuple(ct))
+      return jax.vjp(bwd_plain, *a)[1](tuple(ct))
 
     backward.defvjp(backward_fwd, backward_bwd)
     return want, backward
@@ -363,7 +370,7 @@ def sharded_vjp(fwd: Callable, bwd: Callable, *, in_factors: Sequence[Sequence[F
   def call_fwd(*xs):
     skip = () if not skippable else tuple(i for i in skippable if not xs[i].perturbed)
     xs = tuple(x.value for x in xs) if skippable else xs
-    outs = tuple(fwd_sh(*xs))
+    outs = tuple(call(*xs))  # through `call`, so that this rule is differentiable again
     flags = tuple(None if i in skip else () for i in skippable)  # static: pytree structure only
     return outs, (xs, outs, flags)
 

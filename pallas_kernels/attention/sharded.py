@@ -97,13 +97,25 @@ def attention_vjp(args: base.AttentionArgs, forward: Callable, backward: Callabl
     dq, dk, dv, dbias = backward(rebuild(ins), out, lse, d_out, d_lse, **kw)
     return (dq, dk, dv, dbias) if has_bias else (dq, dk, dv)
 
+  def bwd_math(*xs, skip=()):
+    """The backward in the math formulation (differentiable): second order differentiates this."""
+    *ins, out, lse, d_out, d_lse = xs
+    a = rebuild(ins)
+    del out, lse  # recomputed below, as functions of q, k, v (and bias)
+
+    def ref(q, k, v, *b):
+      return base.reference(a.replace(q=q, k=k, v=v, bias=b[0] if b else a.bias))
+    _, vjp = jax.vjp(ref, a.q, a.k, a.v, *([a.bias] if has_bias else []))
+    return vjp((d_out.astype(a.q.dtype), d_lse.astype(jnp.float32)))
+
   ring = None
   if ring_supported(args):
     ring = (("t", "s"), _fwd_ring(args, forward), _bwd_ring(args, backward))
   call = partition.sharded_vjp(
       fwd, bwd, in_factors=factors, out_factors=(("b", "t", _HEADS, "e"), ("b", _HEADS, "t")),
       parallel=("b", "k"), diff=diff, grad_partial_sums=partial,
-      skippable=(3,) if has_bias and skips_dbias else (), ring=ring, name=name)
+      skippable=(3,) if has_bias and skips_dbias else (), ring=ring, bwd_derivative=bwd_math,
+      name=name)
   return call(*operands)
 
 
