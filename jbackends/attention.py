@@ -23,8 +23,11 @@ a ``vjp_fn`` keeps the backend of its forward. A call that no enabled backend ca
 :class:`NoAvailableBackendError` naming every enabled backend and its reason: never a silent fallback
 to a disabled backend.
 
-Fully masked query rows (every key masked) give output 0, ``lse = -inf`` and zero gradients in every
-backend (torch's CPU math path does the same for boolean masks).
+Fully masked query rows (every key masked): :func:`scaled_dot_product_attention` gives output 0 and
+zero gradients on every backend, as torch does since 2.5 (its math path's ``_safe_softmax`` and its
+fused kernels; torch < 2.5's math path gave NaN). :func:`dot_product_attention` gives jax.nn's answer
+by default (the mean of V over the keys, with its gradients, and jax.nn's LSE residual), or 0 with
+``fully_masked_rows="zero"``.
 
 Dropout is stateless: with ``dropout_rng`` the keep decision is a hash of (key, batch, head, query
 index, key index), so every backend drops the same entries for the same key. ``dropout_p > 0`` without
@@ -486,7 +489,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
                           key_value_seq_lengths=None, local_window_size=None, implementation=None,
                           logits_soft_cap: Optional[float] = None, dropout_rate: float = 0.0,
                           dropout_rng=None, segment_ids=None, return_residual: bool = False,
-                          platforms=None):
+                          platforms=None, fully_masked_rows: str = "jax",
+                          residual_gradient: bool = False, residual_dtype=None):
   """Drop-in for ``jax.nn.dot_product_attention`` (layout BTNH) with a backend choice.
 
   Args:
@@ -508,11 +512,38 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
     dropout_rng: a jax PRNG key.
     segment_ids: packed sequences: one int ``[B, T]`` array (self-attention) or a pair
       ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; attend iff equal.
-    return_residual: also return the natural-log LSE, ``[B, T, N]`` float32 (like jax.nn).
+    return_residual: also return the natural-log LSE of the logits, ``[B, T, N]`` in the query's
+      dtype and without a gradient (``stop_gradient``), exactly as jax.nn returns it.
     platforms: lowering platforms to choose for (default: the inputs' / the default backend's).
+    fully_masked_rows: what a query row whose every key is masked gets. ``"jax"`` (default, the
+      jax.nn answer): jax.nn masks with a large negative number instead of ``-inf``, so such a row
+      attends uniformly to all ``S`` keys: the output is the mean of ``V`` over the keys (the
+      gradient w.r.t. ``V`` is ``1 / S`` per key, zero w.r.t. q, k and bias) and the LSE residual
+      is ``-0.7 * finfo(float32).max`` in the query's dtype (``-inf`` in float16). ``"zero"``: the
+      output is 0 with zero gradients and the LSE is ``-inf`` (torch's answer, and what
+      :func:`scaled_dot_product_attention` always gives). We think ``"zero"`` is the better
+      answer for padding (a padded query reads nothing instead of an average of real tokens), but
+      the default stays jax.nn's so this function is a drop-in. Rows beyond
+      ``query_seq_lengths`` are 0 either way (jax.nn zeroes them too); with ``S == 0`` every row
+      is 0 with LSE ``-inf`` (jax.nn's empty sum).
+    residual_gradient: differentiate the LSE residual (its true gradient) instead of jax.nn's
+      ``stop_gradient``. Only meaningful with ``return_residual=True``.
+    residual_dtype: dtype of the LSE residual (default: the query's, like jax.nn); e.g.
+      ``jnp.float32`` for the full-precision LSE of bfloat16 inputs (the kernels compute it in
+      float32).
 
   Returns:
     ``[B, T, N, Hv]`` in the query's dtype (and the LSE when ``return_residual``).
+
+  Semantics against jax.nn: the output, the residual (dtype, value, ``stop_gradient``) and the
+  gradients are jax.nn's, fully masked rows included, on every backend and platform (the kernels
+  return output 0 / LSE ``-inf`` for such rows and this function substitutes jax.nn's answer, with
+  its gradients). Two corners of jax.nn that follow from its large negative number are kept too: a
+  row with no mask at all whose every logit is ``-inf`` through ``bias`` gives NaN (jax.nn's
+  softmax of all ``-inf``); a row whose unmasked keys all get a ``-inf`` bias is treated as
+  fully masked (jax.nn averages V over the *masked* keys there: this function averages over all).
+  ``logits_soft_cap``, ``dropout_rate`` and ``segment_ids`` are extensions (jax.nn has none);
+  segment ids mask like a boolean mask, and a fully masked row's mean of V is not dropped out.
 
   Differentiation: reverse mode (``grad`` / ``vjp``) everywhere. The flash and memory-efficient
   backends are ``custom_vjp`` functions (their backward recomputes per block), so forward mode
@@ -530,17 +561,60 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
   """
   flags = trace_flags()
   only = _implementation(implementation)
+  _check_fully_masked_rows(fully_masked_rows)
   args, unbatched = _jaxnn_to_args(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, segment_ids=segment_ids)
   out, lse, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)), only=only)
+  out, lse = _fully_masked_rows(args, out, lse, fully_masked_rows)
   if unbatched:
     out, lse = out[0], lse[0]
-  if return_residual:
-    return out, jnp.swapaxes(lse, -1, -2)
-  return out
+  if not return_residual:
+    return out
+  lse = jnp.swapaxes(lse, -1, -2)
+  if not residual_gradient:
+    lse = jax.lax.stop_gradient(lse)
+  return out, lse.astype(query.dtype if residual_dtype is None else residual_dtype)
+
+
+#: jax.nn's masking value (``_get_large_negative``: capped at the float32 range): the LSE residual of
+#: a fully masked row is this number (log S vanishes next to it) in the query's dtype.
+_JAXNN_LARGE_NEGATIVE = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
+
+
+def _check_fully_masked_rows(mode) -> str:
+  if mode not in ("jax", "zero"):
+    raise ValueError(f"`fully_masked_rows` must be 'jax' (jax.nn's answer: the mean of V) or 'zero'; "
+                     f"got {mode!r}")
+  return mode
+
+
+def _fully_masked_rows(args, out, lse, mode):
+  """jax.nn's answer for rows without a key (the kernels give output 0 and LSE -inf there).
+
+  The rows are found from the kernels' LSE (``-inf`` iff no key is left), so this costs
+  ``O(B * N * T)`` on top of the kernel and needs nothing from the kernels themselves. The
+  substituted mean of V carries jax.nn's gradient (1 / S per key) through ``jnp.where``; the
+  kernels' zero output there carries none.
+  """
+  if _check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
+    return out, lse
+  masked = args.mask is not None or args.has_index_masks
+  if not masked and args.bias is None:
+    return out, lse  # every row has a finite logit
+  empty = lse == -jnp.inf  # [B, N, T]
+  rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, N, 1]
+  if not masked:  # only a -inf bias removed the keys: jax.nn's softmax of all -inf is NaN
+    return jnp.where(rows, jnp.asarray(jnp.nan, out.dtype), out), lse
+  if args.q_seq_lengths is not None:  # jax.nn zeroes the rows beyond the query length
+    valid = jnp.arange(args.q_len, dtype=jnp.int32)[None, :] < args.q_seq_lengths[:, None]
+    rows = rows & valid[:, :, None, None]
+  vmean = jnp.mean(args.v.astype(jnp.promote_types(args.v.dtype, jnp.float32)), axis=1)
+  vmean = jnp.repeat(vmean, args.groups, axis=1)  # [B, N, Hv]: query head n reads kv head n // G
+  out = jnp.where(rows, vmean[:, None].astype(out.dtype), out)
+  return out, jnp.where(empty, jnp.asarray(_JAXNN_LARGE_NEGATIVE, lse.dtype), lse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,8 +689,9 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     device_info["cudnn_version"] = int(cudnn_version)
   if api not in ("dot_product_attention", "sdpa"):
     raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
-  kwargs.pop("return_residual", None)
-  kwargs.pop("platforms", None)
+  for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient",
+               "residual_dtype"):
+    kwargs.pop(name, None)
   result = {}
 
   def probe(q, k, v, kw):

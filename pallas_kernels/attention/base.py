@@ -57,6 +57,7 @@ __all__ = [
     "dropout_keep_mask",
     "dropout_keep_from_seed",
     "full_mask",
+    "rows_without_keys",
     "dropout_threshold",
     "SUPPORTED_DTYPES",
     "unsupported",
@@ -506,6 +507,32 @@ def full_mask(args: AttentionArgs):
   return m
 
 
+def rows_without_keys(args: AttentionArgs):
+  """Bool ``[B, 1 | N, T]``: True where a query row has no key left (the kernels' output 0 / LSE
+  ``-inf`` rows), from the masks alone (a ``-inf`` bias is not looked at). None if no row can be.
+
+  Closed form (``O(B * T)``) for causal / window / lengths; the boolean mask and segment ids are
+  reduced over the keys.
+  """
+  T, S = args.q_len, args.kv_len
+  if not (args.has_index_masks or args.mask is not None) and S > 0:
+    return None
+  if args.mask is not None or args.q_segment_ids is not None:
+    m = full_mask(args)
+    return ~jnp.any(jnp.broadcast_to(m, m.shape[:2] + (T, S)), axis=-1)
+  i = jnp.arange(T, dtype=jnp.int32)
+  lo, hi = key_range(i, i + 1, S, causal=args.causal, diag_offset=args.diag_offset,
+                     window=args.window)
+  hi = jnp.broadcast_to(hi, (T,))[None]
+  lo = jnp.broadcast_to(lo, (T,))[None]
+  if args.kv_seq_lengths is not None:
+    hi = jnp.minimum(hi, args.kv_seq_lengths[:, None])
+  empty = lo >= hi
+  if args.q_seq_lengths is not None:
+    empty = empty | (i[None] >= args.q_seq_lengths[:, None])
+  return jnp.broadcast_to(empty, (args.batch, T))[:, None]
+
+
 def reference(args: AttentionArgs, *, low_precision: bool = False):
   """The math implementation: plain jnp, float32 accumulation (unless ``low_precision``).
 
@@ -542,10 +569,14 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
     logits = logits + args.bias.astype(cdt)
   m = full_mask(args)
   if m is not None:
-    logits = jnp.where(m, logits, -jnp.inf)
+    # A finite stand-in, not -inf, for masked logits (zeroed after the exp): no intermediate
+    # holds an inf unless a row has no key at all, so jax.debug_infs stays quiet.
+    logits = jnp.where(m, logits, jnp.finfo(cdt).min)
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
   p = jnp.exp(logits - row_max)
+  if m is not None:
+    p = jnp.where(m, p, 0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   lse = (jnp.log(denom.astype(jnp.float32)) + row_max.astype(jnp.float32))[..., 0]
   p = p / jnp.where(denom == 0, 1, denom)
