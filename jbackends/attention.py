@@ -46,8 +46,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import logging
 import math
+import os
+import sys
 import warnings
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
@@ -258,6 +261,12 @@ def _check_array(name, x):
     raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
 
 
+def _check_is_causal(is_causal):
+  # torch raises TypeError for a non-bool is_causal; bool('False') would silently be causal.
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
+
+
 def _torch_to_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, dropout_rng=None):
   """torch SDPA arguments, layout ``(..., H, L, E)`` -> (AttentionArgs, batch_shape)."""
@@ -285,6 +294,7 @@ def _torch_to_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
   def btnh(x):
     return jnp.swapaxes(x.reshape((B,) + tuple(x.shape[-3:])), 1, 2)
 
+  _check_is_causal(is_causal)
   mask = bias = None
   causal, diag_offset = bool(is_causal), 0
   if isinstance(attn_mask, CausalBias):
@@ -349,6 +359,7 @@ def _jaxnn_to_args(query, key, value, bias=None, mask=None, *, scale=None, is_ca
                        f"{name}.shape={tuple(x.shape)}")
     return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
 
+  _check_is_causal(is_causal)
   bias, mask = four("bias", bias), four("mask", mask)
   diag_offset = 0
   if isinstance(mask, CausalBias):
@@ -416,10 +427,12 @@ def _platforms(platforms, arrays) -> Tuple[tuple, tuple]:
   """``(required, optional)`` lowering platforms to choose for.
 
   Explicit ``platforms`` are all required. Otherwise the platform of the inputs (or the default
-  backend) is required, and the other of cpu/cuda is chosen for too when it can be, so a function
-  traced here and exported for the other platform (``jax.export(..., platforms=["cuda"])``) carries
-  that platform's kernel. A lowering for one platform drops the other branch, so this costs only
-  tracing time.
+  backend) is required and, under ``jax.export`` only, the other of cpu/cuda is chosen for too when
+  it can be, so a function exported for the other platform (``jax.export(...,
+  platforms=["cuda"])``) carries that platform's kernel. A plain call traces one branch. JAX reuses
+  a jitted function's trace: exporting a ``jax.jit`` object that a call already traced gives the
+  other platform the XLA path (correct, not the Pallas kernel); export a fresh ``jax.jit(f)`` or
+  pass ``platforms=`` for the kernel.
   """
   if platforms is not None:
     if isinstance(platforms, str):
@@ -436,7 +449,30 @@ def _platforms(platforms, arrays) -> Tuple[tuple, tuple]:
         primary = _dispatch.canonical_platform(next(iter(devs)).platform)
         break
   primary = primary or _dispatch.default_platform()
+  if not _exporting():
+    return (primary,), ()
   return (primary,), tuple(p for p in ("cpu", "cuda") if p != primary)
+
+
+def _exporting() -> bool:
+  """Whether this trace runs under ``jax.export`` (whose lowering platforms are not known yet).
+
+  A plain ``jit`` call lowers for the platform it runs on, so tracing another platform's branch
+  only costs time (3-4x the trace + lower time on CPU). ``jax.export.export(...)(...)`` traces from
+  inside ``jax/_src/export/_export.py``; that frame on the stack is the signal (a walk of a few
+  dozen frames, once per trace).
+  """
+  f = sys._getframe(1)
+  marker = os.path.join("jax", "_src", "export", "")
+  while f is not None:
+    if marker in f.f_code.co_filename:
+      return True
+    f = f.f_back
+  return False
+
+
+def _shapes(*arrays) -> tuple:
+  return tuple(tuple(x.shape) for x in arrays)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,7 +495,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     scale: logits scale, default ``1 / sqrt(E)``.
     enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
     dropout_rng: a jax PRNG key; required when ``dropout_p > 0``.
-    platforms: lowering platforms to choose for (default: the inputs' / the default backend's).
+    platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
+      under ``jax.export`` the other of cpu / cuda too).
 
   Returns:
     ``(..., Hq, L, Ev)`` in the query's dtype.
@@ -479,7 +516,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
   flags = trace_flags()
   args, batch_shape = _torch_to_args(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                      enable_gqa, dropout_rng)
-  out, _, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)))
+  out, _, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)),
+                            shapes=_shapes(query, key, value))
   out = jnp.swapaxes(out, 1, 2)
   return out.reshape(batch_shape + tuple(out.shape[1:]))
 
@@ -514,7 +552,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
       ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; attend iff equal.
     return_residual: also return the natural-log LSE of the logits, ``[B, T, N]`` in the query's
       dtype and without a gradient (``stop_gradient``), exactly as jax.nn returns it.
-    platforms: lowering platforms to choose for (default: the inputs' / the default backend's).
+    platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
+      under ``jax.export`` the other of cpu / cuda too).
     fully_masked_rows: what a query row whose every key is masked gets. ``"jax"`` (default, the
       jax.nn answer): jax.nn masks with a large negative number instead of ``-inf``, so such a row
       attends uniformly to all ``S`` keys: the output is the mean of ``V`` over the keys (the
@@ -567,7 +606,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, segment_ids=segment_ids)
-  out, lse, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)), only=only)
+  out, lse, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)), only=only,
+                              shapes=_shapes(query, key, value))
   out, lse = _fully_masked_rows(args, out, lse, fully_masked_rows)
   if unbatched:
     out, lse = out[0], lse[0]
@@ -620,6 +660,9 @@ def _fully_masked_rows(args, out, lse, mode):
 # ----------------------------------------------------------------------------------------------
 # explain
 # ----------------------------------------------------------------------------------------------
+
+_EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
@@ -679,6 +722,18 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     (<SDPBackend.EFFICIENT_ATTENTION: 2>, 'FLASH takes no additive bias / ')
   """
   flags = current_flags()
+  if api not in ("dot_product_attention", "sdpa"):
+    raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
+  if platform is not None and (not isinstance(platform, str)
+                               or platform.lower() not in _EXPLAIN_PLATFORMS):
+    raise ValueError(f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
+                     f"backend's); got {platform!r}")
+  api_fn = dot_product_attention if api == "dot_product_attention" else scaled_dot_product_attention
+  valid = [n for n in inspect.signature(api_fn).parameters if n not in ("query", "key", "value")]
+  unknown = sorted(set(kwargs) - set(valid))
+  if unknown:
+    raise TypeError(f"explain(api={api!r}) got unexpected keyword argument(s) {unknown}; the "
+                    f"keywords of {api_fn.__name__} are {valid}")
   plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
   implementation = kwargs.pop("implementation", None)
   only = _implementation(implementation)
@@ -687,8 +742,6 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     device_info["compute_capability"] = float(compute_capability)
   if cudnn_version is not None:
     device_info["cudnn_version"] = int(cudnn_version)
-  if api not in ("dot_product_attention", "sdpa"):
-    raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
   for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient",
                "residual_dtype"):
     kwargs.pop(name, None)

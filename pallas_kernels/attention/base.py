@@ -58,6 +58,7 @@ __all__ = [
     "dropout_keep_from_seed",
     "full_mask",
     "rows_without_keys",
+    "check_prng_key",
     "dropout_threshold",
     "SUPPORTED_DTYPES",
     "unsupported",
@@ -191,6 +192,29 @@ def _check_segments(name: str, x, shape: tuple):
   return x.astype(jnp.int32)
 
 
+def check_prng_key(rng, name: str = "dropout_rng") -> None:
+  """Raises ``TypeError`` unless ``rng`` is one jax PRNG key.
+
+  Accepted: a typed key (``jax.random.key(0)``, shape ``()``) and a legacy raw key
+  (``jax.random.PRNGKey(0)``: ``uint32`` of the default implementation's key shape, ``(2,)`` for
+  threefry), the two forms ``jax.random`` and flax take. A Python int, a string, float or int32
+  arrays, or several keys at once are refused (they would silently become a seed).
+  """
+  dt = getattr(rng, "dtype", None)
+  if dt is not None and jnp.issubdtype(dt, jax.dtypes.prng_key):
+    if np.shape(rng) != ():
+      raise TypeError(f"`{name}` must be one PRNG key (shape ()); got a key array of shape "
+                      f"{tuple(np.shape(rng))}")
+    return
+  raw_shapes = {(2,), (4,)}  # threefry; rbg / unsafe_rbg
+  if dt is not None and jnp.dtype(dt) == jnp.uint32 and tuple(np.shape(rng)) in raw_shapes:
+    return
+  what = (f"{jnp.dtype(dt).name}{list(np.shape(rng))}" if dt is not None
+          else f"{type(rng).__name__} {rng!r}")
+  raise TypeError(f"`{name}` must be a PRNG key: jax.random.key(seed) (or a legacy "
+                  f"jax.random.PRNGKey(seed), uint32[2]); got {what}")
+
+
 def make_args(
     q, k, v, *,
     bias=None,
@@ -241,7 +265,8 @@ def make_args(
   if H != Hk:
     raise ValueError(f"query and key head dims differ: query {H}, key {Hk}")
   if K == 0 or N % K != 0:
-    raise ValueError(f"query heads must be a multiple of key/value heads (GQA); got {N=}, {K=}")
+    raise ValueError(f"query heads must be a positive multiple of key/value heads (GQA); got "
+                     f"{N=} query heads, {K=} key/value heads")
   target = (B, N, T, S)
   if bias is not None:
     bias = jnp.asarray(bias)
@@ -254,14 +279,20 @@ def make_args(
       raise TypeError(f"`mask` must be a bool array (True = attend); got mask.dtype={mask.dtype}")
     _check_broadcastable("mask", mask, target)
   if scale is None:
-    scale = 1.0 / math.sqrt(H)
+    # Head dim 0: every logit is an empty sum (0) whatever the scale, so any finite scale gives
+    # torch's answer (uniform weights); 1 / sqrt(0) would make it 0 * inf = NaN.
+    scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
   if isinstance(scale, jax.core.Tracer):
     raise TypeError("`scale` must be a Python float, not a traced value")
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                   np.floating)):
+    if not (hasattr(scale, "shape") and np.shape(scale) == ()):
+      raise TypeError(f"`scale` must be a float; got {type(scale).__name__} {scale!r}")
   scale = float(scale)
-  if not scale > 0 or not math.isfinite(scale):
-    raise ValueError(f"`scale` must be a finite float > 0; got {scale=}")
+  if not math.isfinite(scale):  # torch takes any float, 0 and negative ones included
+    raise ValueError(f"`scale` must be a finite float; got {scale=}")
   if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"`is_causal` must be a bool; got {is_causal!r}")
+    raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
   diag_offset = int(diag_offset)
   if window is not None:
     if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -291,6 +322,8 @@ def make_args(
     raise ValueError(f"`dropout_rate` must be in [0, 1); got {dropout_rate=}")
   if dropout_rate > 0.0 and dropout_rng is None:
     raise ValueError(f"`dropout_rng` (a jax PRNG key) is required when {dropout_rate=} > 0")
+  if dropout_rng is not None:
+    check_prng_key(dropout_rng)
   if dropout_rate == 0.0:
     dropout_rng = None
   return AttentionArgs(
@@ -557,6 +590,8 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
+  if S == 0:  # no key: an empty sum (torch's and jax.nn's 0), LSE -inf
+    return (jnp.zeros((B, T, N, v.shape[-1]), q.dtype), jnp.full((B, N, T), -jnp.inf, jnp.float32))
   low = low_precision and q.dtype in (jnp.bfloat16, jnp.float16)
   cdt = q.dtype if low else jnp.promote_types(q.dtype, jnp.float32)
   prec = jax.lax.Precision.HIGHEST

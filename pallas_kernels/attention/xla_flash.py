@@ -121,8 +121,10 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
   if args.bias is not None:
     reasons.append("FLASH takes no additive bias / float attn_mask (EFFICIENT_ATTENTION or MATH do)")
   if args.mask is not None:
-    reasons.append("FLASH takes no arbitrary boolean attn_mask (use is_causal / window / lengths / "
-                   "segment ids, or EFFICIENT_ATTENTION / MATH)")
+    reasons.append("FLASH takes no arbitrary boolean attn_mask yet, also on CPU (torch's CPU flash "
+                   "does): enable EFFICIENT_ATTENTION or MATH too (e.g. sdpa_kernel([FLASH_ATTENTION,"
+                   " EFFICIENT_ATTENTION])), or express the mask as is_causal / a CausalBias / "
+                   "window / lengths / segment ids")
   return reasons
 
 
@@ -222,7 +224,7 @@ def blockwise_attention(args: base.AttentionArgs, config: Config):
   aux = dict(mask=args.mask, q_len=args.q_seq_lengths, kv_len=args.kv_seq_lengths,
              q_seg=args.q_segment_ids, kv_seg=args.kv_segment_ids,
              seed=None if args.dropout_rng is None else base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)))
-  if T == 0 or S == 0:
+  if 0 in (B, T, S, N):
     out = jnp.zeros((B, T, N, Hv), q.dtype)
     return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
   return _flash(st, q, k, v, args.bias, aux)
