@@ -584,10 +584,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
   ``logits_soft_cap``, ``dropout_rate`` and ``segment_ids`` are extensions (jax.nn has none);
   segment ids mask like a boolean mask, and a fully masked row's mean of V is not dropped out.
 
-  Differentiation: reverse mode (``grad`` / ``vjp``) everywhere. The flash and memory-efficient
-  backends are ``custom_vjp`` functions (their backward recomputes per block), so forward mode
-  (``jax.jvp``, ``jacfwd``) raises JAX's custom_vjp error there; use ``implementation="math"`` (or
-  ``sdpa_kernel(SDPBackend.MATH)``) where forward mode is needed.
+  Differentiation: reverse mode (``grad`` / ``vjp``) on every backend, and second order (grad of
+  grad, Hessian-vector products by reverse over reverse) on every backend but cuDNN (jax's cuDNN
+  backward is a custom call with no derivative: pick another backend for second order). The flash and memory-efficient
+  backends (C++, blockwise XLA, Pallas) are ``custom_vjp`` functions whose backward recomputes per
+  block; their backward is itself differentiable, with the math formulation as its derivative, so
+  the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
+  (``jax.jvp``, ``jacfwd``, forward-over-reverse HVPs) raises JAX's custom_vjp error on those
+  backends; use ``implementation="math"`` (or ``sdpa_kernel(SDPBackend.MATH)``) there. cuDNN's LSE
+  residual carries no gradient (``residual_gradient=True`` gives zeros there).
 
   Example:
     >>> import jax, jax.numpy as jnp

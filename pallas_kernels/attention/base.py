@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Tuple
 
@@ -59,6 +60,8 @@ __all__ = [
     "full_mask",
     "rows_without_keys",
     "check_prng_key",
+    "reference_vjp",
+    "differentiable_backward",
     "dropout_threshold",
     "SUPPORTED_DTYPES",
     "unsupported",
@@ -629,6 +632,59 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
                    preferred_element_type=cdt)
   out = out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
   return out, lse
+
+
+def reference_vjp(args: AttentionArgs, g_out, g_lse=None):
+  """``(dq, dk, dv, dbias)`` of :func:`reference` at ``args`` for cotangents ``(g_out, g_lse)``.
+
+  Plain jnp, so it is differentiable again: the fast backends' backward passes use it as their own
+  derivative, which makes second-order reverse mode (grad of grad, Hessian-vector products by
+  reverse over reverse) work on them. It materialises the ``[B, N, T, S]`` weights, like MATH.
+  """
+  def f(q, k, v, bias):
+    out, lse = reference(args.replace(q=q, k=k, v=v, bias=bias))
+    return out, lse
+
+  (out, lse), vjp = jax.vjp(f, args.q, args.k, args.v, args.bias)
+  g_lse = jnp.zeros_like(lse) if g_lse is None else g_lse.astype(lse.dtype)
+  return vjp((g_out.astype(out.dtype), g_lse))
+
+
+def differentiable_backward(fast_backward, args_of):
+  """Wraps a backward pass so that it has a derivative (second-order reverse mode).
+
+  ``fast_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse) -> (dq, dk, dv, dbias)`` is a
+  kernel's backward (FFI calls, loops with dynamic bounds: not differentiable itself);
+  ``args_of(st, q, k, v, bias, aux) -> AttentionArgs`` rebuilds the call. The wrapper runs the fast
+  backward and differentiates as :func:`reference_vjp` (the same function, in plain jnp): the
+  derivative w.r.t. ``out`` and ``lse`` is zero because the reference recomputes them from q, k, v.
+  """
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def op(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
+    return fast_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse)
+
+  def op_fwd(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
+    return op(st, q, k, v, bias, aux, out, lse, g_out, g_lse), (q, k, v, bias, aux, out, lse,
+                                                                 g_out, g_lse)
+
+  def op_bwd(st, res, ct):
+    q, k, v, bias, aux, out, lse, g_out, g_lse = res
+    args = args_of(st, q, k, v, bias, aux)
+
+    def grads(q, k, v, bias, g_out, g_lse):
+      dq, dk, dv, db = reference_vjp(args.replace(q=q, k=k, v=v, bias=bias), g_out, g_lse)
+      return dq, dk, dv, (db if bias is not None else None)
+
+    _, vjp = jax.vjp(grads, q, k, v, bias, g_out, g_lse)
+    ct = tuple(ct)
+    if bias is None:
+      ct = ct[:3] + (None,)
+    cq, ck, cv, cb, cgo, cgl = vjp(ct)
+    zero = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+    return (cq, ck, cv, cb, jax.tree.map(lambda x: None, aux), zero(out), zero(lse), cgo, cgl)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
 
 
 def unsupported(args: AttentionArgs, platform: str) -> list:

@@ -282,15 +282,34 @@ def _flash(st, q, k, v, aux):
 
 
 def _flash_fwd(st, q, k, v, aux):
-  out, lse = _forward(st, q, k, v, aux)
+  # Through _flash itself, so that differentiating this rule again (second order) works.
+  out, lse = _flash(st, q, k, v, aux)
   return (out, lse), (q, k, v, aux, out, lse)
+
+
+def _args_of(st, q, k, v, bias, aux):
+  """The call as AttentionArgs (for the reference-based second-order derivative)."""
+  ql, kl, qs, ks = aux
+  return base.AttentionArgs(
+      q=q, k=k, v=v, scale=st.scale, causal=st.causal, diag_offset=st.diag_offset,
+      window=st.window, q_seq_lengths=ql if st.has_q_len else None,
+      kv_seq_lengths=kl if st.has_kv_len else None, q_segment_ids=qs if st.has_seg else None,
+      kv_segment_ids=ks if st.has_seg else None)
 
 
 def _flash_bwd(st, res, g):
   q, k, v, aux, out, lse = res
   g_out, g_lse = g
+  if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) or g_lse is None:
+    g_lse = None
+  dq, dk, dv, _ = _backward_op(st, q, k, v, None, aux, out, lse, g_out, g_lse)
+  return dq, dk, dv, None
+
+
+def _kernel_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
+  del bias
   delta = jnp.einsum("btnv,btnv->bnt", _f32(g_out), _f32(out), precision=jax.lax.Precision.HIGHEST)
-  if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero) and g_lse is not None:
+  if g_lse is not None:
     delta = delta - _f32(g_lse)
   structs = tuple(_struct(x.shape) for x in (q, k, v))
   with jax.named_scope(EXPORT_HINT):
@@ -300,4 +319,6 @@ def _flash_bwd(st, res, g):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
+# The kernel's backward, with a derivative of its own (second order: grad of grad).
+_backward_op = base.differentiable_backward(_kernel_backward, _args_of)
 _flash.defvjp(_flash_fwd, _flash_bwd)

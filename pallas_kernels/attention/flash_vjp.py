@@ -373,20 +373,29 @@ def differentiable(args: base.AttentionArgs, *, fwd: Callable, bwd_config: Optio
     q, k, v = q.value, k.value, v.value
     bias = None if bias is None else bias.value
     aux = jax.tree.map(lambda x: x.value, aux)
-    out, lse = fwd(rebuild(q, k, v, bias, aux))
+    # Through f itself, so that differentiating this rule again (second order) works.
+    out, lse = f(q, k, v, bias, aux)
     flag = () if need_dbias else None
     return (out, lse), (q, k, v, bias, aux, out, lse, flag)
+
+  def kernel_backward(need_dbias, q, k, v, bias, aux, out, lse, dout, dlse):
+    dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, aux), out, lse, dout, dlse,
+                                 config=bwd_config, interpret=interpret, allow_tf32=allow_tf32,
+                                 need_dbias=need_dbias)
+    if bias is not None and dbias is None:
+      dbias = jnp.zeros(bias.shape, bias.dtype)
+    return dq, dk, dv, dbias
+
+  # The backward kernel with a derivative of its own (second order: grad of grad).
+  backward_op = base.differentiable_backward(
+      kernel_backward, lambda _, q, k, v, bias, aux: rebuild(q, k, v, bias, aux))
 
   def f_bwd(res, cts):
     q, k, v, bias, aux, out, lse, flag = res
     dout, dlse = cts
     dout = _zero_if_symbolic(dout, out)
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    a = rebuild(q, k, v, bias, aux)
-    dq, dk, dv, dbias = backward(a, out, lse, dout, dlse, config=bwd_config, interpret=interpret,
-                                 allow_tf32=allow_tf32, need_dbias=flag is not None)
-    if bias is not None and dbias is None:
-      dbias = jnp.zeros(bias.shape, bias.dtype)
+    dq, dk, dv, dbias = backward_op(flag is not None, q, k, v, bias, aux, out, lse, dout, dlse)
     daux = jax.tree.map(lambda x: None, aux)
     return dq, dk, dv, dbias, daux
 

@@ -641,13 +641,27 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
   return dq, dk, dv, dbias
 
 
+def _args_of(st, q, k, v, bias, aux):
+  """The call as AttentionArgs (for the reference-based second-order derivative)."""
+  return base.AttentionArgs(
+      q=q, k=k, v=v, bias=bias, mask=aux["mask"], scale=st.scale, causal=st.causal,
+      diag_offset=st.diag_offset, window=st.window, q_seq_lengths=aux["q_len"],
+      kv_seq_lengths=aux["kv_len"], q_segment_ids=aux["q_seg"], kv_segment_ids=aux["kv_seg"],
+      logits_soft_cap=st.cap, dropout_rate=st.rate, dropout_rng=aux["seed"])
+
+
+# The backward, with a derivative of its own (second order: grad of grad).
+_backward_op = base.differentiable_backward(_backward, _args_of)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, bias, aux):
   return _forward(st, q, k, v, bias, aux)
 
 
 def _flash_fwd(st, q, k, v, bias, aux):
-  out, lse = _forward(st, q, k, v, bias, aux)
+  # Through _flash itself, so that differentiating this rule again (second order) works.
+  out, lse = _flash(st, q, k, v, bias, aux)
   return (out, lse), (q, k, v, bias, aux, out, lse)
 
 
@@ -656,7 +670,7 @@ def _flash_bwd(st, res, g):
   g_out, g_lse = g
   if isinstance(g_lse, jax.custom_derivatives.SymbolicZero):  # pragma: no cover
     g_lse = None
-  dq, dk, dv, dbias = _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse)
+  dq, dk, dv, dbias = _backward_op(st, q, k, v, bias, aux, out, lse, g_out, g_lse)
   return dq, dk, dv, dbias, None
 
 

@@ -447,3 +447,48 @@ def test_upstream_local_window_without_mask(name):
   assert not np.allclose(np.asarray(wide), np.asarray(narrow))
   np.testing.assert_allclose(np.asarray(narrow), np.asarray(jaxnn(q, k, v, local_window_size=(
       1, 1))), atol=3e-5)
+
+
+# ---- second order (issue 15, finding c) -------------------------------------------------------------
+
+SECOND_ORDER_CALLS = {
+    "causal": dict(is_causal=True),
+    "lengths_window": dict(key_value_seq_lengths=jnp.asarray([13, 24]), local_window_size=(5, 3)),
+    "softcap_dropout": dict(logits_soft_cap=2.0, dropout_rate=0.3, dropout_rng=jax.random.key(1)),
+    "bias_mask": dict(bias=rand((1, 4, 20, 24), 5) * 0.3,
+                      mask=jnp.asarray(np.random.default_rng(6).random((2, 1, 20, 24)) > 0.2)),
+}
+
+
+@pytest.mark.parametrize("name", ALL_BACKENDS[:-1])  # cuDNN's LSE has no gradient to test here
+@pytest.mark.parametrize("call", list(SECOND_ORDER_CALLS))
+def test_grad_of_grad_matches_math_on_every_backend(name, call):
+  """Reverse over reverse (Hessian-vector products): the fast backends' backward passes are
+  differentiable (their derivative is the reference's), so every backend agrees with MATH."""
+  kw = SECOND_ORDER_CALLS[call]
+  if "mask" in kw and name not in MASK_BACKENDS:
+    pytest.skip("this backend takes no mask / bias")
+  if name == "flash_cpp" and "logits_soft_cap" in kw:
+    pytest.skip("the C++ kernel has no soft cap / dropout (flash_cpu_kernel='cpp' refuses them)")
+  if name.startswith("pallas") and "dropout_rate" in kw:
+    kw = {k: v for k, v in kw.items() if not k.startswith("dropout")}
+  q, k, v = rand((2, 20, 4, 8), 1), rand((2, 24, 2, 8), 2), rand((2, 24, 2, 8), 3)
+  tangents = (rand(q.shape, 7), rand(k.shape, 8), rand(v.shape, 9))
+
+  def loss(q, k, v):
+    out, lse = jb.dot_product_attention(q, k, v, return_residual=True, residual_gradient=True,
+                                        residual_dtype=jnp.float32, **kw)
+    return (jnp.sin(out) ** 2).sum() + 0.1 * lse.sum()
+
+  def hvp(q, k, v):
+    g = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return sum((a * t).sum() for a, t in zip(g, tangents))
+
+  with backend(name):
+    got = jax.jit(jax.grad(hvp, argnums=(0, 1, 2)))(q, k, v)
+  with backend("math"):
+    want = jax.jit(jax.grad(hvp, argnums=(0, 1, 2)))(q, k, v)
+  for a, b in zip(got, want):
+    scale = float(jnp.abs(b).max())
+    assert scale > 0
+    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5)
