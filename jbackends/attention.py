@@ -491,15 +491,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     attn_mask: None; a bool array (True = attend) or a float array (added to the logits),
       broadcastable to ``(..., Hq, L, S)``; or a :class:`CausalBias`.
     dropout_p: dropout probability on the attention weights, in ``[0, 1)``.
-    is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`).
-    scale: logits scale, default ``1 / sqrt(E)``.
+    is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
+      (anything else is a ``TypeError``, as in torch).
+    scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too).
     enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
-    dropout_rng: a jax PRNG key; required when ``dropout_p > 0``.
+    dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``);
+      required when ``dropout_p > 0``.
     platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
       under ``jax.export`` the other of cpu / cuda too).
 
   Returns:
-    ``(..., Hq, L, Ev)`` in the query's dtype.
+    ``(..., Hq, L, Ev)`` in the query's dtype. A query row whose every key is masked gives 0 (and
+    zero gradients) on every backend, torch's answer since 2.5 (torch < 2.5's math path gave NaN).
+    Empty dimensions give torch's result (``S = 0``: zeros; head dim 0: uniform weights).
 
   Raises:
     NoAvailableBackendError: no enabled backend can run the call (every reason listed).
@@ -547,7 +551,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
       (``"math"``, ``"flash"``, ``"mem_efficient"``) or an ``SDPBackend``: that backend only.
     logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, before bias and masks.
     dropout_rate: dropout on the attention weights, in ``[0, 1)``; needs ``dropout_rng``.
-    dropout_rng: a jax PRNG key.
+    dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``).
     segment_ids: packed sequences: one int ``[B, T]`` array (self-attention) or a pair
       ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; attend iff equal.
     return_residual: also return the natural-log LSE of the logits, ``[B, T, N]`` in the query's
@@ -717,6 +721,10 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
 
   Returns:
     An :class:`Explanation` (``str()`` of it is a readable report).
+
+  Raises:
+    ValueError: an unknown ``platform`` or ``api`` (the message lists the valid ones).
+    TypeError: a keyword the API named by ``api`` does not take (the message lists its keywords).
 
   Example:
     >>> import jax, jax.numpy as jnp
