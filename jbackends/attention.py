@@ -23,8 +23,11 @@ a ``vjp_fn`` keeps the backend of its forward. A call that no enabled backend ca
 :class:`NoAvailableBackendError` naming every enabled backend and its reason: never a silent fallback
 to a disabled backend.
 
-Fully masked query rows (every key masked) give output 0, ``lse = -inf`` and zero gradients in every
-backend (torch's CPU math path does the same for boolean masks).
+Fully masked query rows (every key masked): :func:`scaled_dot_product_attention` gives output 0 and
+zero gradients on every backend, as torch does since 2.5 (its math path's ``_safe_softmax`` and its
+fused kernels; torch < 2.5's math path gave NaN). :func:`dot_product_attention` gives jax.nn's answer
+by default (the mean of V over the keys, with its gradients, and jax.nn's LSE residual), or 0 with
+``fully_masked_rows="zero"``.
 
 Dropout is stateless: with ``dropout_rng`` the keep decision is a hash of (key, batch, head, query
 index, key index), so every backend drops the same entries for the same key. ``dropout_p > 0`` without
@@ -43,8 +46,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import logging
 import math
+import os
+import sys
 import warnings
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
@@ -255,6 +261,12 @@ def _check_array(name, x):
     raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
 
 
+def _check_is_causal(is_causal):
+  # torch raises TypeError for a non-bool is_causal; bool('False') would silently be causal.
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
+
+
 def _torch_to_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, dropout_rng=None):
   """torch SDPA arguments, layout ``(..., H, L, E)`` -> (AttentionArgs, batch_shape)."""
@@ -282,6 +294,7 @@ def _torch_to_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
   def btnh(x):
     return jnp.swapaxes(x.reshape((B,) + tuple(x.shape[-3:])), 1, 2)
 
+  _check_is_causal(is_causal)
   mask = bias = None
   causal, diag_offset = bool(is_causal), 0
   if isinstance(attn_mask, CausalBias):
@@ -346,6 +359,7 @@ def _jaxnn_to_args(query, key, value, bias=None, mask=None, *, scale=None, is_ca
                        f"{name}.shape={tuple(x.shape)}")
     return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
 
+  _check_is_causal(is_causal)
   bias, mask = four("bias", bias), four("mask", mask)
   diag_offset = 0
   if isinstance(mask, CausalBias):
@@ -413,10 +427,12 @@ def _platforms(platforms, arrays) -> Tuple[tuple, tuple]:
   """``(required, optional)`` lowering platforms to choose for.
 
   Explicit ``platforms`` are all required. Otherwise the platform of the inputs (or the default
-  backend) is required, and the other of cpu/cuda is chosen for too when it can be, so a function
-  traced here and exported for the other platform (``jax.export(..., platforms=["cuda"])``) carries
-  that platform's kernel. A lowering for one platform drops the other branch, so this costs only
-  tracing time.
+  backend) is required and, under ``jax.export`` only, the other of cpu/cuda is chosen for too when
+  it can be, so a function exported for the other platform (``jax.export(...,
+  platforms=["cuda"])``) carries that platform's kernel. A plain call traces one branch. JAX reuses
+  a jitted function's trace: exporting a ``jax.jit`` object that a call already traced gives the
+  other platform the XLA path (correct, not the Pallas kernel); export a fresh ``jax.jit(f)`` or
+  pass ``platforms=`` for the kernel.
   """
   if platforms is not None:
     if isinstance(platforms, str):
@@ -433,7 +449,30 @@ def _platforms(platforms, arrays) -> Tuple[tuple, tuple]:
         primary = _dispatch.canonical_platform(next(iter(devs)).platform)
         break
   primary = primary or _dispatch.default_platform()
+  if not _exporting():
+    return (primary,), ()
   return (primary,), tuple(p for p in ("cpu", "cuda") if p != primary)
+
+
+def _exporting() -> bool:
+  """Whether this trace runs under ``jax.export`` (whose lowering platforms are not known yet).
+
+  A plain ``jit`` call lowers for the platform it runs on, so tracing another platform's branch
+  only costs time (3-4x the trace + lower time on CPU). ``jax.export.export(...)(...)`` traces from
+  inside ``jax/_src/export/_export.py``; that frame on the stack is the signal (a walk of a few
+  dozen frames, once per trace).
+  """
+  f = sys._getframe(1)
+  marker = os.path.join("jax", "_src", "export", "")
+  while f is not None:
+    if marker in f.f_code.co_filename:
+      return True
+    f = f.f_back
+  return False
+
+
+def _shapes(*arrays) -> tuple:
+  return tuple(tuple(x.shape) for x in arrays)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,14 +491,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     attn_mask: None; a bool array (True = attend) or a float array (added to the logits),
       broadcastable to ``(..., Hq, L, S)``; or a :class:`CausalBias`.
     dropout_p: dropout probability on the attention weights, in ``[0, 1)``.
-    is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`).
-    scale: logits scale, default ``1 / sqrt(E)``.
+    is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
+      (anything else is a ``TypeError``, as in torch).
+    scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too).
     enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
-    dropout_rng: a jax PRNG key; required when ``dropout_p > 0``.
-    platforms: lowering platforms to choose for (default: the inputs' / the default backend's).
+    dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``);
+      required when ``dropout_p > 0``.
+    platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
+      under ``jax.export`` the other of cpu / cuda too).
 
   Returns:
-    ``(..., Hq, L, Ev)`` in the query's dtype.
+    ``(..., Hq, L, Ev)`` in the query's dtype. A query row whose every key is masked gives 0 (and
+    zero gradients) on every backend, torch's answer since 2.5 (torch < 2.5's math path gave NaN).
+    Empty dimensions give torch's result (``S = 0``: zeros; head dim 0: uniform weights).
 
   Raises:
     NoAvailableBackendError: no enabled backend can run the call (every reason listed).
@@ -476,7 +520,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
   flags = trace_flags()
   args, batch_shape = _torch_to_args(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                      enable_gqa, dropout_rng)
-  out, _, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)))
+  out, _, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)),
+                            shapes=_shapes(query, key, value))
   out = jnp.swapaxes(out, 1, 2)
   return out.reshape(batch_shape + tuple(out.shape[1:]))
 
@@ -486,7 +531,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
                           key_value_seq_lengths=None, local_window_size=None, implementation=None,
                           logits_soft_cap: Optional[float] = None, dropout_rate: float = 0.0,
                           dropout_rng=None, segment_ids=None, return_residual: bool = False,
-                          platforms=None):
+                          platforms=None, fully_masked_rows: str = "jax",
+                          residual_gradient: bool = False, residual_dtype=None):
   """Drop-in for ``jax.nn.dot_product_attention`` (layout BTNH) with a backend choice.
 
   Args:
@@ -505,19 +551,52 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
       (``"math"``, ``"flash"``, ``"mem_efficient"``) or an ``SDPBackend``: that backend only.
     logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, before bias and masks.
     dropout_rate: dropout on the attention weights, in ``[0, 1)``; needs ``dropout_rng``.
-    dropout_rng: a jax PRNG key.
+    dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``).
     segment_ids: packed sequences: one int ``[B, T]`` array (self-attention) or a pair
       ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; attend iff equal.
-    return_residual: also return the natural-log LSE, ``[B, T, N]`` float32 (like jax.nn).
-    platforms: lowering platforms to choose for (default: the inputs' / the default backend's).
+    return_residual: also return the natural-log LSE of the logits, ``[B, T, N]`` in the query's
+      dtype and without a gradient (``stop_gradient``), exactly as jax.nn returns it.
+    platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
+      under ``jax.export`` the other of cpu / cuda too).
+    fully_masked_rows: what a query row whose every key is masked gets. ``"jax"`` (default, the
+      jax.nn answer): jax.nn masks with a large negative number instead of ``-inf``, so such a row
+      attends uniformly to all ``S`` keys: the output is the mean of ``V`` over the keys (the
+      gradient w.r.t. ``V`` is ``1 / S`` per key, zero w.r.t. q, k and bias) and the LSE residual
+      is ``-0.7 * finfo(float32).max`` in the query's dtype (``-inf`` in float16). ``"zero"``: the
+      output is 0 with zero gradients and the LSE is ``-inf`` (torch's answer, and what
+      :func:`scaled_dot_product_attention` always gives). We think ``"zero"`` is the better
+      answer for padding (a padded query reads nothing instead of an average of real tokens), but
+      the default stays jax.nn's so this function is a drop-in. Rows beyond
+      ``query_seq_lengths`` are 0 either way (jax.nn zeroes them too); with ``S == 0`` every row
+      is 0 with LSE ``-inf`` (jax.nn's empty sum).
+    residual_gradient: differentiate the LSE residual (its true gradient) instead of jax.nn's
+      ``stop_gradient``. Only meaningful with ``return_residual=True``.
+    residual_dtype: dtype of the LSE residual (default: the query's, like jax.nn); e.g.
+      ``jnp.float32`` for the full-precision LSE of bfloat16 inputs (the kernels compute it in
+      float32).
 
   Returns:
     ``[B, T, N, Hv]`` in the query's dtype (and the LSE when ``return_residual``).
 
-  Differentiation: reverse mode (``grad`` / ``vjp``) everywhere. The flash and memory-efficient
-  backends are ``custom_vjp`` functions (their backward recomputes per block), so forward mode
-  (``jax.jvp``, ``jacfwd``) raises JAX's custom_vjp error there; use ``implementation="math"`` (or
-  ``sdpa_kernel(SDPBackend.MATH)``) where forward mode is needed.
+  Semantics against jax.nn: the output, the residual (dtype, value, ``stop_gradient``) and the
+  gradients are jax.nn's, fully masked rows included, on every backend and platform (the kernels
+  return output 0 / LSE ``-inf`` for such rows and this function substitutes jax.nn's answer, with
+  its gradients). Two corners of jax.nn that follow from its large negative number are kept too: a
+  row with no mask at all whose every logit is ``-inf`` through ``bias`` gives NaN (jax.nn's
+  softmax of all ``-inf``); a row whose unmasked keys all get a ``-inf`` bias is treated as
+  fully masked (jax.nn averages V over the *masked* keys there: this function averages over all).
+  ``logits_soft_cap``, ``dropout_rate`` and ``segment_ids`` are extensions (jax.nn has none);
+  segment ids mask like a boolean mask, and a fully masked row's mean of V is not dropped out.
+
+  Differentiation: reverse mode (``grad`` / ``vjp``) on every backend, and second order (grad of
+  grad, Hessian-vector products by reverse over reverse) on every backend but cuDNN (jax's cuDNN
+  backward is a custom call with no derivative: pick another backend for second order). The flash and memory-efficient
+  backends (C++, blockwise XLA, Pallas) are ``custom_vjp`` functions whose backward recomputes per
+  block; their backward is itself differentiable, with the math formulation as its derivative, so
+  the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
+  (``jax.jvp``, ``jacfwd``, forward-over-reverse HVPs) raises JAX's custom_vjp error on those
+  backends; use ``implementation="math"`` (or ``sdpa_kernel(SDPBackend.MATH)``) there. cuDNN's LSE
+  residual carries no gradient (``residual_gradient=True`` gives zeros there).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -530,22 +609,69 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
   """
   flags = trace_flags()
   only = _implementation(implementation)
+  _check_fully_masked_rows(fully_masked_rows)
   args, unbatched = _jaxnn_to_args(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, segment_ids=segment_ids)
-  out, lse, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)), only=only)
+  out, lse, _ = _dispatch.run(args, flags, *_platforms(platforms, (query,)), only=only,
+                              shapes=_shapes(query, key, value))
+  out, lse = _fully_masked_rows(args, out, lse, fully_masked_rows)
   if unbatched:
     out, lse = out[0], lse[0]
-  if return_residual:
-    return out, jnp.swapaxes(lse, -1, -2)
-  return out
+  if not return_residual:
+    return out
+  lse = jnp.swapaxes(lse, -1, -2)
+  if not residual_gradient:
+    lse = jax.lax.stop_gradient(lse)
+  return out, lse.astype(query.dtype if residual_dtype is None else residual_dtype)
+
+
+#: jax.nn's masking value (``_get_large_negative``: capped at the float32 range): the LSE residual of
+#: a fully masked row is this number (log S vanishes next to it) in the query's dtype.
+_JAXNN_LARGE_NEGATIVE = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
+
+
+def _check_fully_masked_rows(mode) -> str:
+  if mode not in ("jax", "zero"):
+    raise ValueError(f"`fully_masked_rows` must be 'jax' (jax.nn's answer: the mean of V) or 'zero'; "
+                     f"got {mode!r}")
+  return mode
+
+
+def _fully_masked_rows(args, out, lse, mode):
+  """jax.nn's answer for rows without a key (the kernels give output 0 and LSE -inf there).
+
+  The rows are found from the kernels' LSE (``-inf`` iff no key is left), so this costs
+  ``O(B * N * T)`` on top of the kernel and needs nothing from the kernels themselves. The
+  substituted mean of V carries jax.nn's gradient (1 / S per key) through ``jnp.where``; the
+  kernels' zero output there carries none.
+  """
+  if _check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
+    return out, lse
+  masked = args.mask is not None or args.has_index_masks
+  if not masked and args.bias is None:
+    return out, lse  # every row has a finite logit
+  empty = lse == -jnp.inf  # [B, N, T]
+  rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, N, 1]
+  if not masked:  # only a -inf bias removed the keys: jax.nn's softmax of all -inf is NaN
+    return jnp.where(rows, jnp.asarray(jnp.nan, out.dtype), out), lse
+  if args.q_seq_lengths is not None:  # jax.nn zeroes the rows beyond the query length
+    valid = jnp.arange(args.q_len, dtype=jnp.int32)[None, :] < args.q_seq_lengths[:, None]
+    rows = rows & valid[:, :, None, None]
+  vmean = jnp.mean(args.v.astype(jnp.promote_types(args.v.dtype, jnp.float32)), axis=1)
+  vmean = jnp.repeat(vmean, args.groups, axis=1)  # [B, N, Hv]: query head n reads kv head n // G
+  out = jnp.where(rows, vmean[:, None].astype(out.dtype), out)
+  return out, jnp.where(empty, jnp.asarray(_JAXNN_LARGE_NEGATIVE, lse.dtype), lse)
 
 
 # ----------------------------------------------------------------------------------------------
 # explain
 # ----------------------------------------------------------------------------------------------
+
+_EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
@@ -596,6 +722,10 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
   Returns:
     An :class:`Explanation` (``str()`` of it is a readable report).
 
+  Raises:
+    ValueError: an unknown ``platform`` or ``api`` (the message lists the valid ones).
+    TypeError: a keyword the API named by ``api`` does not take (the message lists its keywords).
+
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jbackends.attention import explain, SDPBackend
@@ -605,6 +735,18 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     (<SDPBackend.EFFICIENT_ATTENTION: 2>, 'FLASH takes no additive bias / ')
   """
   flags = current_flags()
+  if api not in ("dot_product_attention", "sdpa"):
+    raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
+  if platform is not None and (not isinstance(platform, str)
+                               or platform.lower() not in _EXPLAIN_PLATFORMS):
+    raise ValueError(f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
+                     f"backend's); got {platform!r}")
+  api_fn = dot_product_attention if api == "dot_product_attention" else scaled_dot_product_attention
+  valid = [n for n in inspect.signature(api_fn).parameters if n not in ("query", "key", "value")]
+  unknown = sorted(set(kwargs) - set(valid))
+  if unknown:
+    raise TypeError(f"explain(api={api!r}) got unexpected keyword argument(s) {unknown}; the "
+                    f"keywords of {api_fn.__name__} are {valid}")
   plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
   implementation = kwargs.pop("implementation", None)
   only = _implementation(implementation)
@@ -613,10 +755,9 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
     device_info["compute_capability"] = float(compute_capability)
   if cudnn_version is not None:
     device_info["cudnn_version"] = int(cudnn_version)
-  if api not in ("dot_product_attention", "sdpa"):
-    raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
-  kwargs.pop("return_residual", None)
-  kwargs.pop("platforms", None)
+  for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient",
+               "residual_dtype"):
+    kwargs.pop(name, None)
   result = {}
 
   def probe(q, k, v, kw):

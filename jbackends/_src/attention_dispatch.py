@@ -162,7 +162,8 @@ def _options(backend: int, flags: Any, platform: str) -> dict:
 
 
 def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
-        optional_platforms: Sequence[str] = (), *, only: Optional[int] = None, op: str = "sdpa"):
+        optional_platforms: Sequence[str] = (), *, only: Optional[int] = None, op: str = "sdpa",
+        shapes: Optional[tuple] = None):
   """Decides per platform and runs: ``(out, lse, decisions)``.
 
   Raises NoAvailableBackendError when a platform of ``platforms`` has no enabled backend that can run
@@ -185,7 +186,7 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
     if p in optional_platforms:
       continue  # chosen so an export for it carries its kernel; not what runs here, so not reported
     report_dispatch(op, f"{d.chosen_name}@{p}", {NAMES[b]: r for b, r in d.reasons.items()},
-                    (tuple(args.q.shape), tuple(args.k.shape), tuple(args.v.shape)),
+                    shapes or (tuple(args.q.shape), tuple(args.k.shape), tuple(args.v.shape)),
                     (str(args.q.dtype),))
 
   def branch(d):

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Tuple
 
@@ -57,6 +58,10 @@ __all__ = [
     "dropout_keep_mask",
     "dropout_keep_from_seed",
     "full_mask",
+    "rows_without_keys",
+    "check_prng_key",
+    "reference_vjp",
+    "differentiable_backward",
     "dropout_threshold",
     "SUPPORTED_DTYPES",
     "unsupported",
@@ -190,6 +195,29 @@ def _check_segments(name: str, x, shape: tuple):
   return x.astype(jnp.int32)
 
 
+def check_prng_key(rng, name: str = "dropout_rng") -> None:
+  """Raises ``TypeError`` unless ``rng`` is one jax PRNG key.
+
+  Accepted: a typed key (``jax.random.key(0)``, shape ``()``) and a legacy raw key
+  (``jax.random.PRNGKey(0)``: ``uint32`` of the default implementation's key shape, ``(2,)`` for
+  threefry), the two forms ``jax.random`` and flax take. A Python int, a string, float or int32
+  arrays, or several keys at once are refused (they would silently become a seed).
+  """
+  dt = getattr(rng, "dtype", None)
+  if dt is not None and jnp.issubdtype(dt, jax.dtypes.prng_key):
+    if np.shape(rng) != ():
+      raise TypeError(f"`{name}` must be one PRNG key (shape ()); got a key array of shape "
+                      f"{tuple(np.shape(rng))}")
+    return
+  raw_shapes = {(2,), (4,)}  # threefry; rbg / unsafe_rbg
+  if dt is not None and jnp.dtype(dt) == jnp.uint32 and tuple(np.shape(rng)) in raw_shapes:
+    return
+  what = (f"{jnp.dtype(dt).name}{list(np.shape(rng))}" if dt is not None
+          else f"{type(rng).__name__} {rng!r}")
+  raise TypeError(f"`{name}` must be a PRNG key: jax.random.key(seed) (or a legacy "
+                  f"jax.random.PRNGKey(seed), uint32[2]); got {what}")
+
+
 def make_args(
     q, k, v, *,
     bias=None,
@@ -240,7 +268,8 @@ def make_args(
   if H != Hk:
     raise ValueError(f"query and key head dims differ: query {H}, key {Hk}")
   if K == 0 or N % K != 0:
-    raise ValueError(f"query heads must be a multiple of key/value heads (GQA); got {N=}, {K=}")
+    raise ValueError(f"query heads must be a positive multiple of key/value heads (GQA); got "
+                     f"{N=} query heads, {K=} key/value heads")
   target = (B, N, T, S)
   if bias is not None:
     bias = jnp.asarray(bias)
@@ -253,14 +282,20 @@ def make_args(
       raise TypeError(f"`mask` must be a bool array (True = attend); got mask.dtype={mask.dtype}")
     _check_broadcastable("mask", mask, target)
   if scale is None:
-    scale = 1.0 / math.sqrt(H)
+    # Head dim 0: every logit is an empty sum (0) whatever the scale, so any finite scale gives
+    # torch's answer (uniform weights); 1 / sqrt(0) would make it 0 * inf = NaN.
+    scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
   if isinstance(scale, jax.core.Tracer):
     raise TypeError("`scale` must be a Python float, not a traced value")
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                   np.floating)):
+    if not (hasattr(scale, "shape") and np.shape(scale) == ()):
+      raise TypeError(f"`scale` must be a float; got {type(scale).__name__} {scale!r}")
   scale = float(scale)
-  if not scale > 0 or not math.isfinite(scale):
-    raise ValueError(f"`scale` must be a finite float > 0; got {scale=}")
+  if not math.isfinite(scale):  # torch takes any float, 0 and negative ones included
+    raise ValueError(f"`scale` must be a finite float; got {scale=}")
   if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"`is_causal` must be a bool; got {is_causal!r}")
+    raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
   diag_offset = int(diag_offset)
   if window is not None:
     if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -290,6 +325,8 @@ def make_args(
     raise ValueError(f"`dropout_rate` must be in [0, 1); got {dropout_rate=}")
   if dropout_rate > 0.0 and dropout_rng is None:
     raise ValueError(f"`dropout_rng` (a jax PRNG key) is required when {dropout_rate=} > 0")
+  if dropout_rng is not None:
+    check_prng_key(dropout_rng)
   if dropout_rate == 0.0:
     dropout_rng = None
   return AttentionArgs(
@@ -506,6 +543,32 @@ def full_mask(args: AttentionArgs):
   return m
 
 
+def rows_without_keys(args: AttentionArgs):
+  """Bool ``[B, 1 | N, T]``: True where a query row has no key left (the kernels' output 0 / LSE
+  ``-inf`` rows), from the masks alone (a ``-inf`` bias is not looked at). None if no row can be.
+
+  Closed form (``O(B * T)``) for causal / window / lengths; the boolean mask and segment ids are
+  reduced over the keys.
+  """
+  T, S = args.q_len, args.kv_len
+  if not (args.has_index_masks or args.mask is not None) and S > 0:
+    return None
+  if args.mask is not None or args.q_segment_ids is not None:
+    m = full_mask(args)
+    return ~jnp.any(jnp.broadcast_to(m, m.shape[:2] + (T, S)), axis=-1)
+  i = jnp.arange(T, dtype=jnp.int32)
+  lo, hi = key_range(i, i + 1, S, causal=args.causal, diag_offset=args.diag_offset,
+                     window=args.window)
+  hi = jnp.broadcast_to(hi, (T,))[None]
+  lo = jnp.broadcast_to(lo, (T,))[None]
+  if args.kv_seq_lengths is not None:
+    hi = jnp.minimum(hi, args.kv_seq_lengths[:, None])
+  empty = lo >= hi
+  if args.q_seq_lengths is not None:
+    empty = empty | (i[None] >= args.q_seq_lengths[:, None])
+  return jnp.broadcast_to(empty, (args.batch, T))[:, None]
+
+
 def reference(args: AttentionArgs, *, low_precision: bool = False):
   """The math implementation: plain jnp, float32 accumulation (unless ``low_precision``).
 
@@ -530,6 +593,8 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
+  if S == 0:  # no key: an empty sum (torch's and jax.nn's 0), LSE -inf
+    return (jnp.zeros((B, T, N, v.shape[-1]), q.dtype), jnp.full((B, N, T), -jnp.inf, jnp.float32))
   low = low_precision and q.dtype in (jnp.bfloat16, jnp.float16)
   cdt = q.dtype if low else jnp.promote_types(q.dtype, jnp.float32)
   prec = jax.lax.Precision.HIGHEST
@@ -542,10 +607,14 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
     logits = logits + args.bias.astype(cdt)
   m = full_mask(args)
   if m is not None:
-    logits = jnp.where(m, logits, -jnp.inf)
+    # A finite stand-in, not -inf, for masked logits (zeroed after the exp): no intermediate
+    # holds an inf unless a row has no key at all, so jax.debug_infs stays quiet.
+    logits = jnp.where(m, logits, jnp.finfo(cdt).min)
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
   p = jnp.exp(logits - row_max)
+  if m is not None:
+    p = jnp.where(m, p, 0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   lse = (jnp.log(denom.astype(jnp.float32)) + row_max.astype(jnp.float32))[..., 0]
   p = p / jnp.where(denom == 0, 1, denom)
@@ -563,6 +632,59 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
                    preferred_element_type=cdt)
   out = out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
   return out, lse
+
+
+def reference_vjp(args: AttentionArgs, g_out, g_lse=None):
+  """``(dq, dk, dv, dbias)`` of :func:`reference` at ``args`` for cotangents ``(g_out, g_lse)``.
+
+  Plain jnp, so it is differentiable again: the fast backends' backward passes use it as their own
+  derivative, which makes second-order reverse mode (grad of grad, Hessian-vector products by
+  reverse over reverse) work on them. It materialises the ``[B, N, T, S]`` weights, like MATH.
+  """
+  def f(q, k, v, bias):
+    out, lse = reference(args.replace(q=q, k=k, v=v, bias=bias))
+    return out, lse
+
+  (out, lse), vjp = jax.vjp(f, args.q, args.k, args.v, args.bias)
+  g_lse = jnp.zeros_like(lse) if g_lse is None else g_lse.astype(lse.dtype)
+  return vjp((g_out.astype(out.dtype), g_lse))
+
+
+def differentiable_backward(fast_backward, args_of):
+  """Wraps a backward pass so that it has a derivative (second-order reverse mode).
+
+  ``fast_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse) -> (dq, dk, dv, dbias)`` is a
+  kernel's backward (FFI calls, loops with dynamic bounds: not differentiable itself);
+  ``args_of(st, q, k, v, bias, aux) -> AttentionArgs`` rebuilds the call. The wrapper runs the fast
+  backward and differentiates as :func:`reference_vjp` (the same function, in plain jnp): the
+  derivative w.r.t. ``out`` and ``lse`` is zero because the reference recomputes them from q, k, v.
+  """
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def op(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
+    return fast_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse)
+
+  def op_fwd(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
+    return op(st, q, k, v, bias, aux, out, lse, g_out, g_lse), (q, k, v, bias, aux, out, lse,
+                                                                 g_out, g_lse)
+
+  def op_bwd(st, res, ct):
+    q, k, v, bias, aux, out, lse, g_out, g_lse = res
+    args = args_of(st, q, k, v, bias, aux)
+
+    def grads(q, k, v, bias, g_out, g_lse):
+      dq, dk, dv, db = reference_vjp(args.replace(q=q, k=k, v=v, bias=bias), g_out, g_lse)
+      return dq, dk, dv, (db if bias is not None else None)
+
+    _, vjp = jax.vjp(grads, q, k, v, bias, g_out, g_lse)
+    ct = tuple(ct)
+    if bias is None:
+      ct = ct[:3] + (None,)
+    cq, ck, cv, cb, cgo, cgl = vjp(ct)
+    zero = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+    return (cq, ck, cv, cb, jax.tree.map(lambda x: None, aux), zero(out), zero(lse), cgo, cgl)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
 
 
 def unsupported(args: AttentionArgs, platform: str) -> list:

@@ -176,6 +176,8 @@ def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
     reasons.append("the C++ flash kernel has no logits soft cap")
   if args.dropout_rate > 0:
     reasons.append("the C++ flash kernel has no dropout")
+  if args.head_dim == 0 or args.v_head_dim == 0:
+    reasons.append("the C++ flash kernel needs head dims >= 1 (the XLA code handles 0)")
   if not jnp.issubdtype(args.q.dtype, jnp.floating):
     reasons.append(f"the C++ flash kernel needs float inputs; got {args.q.dtype}")
   return reasons
@@ -193,7 +195,7 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
   if reasons:
     raise NotImplementedError("; ".join(reasons))
   cfg = (config or Config()).fit(args)
-  if args.q_len == 0 or args.kv_len == 0:
+  if 0 in (args.batch, args.q_len, args.kv_len, args.num_heads):
     B, T, N, _ = args.q.shape
     return (jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
             jnp.full((B, N, T), -jnp.inf, jnp.float32))
@@ -271,11 +273,19 @@ def _varying(outs, like):
   return tuple(jax.lax.pcast(o, tuple(sorted(axes)), to="varying") for o in outs)
 
 
+#: A name scope around the kernel's custom calls. jax.export's refusal of a custom call names the
+#: call's location, name stack included: this scope puts the way out into that message.
+EXPORT_HINT = ("jbackends C++ flash kernel: for a portable jax.export trace under "
+               "jb.with_backends(flash_cpu_kernel=xla), or opt in with disabled_checks="
+               "[DisabledSafetyCheck.custom_call(target)] for both jb_flash_attention targets")
+
+
 def _forward(st, q, k, v, aux):
   B, T, N, _ = q.shape
-  out, lse = jax.ffi.ffi_call(_FWD, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))),
-                              vmap_method="sequential")(
-      _f32(q), _f32(k), _f32(v), *aux, **st.attrs(False))
+  with jax.named_scope(EXPORT_HINT):
+    out, lse = jax.ffi.ffi_call(_FWD, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))),
+                                vmap_method="sequential")(
+        _f32(q), _f32(k), _f32(v), *aux, **st.attrs(False))
   out, lse = _varying((out, lse), (q, k, v, *aux))
   return out.astype(q.dtype), lse
 
@@ -283,11 +293,20 @@ def _forward(st, q, k, v, aux):
 def _flash_bwd(st, res, g):
   q, k, v, aux, out, lse = res
   g_out, g_lse = g
+  if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) or g_lse is None:
+    g_lse = None
+  dq, dk, dv, _ = _kernel_backward(st, q, k, v, None, aux, out, lse, g_out, g_lse)
+  return dq, dk, dv, None
+
+
+def _kernel_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
+  del bias
   delta = jnp.einsum("btnv,btnv->bnt", _f32(g_out), _f32(out), precision=jax.lax.Precision.HIGHEST)
-  if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero) and g_lse is not None:
+  if g_lse is not None:
     delta = delta - _f32(g_lse)
   structs = tuple(_struct(x.shape) for x in (q, k, v))
-  dq, dk, dv = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
-      _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True))
+  with jax.named_scope(EXPORT_HINT):
+    dq, dk, dv = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
+        _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True))
   dq, dk, dv = _varying((dq, dk, dv), (q, k, v, g_out, lse, delta, *aux))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None

@@ -17,6 +17,8 @@ Constraints (jax 0.10, cuDNN 9):
   by jax PR 39576); this bridge therefore always passes such windows *with* ``is_causal=True``, which
   is the same mask and the path cuDNN gets right. Right windows are refused.
 * The returned LSE is cuDNN's softmax statistic; it carries no gradient (``stop_gradient``).
+* Rows without a key (beyond ``q_seq_lengths``, ``kv_seq_lengths == 0``) are set to output 0 and
+  LSE ``-inf`` after the call, the contract of every backend, whatever cuDNN leaves there.
 
 Example:
   >>> import jax.numpy as jnp
@@ -117,4 +119,10 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
       query_seq_lengths=args.q_seq_lengths, key_value_seq_lengths=args.kv_seq_lengths,
       local_window_size=window, implementation="cudnn", return_residual=True)
   lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
+  # The backend contract (output 0, LSE -inf, no gradient for rows without a key: the jbackends
+  # API builds jax.nn's / torch's answer on it), whatever cuDNN leaves in padded rows.
+  empty = base.rows_without_keys(args)
+  if empty is not None:
+    out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
+    lse = jnp.where(empty, -jnp.inf, lse)
   return out, lse

@@ -617,9 +617,10 @@ def common_unsupported(args: base.AttentionArgs, platform: str) -> list:
     reasons.append(f"value head_dim={args.v_head_dim} > {_MAX_HEAD_DIM}")
   if args.batch > 65535 or args.num_heads > 65535:
     reasons.append(f"batch={args.batch} / heads={args.num_heads} exceed the CUDA grid limit 65535")
-  if 0 in (args.batch, args.num_heads, args.q_len, args.kv_len):
+  if 0 in (args.batch, args.num_heads, args.q_len, args.kv_len, args.head_dim, args.v_head_dim):
     reasons.append(f"an empty dimension (batch={args.batch}, heads={args.num_heads}, "
-                   f"q_len={args.q_len}, kv_len={args.kv_len}): the XLA path handles it")
+                   f"q_len={args.q_len}, kv_len={args.kv_len}, head_dim={args.head_dim}, "
+                   f"v_head_dim={args.v_head_dim}): the XLA path handles it")
   return reasons
 
 

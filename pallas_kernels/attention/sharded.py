@@ -99,14 +99,9 @@ def attention_vjp(args: base.AttentionArgs, forward: Callable, backward: Callabl
 
   def bwd_math(*xs, skip=()):
     """The backward in the math formulation (differentiable): second order differentiates this."""
-    *ins, out, lse, d_out, d_lse = xs
-    a = rebuild(ins)
-    del out, lse  # recomputed below, as functions of q, k, v (and bias)
-
-    def ref(q, k, v, *b):
-      return base.reference(a.replace(q=q, k=k, v=v, bias=b[0] if b else a.bias))
-    _, vjp = jax.vjp(ref, a.q, a.k, a.v, *([a.bias] if has_bias else []))
-    return vjp((d_out.astype(a.q.dtype), d_lse.astype(jnp.float32)))
+    *ins, _, _, d_out, d_lse = xs  # out and lse are recomputed, as functions of q, k, v (and bias)
+    dq, dk, dv, dbias = base.reference_vjp(rebuild(ins), d_out, d_lse)
+    return (dq, dk, dv, dbias) if has_bias else (dq, dk, dv)
 
   ring = None
   if ring_supported(args):
@@ -126,20 +121,28 @@ def _unsplit_vjp(args, forward, backward, skips_dbias):
   def rebuild(q, k, v, bias, rest):
     return args.replace(q=q, k=k, v=v, bias=bias, **dict(zip(rest_fields, rest)))
 
+  def fast_backward(_, q, k, v, bias, rest, out, lse, g_out, g_lse):
+    kw = dict(need_dbias=bias is not None) if skips_dbias else {}
+    dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, rest), out, lse, g_out, g_lse, **kw)
+    if bias is not None and dbias is None:
+      dbias = jnp.zeros(bias.shape, bias.dtype)
+    return dq, dk, dv, dbias
+
+  # The backward with the math formulation as its derivative (second order).
+  backward_op = base.differentiable_backward(
+      fast_backward, lambda _, q, k, v, bias, rest: rebuild(q, k, v, bias, rest))
+
   @jax.custom_vjp
   def f(q, k, v, bias, rest):
     return tuple(forward(rebuild(q, k, v, bias, rest)))
 
   def f_fwd(q, k, v, bias, rest):
-    outs = f(q, k, v, bias, rest)
+    outs = f(q, k, v, bias, rest)  # through f, so that this rule is differentiable again
     return outs, (q, k, v, bias, rest, outs)
 
   def f_bwd(res, cts):
     q, k, v, bias, rest, (out, lse) = res
-    kw = dict(need_dbias=bias is not None) if skips_dbias else {}
-    dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, rest), out, lse, *cts, **kw)
-    if bias is not None and dbias is None:
-      dbias = jnp.zeros(bias.shape, bias.dtype)
+    dq, dk, dv, dbias = backward_op(None, q, k, v, bias, rest, out, lse, *cts)
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, rest)
 
   f.defvjp(f_fwd, f_bwd)

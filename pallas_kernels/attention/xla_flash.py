@@ -121,8 +121,10 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
   if args.bias is not None:
     reasons.append("FLASH takes no additive bias / float attn_mask (EFFICIENT_ATTENTION or MATH do)")
   if args.mask is not None:
-    reasons.append("FLASH takes no arbitrary boolean attn_mask (use is_causal / window / lengths / "
-                   "segment ids, or EFFICIENT_ATTENTION / MATH)")
+    reasons.append("FLASH takes no arbitrary boolean attn_mask yet, also on CPU (torch's CPU flash "
+                   "does): enable EFFICIENT_ATTENTION or MATH too (e.g. sdpa_kernel([FLASH_ATTENTION,"
+                   " EFFICIENT_ATTENTION])), or express the mask as is_causal / a CausalBias / "
+                   "window / lengths / segment ids")
   return reasons
 
 
@@ -207,7 +209,7 @@ def blockwise_attention(args: base.AttentionArgs, config: Config):
   """Runs the blockwise engine on ``args`` (bias / mask allowed) with ``config``'s tiles."""
   q = args.q
   B, T, N, _ = q.shape
-  if T == 0 or args.k.shape[1] == 0:
+  if 0 in (B, T, args.k.shape[1], N):
     return jnp.zeros((B, T, N, args.v.shape[3]), q.dtype), jnp.full((B, N, T), -jnp.inf, jnp.float32)
 
   def forward(a):
@@ -652,4 +654,3 @@ def _backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     Bb, Nb, Tb, Sb = bias.shape
     dbias = db_all[:, :, :, :Tb, :Sb].reshape(Bb, Nb, Tb, Sb).astype(bias.dtype)
   return dq, dk, dv, dbias
-
