@@ -685,6 +685,9 @@ class Explanation:
     implementation: the implementation module that would run (e.g. ``"...xla_flash"``).
     kernel: for FLASH off CUDA, which code that module runs and why: ``"C++ kernel (jax.ffi, ...)"``
       or ``"blockwise XLA (C++ kernel not used: <reasons>)"``; None otherwise.
+    sharding: for inputs that carry a ``NamedSharding`` (arrays or ``ShapeDtypeStruct``s): what
+      stays split and how (``docs/sharding.md``), e.g. ``"sequence split over sp: a ring of 8
+      steps"``; None for unsharded inputs.
   """
   platform: str
   chosen: Optional[SDPBackend]
@@ -692,12 +695,15 @@ class Explanation:
   reasons: Mapping[SDPBackend, str]
   implementation: Optional[str]
   kernel: Optional[str] = None
+  sharding: Optional[str] = None
 
   def __str__(self) -> str:
     head = (f"SDPA on {self.platform}: {self.chosen.name} ({self.implementation})"
             if self.chosen is not None else f"SDPA on {self.platform}: no enabled backend can run")
     if self.kernel:
       head += f"\n  runs: {self.kernel}"
+    if self.sharding:
+      head += f"\n  sharding: {self.sharding}"
     return "\n".join([head] + [f"  {b.name}: {self.reasons[b]}" for b in self.order
                                if b in self.reasons])
 
@@ -792,7 +798,26 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
   return Explanation(platform=plat, chosen=None if d.chosen is None else SDPBackend(d.chosen),
                      order=tuple(SDPBackend(b) for b in d.order),
                      reasons={SDPBackend(b): r for b, r in d.reasons.items()}, implementation=impl,
-                     kernel=kernel)
+                     kernel=kernel, sharding=_sharding_plan(query, key, api, result["args"], d.chosen))
+
+
+def _sharding_plan(query, key, api, args, chosen) -> Optional[str]:
+  """The ``sharding`` line of :func:`explain` (None when the inputs carry no NamedSharding)."""
+  specs = []
+  for x in (query, key):
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding) or getattr(x, "ndim", len(x.shape)) != 4:
+      return None
+    spec = tuple(s.spec) + (None,) * (4 - len(tuple(s.spec)))
+    specs.append(spec if api == "dot_product_attention" else (spec[0], spec[2], spec[1], spec[3]))
+  if not any(e is not None for spec in specs for e in spec):
+    return None
+  if chosen is None:
+    return None
+  if SDPBackend(chosen) in (SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION):
+    return "partitioned by XLA / JAX's own rules (plain XLA ops or JAX's cuDNN call)"
+  from pallas_kernels.attention import sharded  # noqa: PLC0415
+  return sharded.plan(args, specs[0], specs[1], dict(query.sharding.mesh.shape))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -271,3 +271,21 @@ def test_causal_ring_with_an_odd_chunk_gathers_instead():
   out, _ = f(x, x, x)
   ref, _ = f(q, q, q)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_explain_says_how_a_sharded_call_runs():
+  mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  q = jax.ShapeDtypeStruct((2, 4096, 8, 64), jnp.float32, sharding=NamedSharding(mesh, P("dp", "sp")))
+  e = jb.explain(q, q, q, is_causal=True)
+  assert e.sharding == ("batch split over dp (no collective); sequence split over sp: a ring of 4 "
+                        "steps (causal: load-balanced zigzag)")
+  assert "sharding: batch split over dp" in str(e)
+  e = jb.explain(q, q, q, is_causal=True, local_window_size=(64, 0))
+  assert "sequence split over sp: gathered along the sequence" in e.sharding
+  qt = jax.ShapeDtypeStruct((2, 8, 4096, 64), jnp.float32,
+                            sharding=NamedSharding(mesh, P("dp", None, "sp")))  # torch layout
+  assert jb.explain(qt, qt, qt, api="sdpa").sharding.endswith("a ring of 4 steps")
+  with jb.sdpa_kernel([jb.SDPBackend.MATH]):
+    assert "XLA" in jb.explain(q, q, q).sharding
+  x = jnp.zeros((1, 8, 2, 4))
+  assert jb.explain(x, x, x).sharding is None

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels import partition
 from pallas_kernels.attention import base
 
-__all__ = ["attention_vjp", "ring_supported"]
+__all__ = ["attention_vjp", "ring_supported", "plan"]
 
 _HEADS = ("k", "g")  # query head n = kv_head * G + g
 _OPTIONAL = {  # AttentionArgs field -> the factors of a full (unbroadcast) operand
@@ -317,3 +317,50 @@ def _bwd_ring(args, backward):
       return tuple(x.astype(t) for x, t in zip((dq, dk, dv), dtypes))
     return run
   return make
+
+
+def plan(args: base.AttentionArgs, q_spec, k_spec, mesh_shape) -> str:
+  """How a call whose q / k arrive with PartitionSpecs ``q_spec`` / ``k_spec`` (BTNH order) over a
+  mesh of ``mesh_shape`` (axis name -> size) runs: what stays split, and whether a ring runs.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from pallas_kernels.attention import base, sharded
+    >>> q = jnp.zeros((2, 64, 4, 16))
+    >>> sharded.plan(base.make_args(q, q, q, is_causal=True), P("b", "s"), P("b", "s"),
+    ...              {"b": 2, "s": 4})
+    'batch split over b (no collective); sequence split over s: a ring of 4 steps (causal: load-balanced zigzag)'
+  """
+  def axes(spec, dim):
+    entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+  def size(ax):
+    out = 1
+    for a in ax:
+      out *= mesh_shape[a]
+    return out
+
+  parts = []
+  b = axes(q_spec, 0)
+  if b:
+    parts.append(f"batch split over {'+'.join(b)} (no collective)" if args.batch % size(b) == 0
+                 else f"batch split over {'+'.join(b)} does not divide {args.batch}: gathered")
+  h = axes(k_spec, 2) or axes(q_spec, 2)
+  if h:
+    parts.append(f"kv heads split over {'+'.join(h)} (no collective)"
+                 if args.num_kv_heads % size(h) == 0 else
+                 f"heads split over {'+'.join(h)} do not keep whole kv-head groups "
+                 f"({args.num_kv_heads} kv heads): gathered")
+  t = axes(q_spec, 1)
+  if t:
+    n = size(t)
+    if not ring_supported(args) or args.q_len % n or not _fits(args, n):
+      parts.append(f"sequence split over {'+'.join(t)}: gathered along the sequence (the ring needs "
+                   "T == S, no bias / mask / lengths / segment ids / window / dropout / off-diagonal "
+                   "causal offset, and equal, for causal even, chunks)")
+    else:
+      parts.append(f"sequence split over {'+'.join(t)}: a ring of {n} steps"
+                   + (" (causal: load-balanced zigzag)" if args.causal else ""))
+  return "; ".join(parts) if parts else "not split"
