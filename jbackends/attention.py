@@ -590,7 +590,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Opt
 
   Differentiation: reverse mode (``grad`` / ``vjp``) on every backend, and second order (grad of
   grad, Hessian-vector products by reverse over reverse) on every backend but cuDNN (jax's cuDNN
-  backward is a custom call with no derivative: pick another backend for second order). The flash and memory-efficient
+  backward is a custom call with no derivative: a second derivative there raises
+  ``NotImplementedError`` naming the way out). The flash and memory-efficient
   backends (C++, blockwise XLA, Pallas) are ``custom_vjp`` functions whose backward recomputes per
   block; their backward is itself differentiable, with the math formulation as its derivative, so
   the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode

@@ -114,10 +114,14 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
     # Work around jax PR 39576: (left, 0) without is_causal leaks the future in cuDNN.
     window = (left, 0)
     causal = True
-  out, lse = jax.nn.dot_product_attention(
-      args.q, args.k, args.v, bias=args.bias, scale=args.scale, is_causal=causal,
-      query_seq_lengths=args.q_seq_lengths, key_value_seq_lengths=args.kv_seq_lengths,
-      local_window_size=window, implementation="cudnn", return_residual=True)
+  def call(q, k, v, bias, q_len, kv_len):
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=bias, scale=args.scale, is_causal=causal, query_seq_lengths=q_len,
+        key_value_seq_lengths=kv_len, local_window_size=window, implementation="cudnn",
+        return_residual=True)
+
+  out, lse = _first_order_only(call, args.q, args.k, args.v, args.bias, args.q_seq_lengths,
+                               args.kv_seq_lengths)
   lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
   # The backend contract (output 0, LSE -inf, no gradient for rows without a key: the jbackends
   # API builds jax.nn's / torch's answer on it), whatever cuDNN leaves in padded rows.
@@ -126,3 +130,44 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
     out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
     lse = jnp.where(empty, -jnp.inf, lse)
   return out, lse
+
+
+#: The error a second derivative through the cuDNN bridge raises (JAX's cuDNN backward has none).
+SECOND_ORDER_ERROR = (
+    "CUDNN_ATTENTION has no second derivative (JAX's cuDNN attention backward is not "
+    "differentiable): for grad of grad / Hessian-vector products run this call on another backend, "
+    "e.g. jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]) or "
+    "jb.with_backends(cudnn=False)")
+
+
+def _first_order_only(f, *xs):
+  """``f(*xs)`` with ``f``'s own gradient, whose derivative in turn raises :data:`SECOND_ORDER_ERROR`
+  (instead of JAX's internal "Differentiation rule ... not implemented")."""
+  @jax.custom_vjp
+  def g(*xs):
+    return f(*xs)
+
+  def g_fwd(*xs):
+    return jax.vjp(f, *xs)  # (outputs, the vjp function: a pytree of cuDNN's residuals)
+
+  def g_bwd(vjp, ct):
+    return _no_derivative(vjp, ct)
+
+  g.defvjp(g_fwd, g_bwd)
+  return g(*xs)
+
+
+@jax.custom_vjp
+def _no_derivative(vjp, ct):
+  return vjp(ct)
+
+
+def _no_derivative_fwd(vjp, ct):
+  return vjp(ct), None
+
+
+def _no_derivative_bwd(_, __):
+  raise NotImplementedError(SECOND_ORDER_ERROR)
+
+
+_no_derivative.defvjp(_no_derivative_fwd, _no_derivative_bwd)

@@ -496,3 +496,20 @@ def test_grad_of_grad_matches_math_on_every_backend(name, call):
     scale = float(jnp.abs(b).max())
     assert scale > 0
     np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5)
+
+
+def test_cudnn_second_order_raises_a_clear_error():
+  """The cuDNN bridge (faked on CPU): first order as jax.nn's, second order a jbackends error."""
+  q, k, v = (rand((2, 16, 2, 8), i).astype(jnp.bfloat16) for i in (1, 2, 3))
+
+  def loss(q):
+    out = jb.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32)
+    return (out ** 2).sum()
+
+  with backend("cudnn"):
+    g = jax.grad(loss)(q)
+    with pytest.raises(NotImplementedError, match="CUDNN_ATTENTION has no second derivative"):
+      jax.grad(lambda q: jax.grad(loss)(q).sum())(q)
+  want = jax.grad(lambda q: (jaxnn(q, k, v, is_causal=True).astype(jnp.float32) ** 2).sum())(q)
+  np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(want, np.float32), rtol=2e-2,
+                             atol=2e-2)
