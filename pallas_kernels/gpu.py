@@ -21,14 +21,10 @@ from typing import Iterator, Optional
 
 import jax
 
-__all__ = ["GPU_PLATFORMS", "MOSAIC_GPU_MIN_CC", "cuda_target", "compute_capability",
-           "compute_capability_of_kind", "has_triton_backend", "has_mosaic_gpu_backend"]
+__all__ = ["GPU_PLATFORMS", "cuda_target", "compute_capability", "compute_capability_of_kind"]
 
 #: Lowering-platform names that mean an NVIDIA GPU (``"gpu"`` is JAX's device platform name).
 GPU_PLATFORMS = ("cuda", "gpu")
-
-#: Mosaic GPU (Pallas' primary GPU backend since jax 0.11) targets Hopper (sm90) and newer.
-MOSAIC_GPU_MIN_CC = 90
 
 # The device kinds JAX's Pallas GPU lowering knows, by family; the first match wins ("A100" before
 # "A10" is kept by the word boundary in the pattern).
@@ -107,21 +103,3 @@ def cuda_target(device_kind: str = "NVIDIA H100 80GB HBM3") -> Iterator[None]:
     mesh = sharding.AbstractMesh((), (), abstract_device=dev)
   with sharding.use_abstract_mesh(mesh):
     yield
-
-
-def has_triton_backend() -> bool:
-  """Whether the installed JAX still ships the Pallas Triton backend (deprecated in jax 0.11)."""
-  try:
-    from jax.experimental.pallas import triton  # noqa: F401, PLC0415
-  except ImportError:
-    return False
-  return True
-
-
-def has_mosaic_gpu_backend() -> bool:
-  """Whether the installed JAX ships the Pallas Mosaic GPU backend."""
-  try:
-    from jax.experimental.pallas import mosaic_gpu  # noqa: F401, PLC0415
-  except ImportError:
-    return False
-  return True

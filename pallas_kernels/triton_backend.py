@@ -6,8 +6,8 @@ kernels, which is us, not to the users of jbackends: our kernels pass :class:`Co
 lowering runs JAX's own Triton lowering with that one warning silenced. Everything else (other
 warnings, JAX's accelerated deprecations, which raise) passes through unchanged.
 
-Dispatch keeps Triton as the Pallas path for GPUs that Mosaic GPU does not target (below sm90), and
-:func:`unsupported_reason` tells it when the installed JAX has no Triton backend at all.
+(Every Triton kernel here imports ``jax.experimental.pallas.triton``; a JAX without that backend
+will need the dispatch to route around them: not the case for any JAX released so far.)
 
 Example:
   >>> from pallas_kernels import triton_backend
@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
 
-from pallas_kernels import gpu
-
-__all__ = ["CompilerParams", "AVAILABLE", "unsupported_reason"]
-
-#: Whether the installed JAX ships the Pallas Triton backend.
-AVAILABLE = gpu.has_triton_backend()
+__all__ = ["CompilerParams"]
 
 _DEPRECATION = r"The Pallas Triton backend is deprecated"
+
 
 def _quiet_params_class():
   """A CompilerParams subclass whose GPU lowering is JAX's Triton rule with the deprecation silenced.
@@ -57,20 +52,4 @@ def _quiet_params_class():
   return CompilerParams
 
 
-if AVAILABLE:
-  CompilerParams = _quiet_params_class()
-else:
-  @dataclasses.dataclass(frozen=True)
-  class CompilerParams:  # type: ignore[no-redef]
-    """Placeholder: the installed JAX has no Pallas Triton backend (see :func:`unsupported_reason`)."""
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-
-
-def unsupported_reason() -> Optional[str]:
-  """Why no Triton kernel can run with the installed JAX (None when one can)."""
-  if AVAILABLE:
-    return None
-  import jax  # noqa: PLC0415
-  return (f"the installed JAX ({jax.__version__}) has no Pallas Triton backend "
-          "(jax.experimental.pallas.triton)")
+CompilerParams = _quiet_params_class()

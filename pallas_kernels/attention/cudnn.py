@@ -34,11 +34,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gpu
 from pallas_kernels.attention import base
 
 __all__ = ["attention", "unsupported", "GPU_PLATFORMS"]
 
-GPU_PLATFORMS = ("cuda", "gpu")
+GPU_PLATFORMS = gpu.GPU_PLATFORMS
 
 
 def _local_compute_capability() -> Optional[float]:

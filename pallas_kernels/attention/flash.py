@@ -63,7 +63,7 @@ Array = Any
 __all__ = ["Config", "heuristics", "unsupported", "attention", "forward", "GPU_PLATFORMS"]
 
 #: Lowering platforms the Triton kernels run on.
-GPU_PLATFORMS = ("cuda", "gpu")
+GPU_PLATFORMS = gpu.GPU_PLATFORMS
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _MAX_HEAD_DIM = 256
