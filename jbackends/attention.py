@@ -59,6 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jbackends._src import attention_dispatch as _dispatch
+from jbackends._src import sdp_backends as _sdp
+from jbackends._src.sdp_backends import SDPBackend
 from jbackends._src.attention_dispatch import NoAvailableBackendError
 from jbackends._src.flags import current_flags, trace_flags, with_backends
 from pallas_kernels.attention import base as _base
@@ -86,18 +88,7 @@ __all__ = [
 _logger = logging.getLogger("jbackends")
 
 
-class SDPBackend(enum.IntEnum):
-  """The SDPA backends, with torch's names and values (``torch.nn.attention.SDPBackend``)."""
-  ERROR = -1
-  MATH = 0
-  FLASH_ATTENTION = 1
-  EFFICIENT_ATTENTION = 2
-  CUDNN_ATTENTION = 3
-  OVERRIDEABLE = 4
-
-
-_RUNNABLE = (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.CUDNN_ATTENTION)
+_RUNNABLE = _sdp.RUNNABLE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,22 +96,11 @@ _RUNNABLE = (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_A
 # ----------------------------------------------------------------------------------------------
 
 def _as_backend(b: Any) -> SDPBackend:
-  if isinstance(b, SDPBackend):
-    return b
-  if isinstance(b, str):
-    key = b.upper()
-    aliases = {"FLASH": "FLASH_ATTENTION", "EFFICIENT": "EFFICIENT_ATTENTION",
-               "MEM_EFFICIENT": "EFFICIENT_ATTENTION", "CUDNN": "CUDNN_ATTENTION"}
-    key = aliases.get(key, key)
-    if key in SDPBackend.__members__:
-      return SDPBackend[key]
-  elif isinstance(b, (int, np.integer)) and not isinstance(b, bool):
-    try:
-      return SDPBackend(int(b))
-    except ValueError:
-      pass
-  raise ValueError(f"`backends` must hold SDPBackend members {[m.name for m in _RUNNABLE]}; "
-                   f"got {b!r}")
+  code = _sdp.lookup(b)
+  if code is None:
+    raise ValueError(f"`backends` must hold SDPBackend members {[m.name for m in _RUNNABLE]}; "
+                     f"got {b!r}")
+  return code
 
 
 def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority: bool = False):

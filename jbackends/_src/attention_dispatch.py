@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import jax
 
+from jbackends._src.sdp_backends import DEFAULT_ORDER, FLAG, RUNNABLE, SDPBackend
 from pallas_kernels.attention import base
 
 __all__ = [
@@ -38,10 +39,10 @@ __all__ = [
     "run",
 ]
 
-MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
-NAMES = {MATH: "MATH", FLASH: "FLASH_ATTENTION", EFFICIENT: "EFFICIENT_ATTENTION",
-         CUDNN: "CUDNN_ATTENTION"}
-FLAG_OF = {MATH: "math", FLASH: "flash", EFFICIENT: "mem_efficient", CUDNN: "cudnn"}
+MATH, FLASH, EFFICIENT, CUDNN = (int(b) for b in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION,
+                                                  SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION))
+NAMES = {int(b): b.name for b in RUNNABLE}
+FLAG_OF = {int(b): flag for b, flag in FLAG.items()}
 
 #: backend -> {lowering platform or "default": implementation module path}.
 #: FLASH / EFFICIENT run the Pallas Triton kernels on CUDA and the blockwise XLA implementations
@@ -126,7 +127,7 @@ def decide(args: base.AttentionArgs, flags: Any, platform: str, *,
   ``only`` forces one backend (an explicit ``implementation=``), ignoring the enable flags.
   """
   order = tuple(b for b in flags.sdpa_priority if b in NAMES)
-  order = order + tuple(b for b in (FLASH, EFFICIENT, CUDNN, MATH) if b not in order)
+  order = order + tuple(int(b) for b in DEFAULT_ORDER if int(b) not in order)
   reasons: dict[int, str] = {}
   chosen = None
   for b in order:

@@ -44,6 +44,8 @@ from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 import opt_einsum as _opt_einsum
 
+from jbackends._src import sdp_backends as _sdp
+
 __all__ = [
     "BackendFlags",
     "Flag",
@@ -129,11 +131,9 @@ def _choice(*allowed: str, aliases: Mapping[str, str] | None = None,
     return parse
 
 
-# SDPBackend values (torch.nn.attention.SDPBackend): MATH=0, FLASH_ATTENTION=1,
-# EFFICIENT_ATTENTION=2, CUDNN_ATTENTION=3. Kept as ints here so the flags core does not import the
-# attention module; `jb.attention.SDPBackend` is the public enum with the same values.
-_SDP_NAMES = {0: "MATH", 1: "FLASH_ATTENTION", 2: "EFFICIENT_ATTENTION", 3: "CUDNN_ATTENTION"}
-_SDP_DEFAULT_ORDER = (1, 2, 3, 0)
+# SDPA backends are declared in `sdp_backends` (a leaf module); flag values hold their ints.
+_SDP_NAMES = {int(b): b.name for b in _sdp.RUNNABLE}
+_SDP_DEFAULT_ORDER = tuple(int(b) for b in _sdp.DEFAULT_ORDER)
 
 
 def _parse_sdpa_priority(name: str, value: Any) -> tuple[int, ...]:
@@ -143,15 +143,12 @@ def _parse_sdpa_priority(name: str, value: Any) -> tuple[int, ...]:
     order: list[int] = []
     for item in value:
         if isinstance(item, str):
-            key = item.upper()
-            by_name = {v: k for k, v in _SDP_NAMES.items()}
-            by_name.update({"FLASH": 1, "EFFICIENT": 2, "MEM_EFFICIENT": 2, "CUDNN": 3})
-            if key not in by_name:
+            code = _sdp.lookup(item)
+            if code is None:
                 raise ValueError(
                     f"flag {name!r}: unknown SDPA backend {item!r}; expected SDPBackend members "
                     f"{list(_SDP_NAMES.values())}"
                 )
-            code = by_name[key]
         elif isinstance(item, int) and not isinstance(item, bool) or hasattr(item, "value"):
             code = int(getattr(item, "value", item))
         else:
@@ -161,6 +158,7 @@ def _parse_sdpa_priority(name: str, value: Any) -> tuple[int, ...]:
                 f"flag {name!r}: {item!r} cannot be prioritised; expected one of "
                 f"{[f'SDPBackend.{n}' for n in _SDP_NAMES.values()]}"
             )
+        code = int(code)
         if code in order:
             raise ValueError(f"flag {name!r}: backend {_SDP_NAMES[code]} listed twice in {value!r}")
         order.append(code)
@@ -247,14 +245,9 @@ _OPT_EINSUM_STRATEGIES = tuple(_opt_einsum.paths._PATH_OPTIONS)  # auto, greedy,
 
 _DECLARATIONS: tuple[Flag, ...] = (
     # ---- scaled dot product attention (torch.backends.cuda.*_sdp*, torch.nn.attention.sdpa_kernel)
-    _bool("flash", True, "Allow the flash attention SDPA backend (Pallas on GPU, blockwise XLA on CPU).",
-          torch=("torch.backends.cuda.enable_flash_sdp",), mirrors=_sdp_mirrors("flash")),
-    _bool("mem_efficient", True, "Allow the memory-efficient SDPA backend (supports an additive bias).",
-          torch=("torch.backends.cuda.enable_mem_efficient_sdp",), mirrors=_sdp_mirrors("mem_efficient")),
-    _bool("math", True, "Allow the reference (math) SDPA backend, which can serve every call.",
-          torch=("torch.backends.cuda.enable_math_sdp",), mirrors=_sdp_mirrors("math")),
-    _bool("cudnn", True, "Allow the cuDNN SDPA backend (GPU only, via jax.nn's cudnn implementation).",
-          torch=("torch.backends.cuda.enable_cudnn_sdp",), mirrors=_sdp_mirrors("cudnn")),
+    *(_bool(_sdp.FLAG[b], True, _sdp.HELP[b], torch=(f"torch.backends.cuda.enable_{_sdp.FLAG[b]}_sdp",),
+            mirrors=_sdp_mirrors(_sdp.FLAG[b]))
+      for b in _sdp.DECLARATION_ORDER),
     Flag("flash_cpu_kernel", "auto",
          "What runs the FLASH SDPA backend when lowered for CPU: 'auto' (the C++ kernel through jax.ffi "
          "where it can run the call, else blockwise XLA), 'cpp' (the C++ kernel or an error saying why "
