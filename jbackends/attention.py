@@ -60,6 +60,7 @@ import numpy as np
 
 from jbackends._src import attention_dispatch as _dispatch
 from jbackends._src import sdp_backends as _sdp
+from jbackends._src import sdpa_registry as _sdpa_registry
 from jbackends._src.sdp_backends import SDPBackend
 from jbackends._src.attention_dispatch import NoAvailableBackendError
 from jbackends._src.flags import current_flags, trace_flags, with_backends
@@ -663,9 +664,11 @@ class Explanation:
     chosen: the ``SDPBackend`` that would run, or None (the call would raise).
     order: the backends in the priority order that was tried.
     reasons: ``SDPBackend -> reason`` for every backend not chosen.
-    implementation: the implementation module that would run (e.g. ``"...xla_flash"``).
-    kernel: for FLASH off CUDA, which code that module runs and why: ``"C++ kernel (jax.ffi, ...)"``
-      or ``"blockwise XLA (C++ kernel not used: <reasons>)"``; None otherwise.
+    implementation: the name of the implementation that would run (``"cpp_flash"``,
+      ``"triton_flash"``, ``"xla_mem_efficient"``, ...; ``docs/architecture.md`` lists them).
+    kernel: what that implementation is (technology, one line), then why each other implementation
+      of the chosen backend on this platform was not used (e.g. ``"not cpp_flash: ... soft cap"``);
+      None when nothing can run.
     sharding: for inputs that carry a ``NamedSharding`` (arrays or ``ShapeDtypeStruct``s): what
       stays split and how (``docs/sharding.md``), e.g. ``"sequence split over sp: a ring of 8
       steps"``; None for unsharded inputs.
@@ -766,19 +769,18 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
       static[name] = val
   jax.eval_shape(lambda q, k, v, arr: probe(q, k, v, {**static, **arr}), query, key, value, arrays)
   d = result["d"]
-  impl = None if d.chosen is None else _dispatch.implementation_for(d.chosen, plat).__name__
+  impl = d.implementation
   kernel = None
-  if impl == "pallas_kernels.attention.xla_flash":
-    from pallas_kernels.attention import cpu_flash, xla_flash  # noqa: PLC0415 - optional extension
-    kind, why = xla_flash.kernel(result["args"], plat,
-                                 xla_flash.Config(kernel=flags.flash_cpu_kernel))
-    kernel = (f"C++ kernel (jax.ffi, AVX2, up to {cpu_flash.threads()} threads)" if kind == "cpp"
-              else f"blockwise XLA (C++ kernel not used: {'; '.join(why)})")
-    if kind == "xla" and flags.flash_cpu_kernel == "cpp" and plat == "cpu":
-      kernel = f"error: flash_cpu_kernel='cpp' but {'; '.join(why)}"
+  if impl is not None:
+    kernel = f"{impl.name}: {impl.technology}" + (f", {impl.description}" if impl.description else "")
+    if impl.name == "cpp_flash":
+      from pallas_kernels.attention import cpu_flash  # noqa: PLC0415 - optional extension
+      kernel += f" (up to {cpu_flash.threads()} threads)"
+    kernel += "".join(f"\n    not {n}: {r}" for n, r in d.implementation_reasons.items())
   return Explanation(platform=plat, chosen=None if d.chosen is None else SDPBackend(d.chosen),
                      order=tuple(SDPBackend(b) for b in d.order),
-                     reasons={SDPBackend(b): r for b, r in d.reasons.items()}, implementation=impl,
+                     reasons={SDPBackend(b): r for b, r in d.reasons.items()},
+                     implementation=None if impl is None else impl.name,
                      kernel=kernel, sharding=_sharding_plan(query, key, api, result["args"], d.chosen))
 
 
@@ -828,7 +830,8 @@ def _can_use(backend: SDPBackend, params: SDPAParams, debug: bool) -> bool:
   def probe(q, k, v, m):
     args, _ = _torch_to_args(q, k, v, m, params.dropout, params.is_causal, None,
                              params.enable_gqa, dropout_rng)
-    reasons.extend(_dispatch.backend_reasons(args, int(backend), plat))
+    choice = _dispatch.backend_choice(args, int(backend), plat)  # flags not consulted, as in torch
+    reasons.extend(_dispatch.backend_reasons(choice, int(backend)))
     return 0
 
   try:
@@ -868,4 +871,4 @@ def can_use_cudnn_attention(params: SDPAParams, debug: bool = False) -> bool:
 
 def is_flash_attention_available() -> bool:
   """Whether a FLASH_ATTENTION implementation exists for the default platform (always, via XLA)."""
-  return _dispatch.implementation_for(_dispatch.FLASH, _dispatch.default_platform()) is not None
+  return bool(_sdpa_registry.implementations(_dispatch.FLASH, _dispatch.default_platform()))

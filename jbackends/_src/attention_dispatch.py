@@ -1,14 +1,15 @@
-"""SDPA dispatch: which implementation runs a call, in flag priority order, with a reason per backend.
+"""SDPA dispatch: which backend and implementation run a call, in flag priority order, with reasons.
 
-The table :data:`IMPLEMENTATIONS` maps each backend (``SDPBackend`` value) to its implementation
-module per lowering platform; adding a kernel for a platform is one entry. Each module exposes
-``unsupported(args, platform) -> list[str]`` and ``attention(args, *, config=None, **opts)``.
+The implementations live in :mod:`sdpa_registry` (per backend and lowering platform, an ordered list);
+the generic choice is :func:`dispatch.choose`.
 
 Rules (the contract the public API in ``jbackends.attention`` documents):
 
 * The flags in force at trace time (:func:`trace_flags`) give the enabled set and the order
   (``sdpa_priority``). Disabled backends are never used, not even as a fallback.
-* The first enabled backend in priority order whose ``unsupported`` list is empty runs.
+* A backend can run a call on a platform when one of its implementations there can (after the flags'
+  filters, e.g. ``flash_cpu_kernel``); the first enabled backend in priority order that can, runs,
+  with its first implementation that can.
 * When none can, one :class:`NoAvailableBackendError` names every enabled backend and its reasons
   (and which backends the flags disabled).
 * MATH (the reference) can run every call on every platform.
@@ -18,24 +19,22 @@ Rules (the contract the public API in ``jbackends.attention`` documents):
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from types import ModuleType
 from typing import Any, Mapping, Optional, Sequence
 
-import jax
-
+from jbackends._src import dispatch, sdpa_registry
+from jbackends._src.dispatch import Implementation, canonical_platform, default_platform
 from jbackends._src.sdp_backends import DEFAULT_ORDER, FLAG, RUNNABLE, SDPBackend
 from pallas_kernels.attention import base
 
 __all__ = [
-    "IMPLEMENTATIONS",
     "NAMES",
     "NoAvailableBackendError",
     "Decision",
     "canonical_platform",
     "default_platform",
+    "backend_choice",
+    "backend_reasons",
     "decide",
-    "implementation_for",
     "run",
 ]
 
@@ -44,55 +43,35 @@ MATH, FLASH, EFFICIENT, CUDNN = (int(b) for b in (SDPBackend.MATH, SDPBackend.FL
 NAMES = {int(b): b.name for b in RUNNABLE}
 FLAG_OF = {int(b): flag for b, flag in FLAG.items()}
 
-#: backend -> {lowering platform or "default": implementation module path}.
-#: FLASH / EFFICIENT run the Pallas Triton kernels on CUDA and the blockwise XLA implementations
-#: everywhere else; CUDNN exists on CUDA only; MATH everywhere.
-IMPLEMENTATIONS: dict[int, dict[str, str]] = {
-    FLASH: {"cuda": "pallas_kernels.attention.flash",
-            "default": "pallas_kernels.attention.xla_flash"},
-    EFFICIENT: {"cuda": "pallas_kernels.attention.mem_efficient",
-                "default": "pallas_kernels.attention.xla_mem_efficient"},
-    CUDNN: {"cuda": "pallas_kernels.attention.cudnn"},
-    MATH: {"default": "pallas_kernels.attention.base"},
-}
-
 
 class NoAvailableBackendError(RuntimeError):
   """No enabled SDPA backend can run the call; the message has every enabled backend's reasons."""
 
 
-def canonical_platform(p: str) -> str:
-  """Lowering-platform name: ``"gpu"`` becomes ``"cuda"`` or ``"rocm"``, others unchanged."""
-  p = p.lower()
-  if p == "gpu":
-    try:
-      version = jax.devices("gpu")[0].client.platform_version.lower()
-    except Exception:  # noqa: BLE001
-      version = "cuda"
-    return "rocm" if "rocm" in version else "cuda"
-  return p
+def backend_choice(args: base.AttentionArgs, backend: int, platform: str, flags: Any = None,
+                   device_info: Optional[Mapping[str, Any]] = None) -> dispatch.Choice:
+  """Which implementation of ``backend`` would run ``args`` on ``platform`` (flags give the filters)."""
+  excluded = sdpa_registry.cpu_filter(flags, backend, platform) if flags is not None else {}
+  return dispatch.choose("sdpa", sdpa_registry.implementations(backend, platform), args, platform,
+                         device=device_info, excluded=excluded)
 
 
-def default_platform() -> str:
-  return canonical_platform(jax.default_backend())
+def backend_reasons(choice: dispatch.Choice, backend: int) -> list:
+  """Why ``backend`` cannot run the call of ``choice`` (empty if it can): the most general
+  implementation's reasons first (the last in the list), then the others', named."""
+  if choice.chosen is not None:
+    return []
+  if not choice.candidates:
+    return [f"no {NAMES[backend]} implementation for platform {choice.platform!r}"]
+  *special, general = choice.candidates
+  parts = [choice.reasons[general.name]]
+  parts += [f"{i.name}: {choice.reasons[i.name]}" for i in reversed(special)
+            if choice.reasons[i.name] not in parts]
+  return parts
 
 
-def implementation_for(backend: int, platform: str) -> Optional[ModuleType]:
-  """The implementation module of ``backend`` on ``platform`` (None if there is none)."""
-  table = IMPLEMENTATIONS[backend]
-  path = table.get(platform, table.get("default"))
-  return None if path is None else importlib.import_module(path)
-
-
-def backend_reasons(args: base.AttentionArgs, backend: int, platform: str,
-                    device_info: Optional[Mapping[str, Any]] = None) -> list:
-  """Why ``backend`` cannot run ``args`` on ``platform`` (flags aside); empty if it can."""
-  impl = implementation_for(backend, platform)
-  if impl is None:
-    return [f"no {NAMES[backend]} implementation for platform {platform!r}"]
-  if backend == CUDNN and device_info:
-    return list(impl.unsupported(args, platform, **dict(device_info)))
-  return list(impl.unsupported(args, platform))
+def _backend_reason(choice: dispatch.Choice, backend: int) -> str:
+  return "; ".join(backend_reasons(choice, backend))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +81,9 @@ class Decision:
   chosen: Optional[int]
   order: tuple
   reasons: Mapping[int, str]
+  #: the implementation of ``chosen`` that runs, and why not the others of that backend
+  implementation: Optional[Implementation] = None
+  implementation_reasons: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def chosen_name(self) -> Optional[str]:
@@ -130,6 +112,7 @@ def decide(args: base.AttentionArgs, flags: Any, platform: str, *,
   order = order + tuple(int(b) for b in DEFAULT_ORDER if int(b) not in order)
   reasons: dict[int, str] = {}
   chosen = None
+  choice = None
   for b in order:
     if only is not None and b != only:
       reasons[b] = f"disabled: implementation={NAMES[only]} was requested"
@@ -140,26 +123,18 @@ def decide(args: base.AttentionArgs, flags: Any, platform: str, *,
     if b == CUDNN and not flags.cudnn_enabled:
       reasons[b] = "disabled by the flags (cudnn_enabled=False, torch.backends.cudnn.enabled)"
       continue
-    why = backend_reasons(args, b, platform, device_info)
+    c = backend_choice(args, b, platform, flags, device_info)
     if chosen is not None:
-      reasons[b] = (f"lower priority than {NAMES[chosen]}" if not why
-                    else "; ".join(why))
+      reasons[b] = (f"lower priority than {NAMES[chosen]}" if c.chosen is not None
+                    else _backend_reason(c, b))
       continue
-    if why:
-      reasons[b] = "; ".join(why)
+    if c.chosen is None:
+      reasons[b] = _backend_reason(c, b)
     else:
-      chosen = b
-  return Decision(platform=platform, chosen=chosen, order=order, reasons=reasons)
-
-
-def _options(backend: int, flags: Any, platform: str) -> dict:
-  if backend == MATH:
-    return dict(low_precision=bool(flags.allow_fp16_bf16_reduction_math_sdp))
-  if backend in (FLASH, EFFICIENT) and platform == "cuda":
-    return dict(allow_tf32=bool(flags.allow_tf32))
-  if backend == FLASH and platform == "cpu":
-    return dict(cpu_kernel=flags.flash_cpu_kernel)
-  return {}
+      chosen, choice = b, c
+  return Decision(platform=platform, chosen=chosen, order=order, reasons=reasons,
+                  implementation=None if choice is None else choice.chosen,
+                  implementation_reasons={} if choice is None else dict(choice.reasons))
 
 
 def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
@@ -186,23 +161,30 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
     decisions.append(d)
     if p in optional_platforms:
       continue  # chosen so an export for it carries its kernel; not what runs here, so not reported
-    report_dispatch(op, f"{d.chosen_name}@{p}", {NAMES[b]: r for b, r in d.reasons.items()},
+    rejected = {NAMES[b]: r for b, r in d.reasons.items()}
+    rejected.update({f"{NAMES[d.chosen]}/{name}": r for name, r in d.implementation_reasons.items()})
+    report_dispatch(op, f"{d.chosen_name}@{p}[{d.implementation.name}]", rejected,
                     shapes or (tuple(args.q.shape), tuple(args.k.shape), tuple(args.v.shape)),
                     (str(args.q.dtype),))
 
-  def branch(d):
-    impl = implementation_for(d.chosen, d.platform)
-    opts = _options(d.chosen, flags, d.platform)
-    return lambda a: impl.attention(a, **opts)
+  def branch(impl, platform):
+    opts = impl.options(flags, platform)
+    return lambda a: impl.run(a, **opts)
 
   def combined(ds):
-    # The XLA-path choice (CPU's, else the first required platform's) also serves every platform
-    # without a branch of its own; it is passed once, as the default, so it is traced once.
-    fallback = next((d for d in ds if d.platform == "cpu"), ds[0])
     if len(ds) == 1:
-      return branch(ds[0])(args)
-    return jax.lax.platform_dependent(
-        args, **{d.platform: branch(d) for d in ds if d is not fallback}, default=branch(fallback))
+      return branch(ds[0].implementation, ds[0].platform)(args)
+    # Every platform without a branch of its own lowers the default: the XLA-path choice (CPU's
+    # backend, with its implementation for any platform when CPU's own is CPU-only; else the first
+    # required platform's), passed once so it is traced once.
+    first = next((d for d in ds if d.platform == "cpu"), ds[0])
+    default, serves = first.implementation, first
+    if default.platforms is not None:
+      other = backend_choice(args, first.chosen, "other", flags).chosen
+      default, serves = (other, None) if other is not None else (default, first)
+    branches = {d.platform: branch(d.implementation, d.platform) for d in ds if d is not serves}
+    return dispatch.by_platform(branches, branch(default, "other" if serves is None else
+                                                 serves.platform), args)
 
   if not decisions:
     raise ValueError("attention dispatch: no lowering platform to choose for (platforms is empty)")

@@ -249,9 +249,10 @@ _DECLARATIONS: tuple[Flag, ...] = (
             mirrors=_sdp_mirrors(_sdp.FLAG[b]))
       for b in _sdp.DECLARATION_ORDER),
     Flag("flash_cpu_kernel", "auto",
-         "What runs the FLASH SDPA backend when lowered for CPU: 'auto' (the C++ kernel through jax.ffi "
-         "where it can run the call, else blockwise XLA), 'cpp' (the C++ kernel or an error saying why "
-         "not), 'xla' (blockwise XLA only: portable jax.export artifacts, no custom call).",
+         "Which implementations may run the FLASH SDPA backend when lowered for CPU: 'auto' (the C++ "
+         "kernel through jax.ffi where it can run the call, else blockwise XLA), 'cpp' (only the C++ "
+         "kernel: FLASH is unavailable on CPU for a call it cannot run, and explain() says why), 'xla' "
+         "(only blockwise XLA: portable jax.export artifacts, no custom call).",
          _choice("auto", "cpp", "xla")),
     Flag("sdpa_priority", _SDP_DEFAULT_ORDER,
          "Order in which enabled SDPA backends are tried (SDPBackend members; unlisted ones follow).",

@@ -53,8 +53,8 @@ __all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads"
 
 #: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled
 #: (``jax.export.DisabledSafetyCheck.custom_call(FORWARD_TARGET)``): an exported artifact that
-#: carries them runs only where this extension is loaded. ``xla_flash.Config(kernel="xla")`` gives a
-#: portable one instead.
+#: carries them runs only where this extension is loaded. The flag ``flash_cpu_kernel="xla"`` (the
+#: blockwise XLA implementation) gives a portable one instead.
 FORWARD_TARGET = _FWD = "jb_flash_attention_fwd_f32"
 BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
 
@@ -187,8 +187,8 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
   """C++ CPU flash attention: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
 
   Differentiable (``jax.vjp``) w.r.t. q, k, v. Raises ``NotImplementedError`` naming the reasons
-  when :func:`unsupported` is not empty (CPU lowering is assumed; see :mod:`xla_flash` for the
-  per-platform choice).
+  when :func:`unsupported` is not empty (CPU lowering is assumed; the dispatcher lowers
+  :mod:`xla_flash` for other platforms).
   """
   del opts
   reasons = unsupported(args, "cpu")

@@ -1,9 +1,8 @@
 """FlashAttention-2 in plain XLA: blockwise online softmax, O(L x block) memory forward and backward.
 
-This is ``SDPBackend.FLASH_ATTENTION`` off CUDA. Lowered for CPU, :func:`attention` runs the C++
-kernel of :mod:`cpu_flash` where that can run the call (flag ``flash_cpu_kernel`` /
-``Config.kernel``) and this blockwise XLA code otherwise (soft cap, dropout, no extension); every
-other platform lowers this code. The algorithm is FlashAttention-2 (Dao, 2023, arXiv:2307.08691):
+This is the implementation of ``SDPBackend.FLASH_ATTENTION`` that runs on every platform; the
+dispatcher prefers the C++ kernel of :mod:`cpu_flash` over it when lowering for CPU where that kernel
+can run the call (flag ``flash_cpu_kernel``). The algorithm is FlashAttention-2 (Dao, 2023, arXiv:2307.08691):
 
 * Forward (Algorithm 1): an outer ``lax.scan`` over query blocks; for each, a ``lax.fori_loop`` over
   only the key blocks the block can see (causal / window structure, so fully masked blocks are never
@@ -29,7 +28,7 @@ Example:
   >>> from pallas_kernels.attention import base, xla_flash
   >>> q = jax.random.normal(jax.random.key(0), (1, 300, 4, 32))
   >>> args = base.make_args(q, q, q, is_causal=True)
-  >>> cfg = xla_flash.Config(block_q=128, block_k=128, kernel="xla")  # this module's code
+  >>> cfg = xla_flash.Config(block_q=128, block_k=128)
   >>> out, lse = xla_flash.attention(args, config=cfg)
   >>> ref, _ = base.reference(args)
   >>> bool(jnp.allclose(out, ref, atol=1e-5))
@@ -38,16 +37,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.attention import base, cpu_flash, sharded
+from pallas_kernels.attention import base, sharded
 
-__all__ = ["Config", "attention", "kernel", "unsupported"]
+__all__ = ["Config", "attention", "unsupported"]
 
 _HIGHEST = lax.Precision.HIGHEST
 _LOG2E = 1.4426950408889634
@@ -64,23 +62,14 @@ class Config:
     block_q_bwd: query block of the backward (default: ``block_q``).
     block_k_bwd: key block of the backward (default: ``block_k``).
     compute_dtype: dtype of the matmuls and the softmax (``"float32"``; inputs are upcast once).
-    kernel: what runs when the call is lowered for CPU: ``"auto"`` (the C++ kernel of
-      :mod:`cpu_flash` when it can run the call, else the blockwise XLA code), ``"cpp"`` (the C++
-      kernel or a ``NotImplementedError`` saying why not; CPU lowering only) or ``"xla"`` (always
-      the blockwise XLA code). Other platforms always lower the XLA code.
-    cpp: tiles of the C++ kernel (default :class:`cpu_flash.Config`).
   """
   block_q: int = 512
   block_k: int = 512
   block_q_bwd: Optional[int] = None
   block_k_bwd: Optional[int] = None
   compute_dtype: str = "float32"
-  kernel: str = "auto"
-  cpp: Optional[cpu_flash.Config] = None
 
   def __post_init__(self):
-    if self.kernel not in ("auto", "cpp", "xla"):
-      raise ValueError(f"Config.kernel must be 'auto', 'cpp' or 'xla'; got kernel={self.kernel!r}")
     for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
       val = getattr(self, name)
       if val is None and name.endswith("_bwd"):
@@ -128,43 +117,17 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
   return reasons
 
 
-def kernel(args: base.AttentionArgs, platform: str = "cpu",
-           config: Optional[Config] = None) -> Tuple[str, list]:
-  """What runs ``args`` when lowered for ``platform``: ``("cpp" | "xla", reasons the C++ kernel
-  is not used)``."""
-  config = config or Config()
-  if config.kernel == "xla":
-    return "xla", ["kernel='xla' was requested (flag flash_cpu_kernel / Config.kernel)"]
-  why = cpu_flash.unsupported(args, platform)
-  return ("xla", why) if why else ("cpp", [])
-
-
 def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **opts):
-  """Flash attention off CUDA: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
+  """Blockwise flash attention in XLA: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
 
-  Lowered for CPU, it runs the C++ kernel of :mod:`cpu_flash` when that can run the call (see
-  :func:`kernel` and ``Config.kernel``; without a ``config``, the ``cpu_kernel`` option, which the
-  dispatch fills from the ``flash_cpu_kernel`` flag, decides); otherwise, and on every other
-  platform, the blockwise XLA code of this module. Both give the same results (to float rounding). Differentiable
-  (``jax.vjp``) w.r.t. q, k, v; the backward recomputes per block.
+  Runs on every platform; differentiable (``jax.vjp``) w.r.t. q, k, v; the backward recomputes per
+  block. ``config`` defaults to :meth:`Config.heuristics`; ``opts`` are ignored dispatch options.
   """
+  del opts
   reasons = unsupported(args, "any")
   if reasons:
     raise NotImplementedError("; ".join(reasons))
-  if config is None:
-    config = dataclasses.replace(Config.heuristics(args), kernel=opts.get("cpu_kernel", "auto"))
-  xla = functools.partial(blockwise_attention, config=config)
-  if config.kernel == "xla":
-    return xla(args)
-  why = cpu_flash.unsupported(args, "cpu")
-  if why:
-    if config.kernel == "cpp":
-      raise NotImplementedError("Config(kernel='cpp'): " + "; ".join(why))
-    return xla(args)
-  # Forcing the kernel ("cpp") forces it where it exists: other platforms of a multi-platform
-  # lowering still get the XLA code.
-  cpp = functools.partial(cpu_flash.attention, config=config.cpp)
-  return jax.lax.platform_dependent(args, cpu=cpp, default=xla)
+  return blockwise_attention(args, config or Config.heuristics(args))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The C++ CPU flash kernel (jax.ffi) on the shared grid, its dispatch from xla_flash, and its threads."""
+"""The C++ CPU flash kernel (jax.ffi) on the shared grid, its dispatch on CPU, and its threads."""
 import functools
 
 import jax
@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import base, cpu_flash, xla_flash
+import jbackends as jb
+from jbackends._src import attention_dispatch as D
+from pallas_kernels.attention import base, cpu_flash
 from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
 
 pytestmark = pytest.mark.skipif(not cpu_flash.available(),
@@ -91,44 +93,58 @@ def test_block_ranges_match_reference(kw):
   _check(args, cpu_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
 
 
-def test_xla_flash_runs_it_on_cpu_and_says_why_not():
+def _flash_on_cpu(args, **flags):
+  """FLASH through the dispatcher, lowered for CPU, the way the public API runs it."""
+  with jb.with_backends(flash=True, mem_efficient=False, math=False, cudnn=False, **flags):
+    return D.run(args, jb.current_flags(), ("cpu",))
+
+
+def test_dispatch_runs_it_on_cpu_and_says_why_not():
   args = make_case(Case("float32", "top_left", 40, 40, 32, 2))
-  assert xla_flash.kernel(args) == ("cpp", [])
-  hlo = jax.jit(lambda a: xla_flash.attention(a)[0]).lower(args).as_text()
+  with jb.with_backends(flash=True):
+    d = D.decide(args, jb.current_flags(), "cpu")
+  assert d.implementation.name == "cpp_flash" and d.implementation_reasons == {
+      "xla_flash": "lower priority than cpp_flash"}
+  hlo = jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(args).as_text()
   assert "jb_flash_attention_fwd_f32" in hlo
-  hlo = jax.jit(lambda a: xla_flash.attention(a, config=xla_flash.Config(kernel="xla"))[0]
-                ).lower(args).as_text()
+  hlo = jax.jit(lambda a: _flash_on_cpu(a, flash_cpu_kernel="xla")[0]).lower(args).as_text()
   assert "jb_flash_attention_fwd_f32" not in hlo
   soft = args.replace(logits_soft_cap=20.0)
-  kind, why = xla_flash.kernel(soft)
-  assert kind == "xla" and any("soft cap" in w for w in why)
-  assert "jb_flash" not in jax.jit(lambda a: xla_flash.attention(a)[0]).lower(soft).as_text()
+  with jb.with_backends(flash=True):
+    d = D.decide(soft, jb.current_flags(), "cpu")
+  assert d.implementation.name == "xla_flash" and "soft cap" in d.implementation_reasons["cpp_flash"]
+  assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(soft).as_text()
   # The XLA path gives the same answer as the kernel.
-  a = xla_flash.attention(args)
-  b = xla_flash.attention(args, config=xla_flash.Config(kernel="xla"))
+  a = _flash_on_cpu(args)
+  b = _flash_on_cpu(args, flash_cpu_kernel="xla")
   assert_close(a[0], b[0], 2e-5, "out")
-  # Forcing the kernel where it cannot run is an error, never a silent fallback.
+  # Forcing the kernel where it cannot run is an error naming why, never a silent fallback.
+  with pytest.raises(D.NoAvailableBackendError, match="soft cap"):
+    _flash_on_cpu(soft, flash_cpu_kernel="cpp")
   with pytest.raises(NotImplementedError, match="soft cap"):
-    xla_flash.attention(soft, config=xla_flash.Config(kernel="cpp"))
-  with pytest.raises(ValueError, match="kernel"):
-    xla_flash.Config(kernel="fast")
+    cpu_flash.attention(soft)
+  with pytest.raises(ValueError, match="flash_cpu_kernel"):
+    jb.with_backends(flash_cpu_kernel="fast")
   assert "CPU only" in " ".join(cpu_flash.unsupported(args, "tpu"))
 
 
 def test_tpu_export_lowers_the_xla_code():
   args = make_case(Case("float32", "top_left", 24, 24, 32, 1))
 
-  def f(q, k, v):
-    return xla_flash.attention(args.replace(q=q, k=k, v=v))[0]
+  def f(q, k, v, platforms):
+    with jb.with_backends(flash=True, mem_efficient=False, math=False, cudnn=False):
+      return D.run(args.replace(q=q, k=k, v=v), jb.current_flags(), platforms)[0]
 
-  exp = jax.export.export(jax.jit(f), platforms=["tpu"])(args.q, args.k, args.v)
+  exp = jax.export.export(jax.jit(functools.partial(f, platforms=("tpu",))), platforms=["tpu"])(
+      args.q, args.k, args.v)
   assert "jb_flash_attention_fwd_f32" not in exp.mlir_module()
   # A CPU export carries the kernel, a custom call JAX cannot promise to keep stable: it asks
-  # for an explicit opt-in (or Config(kernel="xla") for a portable artifact).
+  # for an explicit opt-in (or flash_cpu_kernel="xla" for a portable artifact).
+  both = jax.jit(functools.partial(f, platforms=("cpu", "tpu")))
   with pytest.raises(ValueError, match="jb_flash_attention_fwd_f32"):
-    jax.export.export(jax.jit(f), platforms=["cpu", "tpu"])(args.q, args.k, args.v)
+    jax.export.export(both, platforms=["cpu", "tpu"])(args.q, args.k, args.v)
   checks = [jax.export.DisabledSafetyCheck.custom_call(cpu_flash.FORWARD_TARGET)]
-  exp = jax.export.export(jax.jit(f), platforms=["cpu", "tpu"], disabled_checks=checks)(
+  exp = jax.export.export(both, platforms=["cpu", "tpu"], disabled_checks=checks)(
       args.q, args.k, args.v)
   assert "jb_flash_attention_fwd_f32" in exp.mlir_module()  # the CPU branch
   assert_close(exp.call(args.q, args.k, args.v), base.reference(args)[0], 2e-5, "exported")

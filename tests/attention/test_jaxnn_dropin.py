@@ -2,7 +2,7 @@
 
 Every backend, through the public jax.nn-shaped API: MATH, FLASH (the C++ kernel and the blockwise
 XLA code), EFFICIENT (blockwise XLA), the Pallas Triton kernels in interpret mode and the cuDNN
-bridge (both routed in for CPU by swapping the dispatch table entry, so the whole API path runs;
+bridge (both routed in for CPU by swapping the registry entry, so the whole API path runs;
 the bridge's jax.nn cuDNN call is faked with jax.nn's XLA path plus garbage in the padded rows).
 
 The three differences the issue found, each with its repro: (1) the LSE residual comes back in the
@@ -15,8 +15,6 @@ the bias gradient under vmap, a window without a mask), written for every backen
 """
 import contextlib
 import functools
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,8 @@ import pytest
 import jbackends as jb
 from jbackends import attention as A
 from jbackends._src import attention_dispatch as D
+from jbackends._src import sdpa_registry as R
+from jbackends._src.dispatch import Implementation
 from pallas_kernels.attention import base, cudnn, flash, flash_vjp, mem_efficient
 
 SB = A.SDPBackend
@@ -43,10 +43,10 @@ _BWD = flash_vjp.Config(block_q=16, block_k=16)
 
 
 def _shim(name, unsupported, attention):
-  mod = types.ModuleType(name)
-  mod.unsupported = unsupported
-  mod.attention = attention
-  return mod
+  """A CPU implementation entry for the registry that runs ``attention`` (a GPU kernel interpreted,
+  or the cuDNN bridge over a fake)."""
+  return Implementation(name, "test shim", ("cpu",), lambda a, p, device: unsupported(a, p),
+                        lambda a, **o: attention(a))
 
 
 def _fake_cudnn_jaxnn(real):
@@ -85,16 +85,14 @@ def backend(name):
       shim = _shim(f"_jb_test_{name}", lambda a, p, mod=mod: mod.unsupported(a, "cuda"),
                    lambda a, mod=mod, **o: mod.attention(a, config=_CFG, bwd_config=_BWD,
                                                          interpret=True))
-      mp.setitem(sys.modules, shim.__name__, shim)
       which = D.FLASH if name == "pallas_flash" else D.EFFICIENT
-      mp.setitem(D.IMPLEMENTATIONS, which, {"cpu": shim.__name__})
+      mp.setitem(R.IMPLEMENTATIONS, SB(which), {"cpu": (shim,)})
       scope = A.sdpa_kernel(SB(which))
     elif name == "cudnn":
       shim = _shim("_jb_test_cudnn",
                    lambda a, p, **kw: cudnn.unsupported(a, "cuda", compute_capability=9.0),
                    cudnn.attention)
-      mp.setitem(sys.modules, shim.__name__, shim)
-      mp.setitem(D.IMPLEMENTATIONS, D.CUDNN, {"cpu": shim.__name__})
+      mp.setitem(R.IMPLEMENTATIONS, SB.CUDNN_ATTENTION, {"cpu": (shim,)})
       mp.setattr(jax.nn, "dot_product_attention", _fake_cudnn_jaxnn(jax.nn.dot_product_attention))
       scope = A.sdpa_kernel(SB.CUDNN_ATTENTION)
     else:

@@ -1,0 +1,111 @@
+"""The SDPA implementations: per backend and lowering platform, an ordered list of `Implementation`s.
+
+Adding a kernel is one `Implementation` here plus its module under `pallas_kernels/attention/`; the
+dispatcher (`attention_dispatch`) tries a backend's implementations for a platform in this order (or a
+ranker's, see `dispatch.set_ranker`) and runs the first that can run the call. Kernel modules are
+imported at their first use.
+
+======================  ===============================  =====================================
+backend                 cuda                             cpu / any other platform
+======================  ===============================  =====================================
+FLASH_ATTENTION         triton_decode, triton_flash      cpp_flash (cpu only), xla_flash
+EFFICIENT_ATTENTION     triton_mem_efficient             xla_mem_efficient
+CUDNN_ATTENTION         cudnn                            (none)
+MATH                    math                             math
+======================  ===============================  =====================================
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jbackends._src.dispatch import Implementation, lazy
+from jbackends._src.sdp_backends import SDPBackend
+
+__all__ = ["IMPLEMENTATIONS", "BY_NAME", "implementations", "cpu_filter"]
+
+_PKG = "pallas_kernels.attention"
+_ANY = "*"  # the list for every platform without its own
+
+
+def _reasons(path: str):
+    fn = lazy(f"{_PKG}.{path}")
+    return lambda args, platform, device: fn(args, platform)
+
+
+def _tf32(flags: Any, platform: str) -> dict:
+    del platform
+    return dict(allow_tf32=bool(flags.allow_tf32))
+
+
+def _math_options(flags: Any, platform: str) -> dict:
+    del platform
+    return dict(low_precision=bool(flags.allow_fp16_bf16_reduction_math_sdp))
+
+
+def _flash_only(args, **options):
+    return lazy(f"{_PKG}.flash:attention")(args, use_decode=False, **options)
+
+
+def _cudnn_reasons(args, platform, device):
+    return lazy(f"{_PKG}.cudnn:unsupported")(args, platform, **dict(device))
+
+
+TRITON_DECODE = Implementation(
+    "triton_decode", "Pallas Triton", ("cuda",), _reasons("decode:unsupported"),
+    lazy(f"{_PKG}.decode:attention"), _tf32,
+    "split-K decode kernel for short queries (T <= 16); fused flash backward")
+TRITON_FLASH = Implementation(
+    "triton_flash", "Pallas Triton", ("cuda",), _reasons("flash:unsupported"),
+    _flash_only, _tf32,
+    "FlashAttention-2 forward and fused backward")
+CPP_FLASH = Implementation(
+    "cpp_flash", "C++ (jax.ffi)", ("cpu",), _reasons("cpu_flash:unsupported"),
+    lazy(f"{_PKG}.cpu_flash:attention"), description="FlashAttention-2 CPU kernel, AVX2 + FMA, threaded")
+XLA_FLASH = Implementation(
+    "xla_flash", "XLA", None, _reasons("xla_flash:unsupported"),
+    lazy(f"{_PKG}.xla_flash:attention"), description="blockwise FlashAttention-2 in XLA (O(L) memory)")
+TRITON_MEM_EFFICIENT = Implementation(
+    "triton_mem_efficient", "Pallas Triton", ("cuda",), _reasons("mem_efficient:unsupported"),
+    lazy(f"{_PKG}.mem_efficient:attention"), _tf32, "flash tiling with bias / mask tiles")
+XLA_MEM_EFFICIENT = Implementation(
+    "xla_mem_efficient", "XLA", None, _reasons("xla_mem_efficient:unsupported"),
+    lazy(f"{_PKG}.xla_mem_efficient:attention"), description="blockwise XLA with bias / mask tiles")
+CUDNN = Implementation(
+    "cudnn", "cuDNN (jax.nn)", ("cuda",), _cudnn_reasons, lazy(f"{_PKG}.cudnn:attention"),
+    description="jax.nn.dot_product_attention(implementation='cudnn')")
+MATH = Implementation(
+    "math", "XLA", None, _reasons("base:unsupported"), lazy(f"{_PKG}.base:attention"), _math_options,
+    "the reference: materialised scores, float32 softmax")
+
+#: backend -> {lowering platform, or "*" for every other one: implementations in the order tried}.
+IMPLEMENTATIONS: dict[SDPBackend, dict[str, tuple[Implementation, ...]]] = {
+    SDPBackend.FLASH_ATTENTION: {"cuda": (TRITON_DECODE, TRITON_FLASH), "cpu": (CPP_FLASH, XLA_FLASH),
+                                 _ANY: (XLA_FLASH,)},
+    SDPBackend.EFFICIENT_ATTENTION: {"cuda": (TRITON_MEM_EFFICIENT,), _ANY: (XLA_MEM_EFFICIENT,)},
+    SDPBackend.CUDNN_ATTENTION: {"cuda": (CUDNN,)},
+    SDPBackend.MATH: {_ANY: (MATH,)},
+}
+
+#: implementation name -> implementation.
+BY_NAME: dict[str, Implementation] = {
+    impl.name: impl for table in IMPLEMENTATIONS.values() for impls in table.values() for impl in impls}
+
+
+def implementations(backend: int, platform: str) -> tuple[Implementation, ...]:
+    """The implementations of ``backend`` when lowering for ``platform``, in the order tried."""
+    table = IMPLEMENTATIONS[SDPBackend(int(backend))]
+    return table.get(platform, table.get(_ANY, ()))
+
+
+def cpu_filter(flags: Any, backend: int, platform: str) -> Mapping[str, str]:
+    """The implementations the flags exclude (name -> reason): ``flash_cpu_kernel`` filters FLASH's
+    list when lowering for CPU ('cpp': only the C++ kernel; 'xla': never it)."""
+    if platform != "cpu" or int(backend) != SDPBackend.FLASH_ATTENTION:
+        return {}
+    mode = flags.flash_cpu_kernel
+    if mode == "cpp":
+        return {XLA_FLASH.name: "flash_cpu_kernel='cpp' (only the C++ kernel may run FLASH on CPU)"}
+    if mode == "xla":
+        return {CPP_FLASH.name: "flash_cpu_kernel='xla' (the C++ kernel is not used)"}
+    return {}
