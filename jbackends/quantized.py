@@ -33,21 +33,24 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys as _sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jbackends._src import dispatch as _dispatch
+from jbackends._src import int4_registry as _registry
 from jbackends._src import mirror as _mirror
+from jbackends._src import flags as _flags_mod
 from jbackends._src.flags import trace_flags as _trace_flags
 from pallas_kernels import partition as _partition
 from pallas_kernels.int4_matmul import base as _base
 from pallas_kernels.int4_matmul import cpu as _cpu
-from pallas_kernels.int4_matmul import pallas as _pallas
-from pallas_kernels.int4_matmul import xla as _xla
 from pallas_kernels.int4_matmul.base import PackedInt4Weight as PackedInt4Weight
 
 __all__ = [
@@ -58,17 +61,19 @@ __all__ = [
     "dyn_quant_matmul_4bit",
     "int4_matmul",
     "supported_engines",
+    "explain",
+    "Explanation",
     "IMPLEMENTATIONS",
 ]
 
 #: Implementations a call can be pinned to with ``implementation=``.
-IMPLEMENTATIONS = ("pallas", "pallas_interpret", "cpp", "xla", "reference")
+IMPLEMENTATIONS = tuple(_registry.BY_NAME)  # ("pallas", "pallas_interpret", "cpp", "xla", "reference")
 
 #: Lowering platforms given their own branch; any other gets the default one.
-_GPU = ("cuda", "rocm")
+_GPU = _dispatch.GPU_PLATFORMS
 
 #: Weight-only rows above which the CPU path is XLA's dequantize + GEMM.
-CPP_WEIGHT_ONLY_MAX_M = 16
+CPP_WEIGHT_ONLY_MAX_M = _cpu.WEIGHT_ONLY_MAX_ROWS
 
 
 class _EngineList(list):
@@ -200,60 +205,96 @@ def _check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: An
 
 
 # ------------------------------------------------------------------- dispatch
+#
+# The implementations and their order per lowering platform live in `_src/int4_registry.py`; the
+# choice is the shared dispatcher's (`_src/dispatch.py`), filtered by the quantized_engine flag.
+
+_LOWERING = ("cpu",) + _GPU + ("other",)
 
 
-def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, choose, run) -> jax.Array:
+def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choice:
+    return _dispatch.choose("int4", _registry.implementations(platform), call, platform,
+                            excluded=_registry.engine_filter(engine, platform))
+
+
+def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call,
+                       run_options: dict) -> jax.Array:
     """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them."""
     from jbackends._src.verbose import report_dispatch  # noqa: PLC0415 - avoid an import cycle
 
     flags = _trace_flags()
     branches, chosen_all, rejected = {}, [], {}
-    for platform in ("cpu",) + _GPU + ("default",):
-        chosen, reasons = choose(flags.quantized_engine, platform)
-        name = "other" if platform == "default" else platform
-        chosen_all.append(f"{chosen}@{name}")
-        rejected.update({f"{k}@{name}": v for k, v in reasons.items()})
-        branches[platform] = (lambda c: lambda a, p: run(c, a, p))(chosen)
+    for platform in _LOWERING:
+        choice = _choose(flags.quantized_engine, call, platform)
+        chosen_all.append(f"{choice.chosen.name}@{platform}")
+        rejected.update({f"{k}@{platform}": v for k, v in choice.reasons.items()})
+        branches[platform] = (lambda impl: lambda a, p: impl.run(a, p, **run_options))(choice.chosen)
     report_dispatch(op, ",".join(chosen_all), rejected,
                     (tuple(x.shape), tuple(packed.weight.shape)), (str(x.dtype), "uint4"))
-    default = branches.pop("default")
-    return jax.lax.platform_dependent(x, packed, default=default, **branches)
+    default = branches.pop("other")
+    return _dispatch.by_platform(branches, default, x, packed)
 
 
-def _choose_dyn(engine: str, platform: str, packed: PackedInt4Weight, x_dtype) -> tuple[str, dict[str, str]]:
-    reasons: dict[str, str] = {}
-    gpu = platform in _GPU
-    if engine in ("auto", "pallas"):
-        why = _pallas.unsupported(packed, x_dtype, None)
-        if not why:
-            if gpu:
-                return "pallas", reasons
-            if engine == "pallas":
-                return "pallas_interpret", {"pallas": f"no GPU when lowering for {platform}: interpreted"}
-            reasons["pallas"] = f"Pallas Triton needs a GPU (lowering for {platform})"
-        else:
-            reasons["pallas"] = "; ".join(why)
-    elif gpu:
-        reasons["pallas"] = f"quantized_engine={engine!r}"
-    if platform == "cpu":
-        why = _cpu.supports(packed)
-        if why is None:
-            return "cpp", reasons
-        reasons["cpp"] = why
-    else:
-        reasons["cpp"] = f"CPU only (lowering for {platform})"
-    return "xla", reasons
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Which int4 implementation would run a call when lowered for ``platform``, and why not the others.
+
+    Attributes:
+      op: ``"dyn_quant_matmul_4bit"`` or ``"int4_matmul"``.
+      platform: the lowering platform explained.
+      implementation: the name of the implementation that would run (``"pallas"``, ``"cpp"``, ``"xla"``,
+        ``"pallas_interpret"``).
+      technology: what it is built with.
+      reasons: implementation name -> why it does not run, for every other one on this platform.
+    """
+
+    op: str
+    platform: str
+    implementation: str
+    technology: str
+    reasons: Mapping[str, str]
+
+    def __str__(self) -> str:
+        head = f"{self.op} on {self.platform}: {self.implementation} ({self.technology})"
+        return "\n".join([head] + [f"  not {k}: {v}" for k, v in self.reasons.items()])
 
 
-def _run_dyn(impl: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
-    if impl in ("pallas", "pallas_interpret"):
-        return _pallas.dyn_quant_matmul(x, packed, interpret=impl == "pallas_interpret")
-    if impl == "cpp":
-        out = _cpu.dyn_quant_matmul(x.astype(jnp.float32), packed)
-        return _base.truncate_to_bfloat16(out) if x.dtype == jnp.bfloat16 else out
-    if impl == "xla":
-        return _xla.dyn_quant_matmul(x, packed)
-    return _base.dyn_quant_matmul(x, packed)
+def explain(x: Any, packed: PackedInt4Weight, *, op: str = "int4_matmul",
+            platform: str | None = None) -> Explanation:
+    """Says which implementation would run ``op`` on ``x`` and ``packed`` here (or when lowered for
+    ``platform``), under the flags in force now, and why each other one would not. Nothing is computed;
+    ``x`` may be a ``jax.ShapeDtypeStruct``.
+
+    Args:
+      x: the activations (array or ``jax.ShapeDtypeStruct``), ``[..., in_features]``.
+      packed: from `dyn_quant_pack_4bit_weight`.
+      op: ``"int4_matmul"`` (weight-only) or ``"dyn_quant_matmul_4bit"``.
+      platform: ``"cpu"``, ``"cuda"``, ``"rocm"`` or another lowering platform; default: the default
+        backend's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jbackends as jb
+      >>> q, s = jb.quantized.quantize_4bit(jnp.ones((64, 128)), 32)
+      >>> p = jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, 32, 128, 64)
+      >>> jb.quantized.explain(jax.ShapeDtypeStruct((1, 128), jnp.bfloat16), p, platform="cuda").implementation
+      'pallas'
+    """
+    ops = {"int4_matmul": "weight_only", "dyn_quant_matmul_4bit": "dyn_quant"}
+    if op not in ops:
+        raise ValueError(f"`op` must be one of {list(ops)}; got {op!r}")
+    if platform is not None and not isinstance(platform, str):
+        raise TypeError(f"`platform` must be a str or None; got {type(platform).__name__}")
+    _base.check_packed(packed)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"`x` must be an array or a jax.ShapeDtypeStruct; got {type(x).__name__}")
+    if not x.shape or x.shape[-1] != packed.in_features:
+        raise ValueError(f"`x` must have in_features={packed.in_features} as its last dim; got shape "
+                         f"{tuple(x.shape)}")
+    plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
+    choice = _choose(_flags_mod.current_flags().quantized_engine, _base.Int4Call.of(ops[op], x, packed),
+                     plat)
+    return Explanation(op=op, platform=plat, implementation=choice.chosen.name,
+                       technology=choice.chosen.technology, reasons=dict(choice.reasons))
 
 
 def _check_impl(implementation: Any) -> str | None:
@@ -314,22 +355,13 @@ def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, 
     _check_sizes(packed, groupsize, in_features, out_features)
     x = _base.check_input(input, packed)
     impl = _check_impl(implementation)
+    opts = dict(op="dyn_quant")
     if impl is not None:
-        fwd = lambda a, p: _run_dyn(impl, a, p)
+        fwd = lambda a, p: _registry.BY_NAME[impl].run(a, p, **opts)
     else:
-        choose = lambda engine, platform: _choose_dyn(engine, platform, packed, x.dtype)
-        fwd = lambda a, p: _lowering_branches("dyn_quant_matmul_4bit", a, p, choose, _run_dyn)
+        call = _base.Int4Call.of("dyn_quant", x, packed)
+        fwd = lambda a, p: _lowering_branches("dyn_quant_matmul_4bit", a, p, call, opts)
     return _straight_through_vjp(fwd, x, packed)
-
-
-def _choose_wo(engine: str, platform: str, packed: PackedInt4Weight, x: jax.Array) -> tuple[str, dict[str, str]]:
-    chosen, reasons = _choose_dyn(engine, platform, packed, x.dtype)
-    if chosen == "cpp":
-        M = int(np.prod(x.shape[:-1], dtype=np.int64))
-        if M > CPP_WEIGHT_ONLY_MAX_M:
-            reasons["cpp"] = f"M={M} > {CPP_WEIGHT_ONLY_MAX_M}: XLA's GEMM on the dequantized weight is faster"
-            return "xla", reasons
-    return chosen, reasons
 
 
 def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
@@ -365,21 +397,12 @@ def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
         raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, got {compute_dtype!r}")
     impl = _check_impl(implementation)
 
-    def run(impl: str, a: jax.Array, p: PackedInt4Weight) -> jax.Array:
-        if impl in ("pallas", "pallas_interpret"):
-            return _pallas.weight_only_matmul(a, p, compute_dtype=compute_dtype,
-                                              interpret=impl == "pallas_interpret")
-        if impl == "cpp":
-            return _cpu.weight_only_matmul(a.astype(jnp.float32), p).astype(a.dtype)
-        if impl == "xla":
-            return _xla.weight_only_matmul(a, p, compute_dtype=compute_dtype)
-        return _base.weight_only_matmul(a, p)
-
+    opts = dict(op="weight_only", compute_dtype=compute_dtype)
     if impl is not None:
-        fwd = lambda a, p: run(impl, a, p)
+        fwd = lambda a, p: _registry.BY_NAME[impl].run(a, p, **opts)
     else:
-        choose = lambda engine, platform: _choose_wo(engine, platform, packed, x)
-        fwd = lambda a, p: _lowering_branches("int4_matmul", a, p, choose, run)
+        call = _base.Int4Call.of("weight_only", x, packed)
+        fwd = lambda a, p: _lowering_branches("int4_matmul", a, p, call, opts)
     return _straight_through_vjp(fwd, x, packed)
 
 

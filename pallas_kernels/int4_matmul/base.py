@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 __all__ = [
+    "Int4Call",
     "PackedInt4Weight",
     "quantize_4bit",
     "pack_nibbles",
@@ -108,6 +109,28 @@ class PackedInt4Weight:
 
 
 # ----------------------------------------------------------------- validation
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Call:
+    """What the engines' ``unsupported(call, platform)`` look at: the operation (``"dyn_quant"``:
+    int8 activations, W4A8; ``"weight_only"``: W4A16 / W4A32), the packed weight, the activation dtype
+    and the number of activation rows (``M``, every leading dimension)."""
+
+    op: str
+    packed: PackedInt4Weight
+    x_dtype: Any
+    rows: int
+
+    @classmethod
+    def of(cls, op: str, x: Any, packed: PackedInt4Weight) -> "Int4Call":
+        """The call of ``op`` on activations ``x`` (an array or a ``jax.ShapeDtypeStruct``)."""
+        if op not in ("dyn_quant", "weight_only"):
+            raise ValueError(f"`op` must be 'dyn_quant' or 'weight_only'; got {op!r}")
+        rows = 1
+        for d in tuple(x.shape)[:-1]:
+            rows *= int(d)
+        return cls(op, packed, jnp.dtype(x.dtype), rows)
 
 
 def check_groupsize(groupsize: Any, in_features: int) -> int:

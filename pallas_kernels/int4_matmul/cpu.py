@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import base
 from .base import PackedInt4Weight
 
-__all__ = ["available", "isa", "set_isa", "dyn_quant_matmul", "weight_only_matmul", "supports"]
+__all__ = ["available", "isa", "set_isa", "dyn_quant_matmul", "weight_only_matmul", "unsupported",
+           "WEIGHT_ONLY_MAX_ROWS"]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"
@@ -72,13 +74,23 @@ def set_isa(name: str) -> bool:
     return lib is not None and lib.JbInt4SetIsa(name.encode()) == 0
 
 
-def supports(packed: PackedInt4Weight) -> str | None:
-    """None when the kernels can run ``packed``, else the reason they cannot."""
+#: Weight-only rows above which these kernels lose to XLA's GEMM on the dequantized weight.
+WEIGHT_ONLY_MAX_ROWS = 16
+
+
+def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
+    """Reasons these kernels cannot (or should not) run ``call`` when lowered for ``platform``
+    (empty when they can)."""
+    why = []
+    if platform != "cpu":
+        why.append(f"CPU only (lowering for {platform})")
     if not available():
-        return "the C++ extension is not built (pip install -e . with a C++ compiler)"
-    if packed.in_features % 32:
-        return f"in_features={packed.in_features} is not a multiple of 32"
-    return None
+        why.append("the C++ extension is not built (pip install -e . with a C++ compiler)")
+    if call.packed.in_features % 32:
+        why.append(f"in_features={call.packed.in_features} is not a multiple of 32")
+    if call.op == "weight_only" and call.rows > WEIGHT_ONLY_MAX_ROWS:
+        why.append(f"M={call.rows} > {WEIGHT_ONLY_MAX_ROWS}: XLA's GEMM on the dequantized weight is faster")
+    return why
 
 
 @functools.cache
@@ -105,8 +117,9 @@ def _op(target: str, groupsize: int, has_bias: bool):
 
 
 def _call(target: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
-    if (why := supports(packed)) is not None:
-        raise NotImplementedError(f"C++ int4 kernel: {why}")
+    # The kernel's own limits (the weight-only row rule is a dispatch preference, not a limit).
+    if why := unsupported(base.Int4Call.of("dyn_quant", x, packed), "cpu"):
+        raise NotImplementedError("C++ int4 kernel: " + "; ".join(why))
     if x.dtype != jnp.float32:
         raise TypeError(f"x must be float32 for the C++ kernel, got {x.dtype}")
     bias = packed.bias

@@ -146,15 +146,17 @@ def heuristics(M: int, N: int, K: int, groupsize: int, *, mode: str = "w4a16", n
     return Config(block_m, block_n, block_k, split, warps, stages)
 
 
-def unsupported(packed: PackedInt4Weight, x_dtype, platform: str | None) -> list[str]:
-    """Reasons these kernels cannot run (empty when they can)."""
+def unsupported(call: base.Int4Call, platform: str | None) -> list[str]:
+    """Reasons these kernels cannot run ``call`` when lowered for ``platform`` (empty when they can;
+    ``platform=None``: the kernel's own limits only, e.g. for interpret mode)."""
     why = []
     if platform is not None and platform not in _GPU_PLATFORMS:
         why.append(f"Pallas Triton kernels need a GPU; platform={platform!r}")
-    if packed.groupsize % 32:
-        why.append(f"groupsize={packed.groupsize} is not a multiple of 32 (channel-wise K not a multiple of 32)")
-    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        why.append(f"dtype {jnp.dtype(x_dtype)} is not supported")
+    if call.packed.groupsize % 32:
+        why.append(f"groupsize={call.packed.groupsize} is not a multiple of 32 (channel-wise K not a "
+                   "multiple of 32)")
+    if jnp.dtype(call.x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        why.append(f"dtype {jnp.dtype(call.x_dtype)} is not supported")
     return why
 
 
@@ -329,7 +331,7 @@ def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight, *, config: Config |
     """
     base.check_packed(packed)
     x = base.check_input(x, packed)
-    if why := unsupported(packed, x.dtype, None):
+    if why := unsupported(base.Int4Call.of("dyn_quant", x, packed), None):
         raise NotImplementedError("; ".join(why))
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
@@ -379,7 +381,7 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=
     """
     base.check_packed(packed)
     x = base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
-    if why := unsupported(packed, x.dtype, None):
+    if why := unsupported(base.Int4Call.of("weight_only", x, packed), None):
         raise NotImplementedError("; ".join(why))
     cd = jnp.dtype(compute_dtype or x.dtype)
     x2 = x.reshape(-1, x.shape[-1])

@@ -25,6 +25,8 @@ folded in; its tolerance is a float one.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -32,13 +34,19 @@ from jax import lax
 from . import base
 from .base import PackedInt4Weight
 
-__all__ = ["dyn_quant_matmul", "weight_only_matmul", "SMALL_M", "EXACT_BLOCK"]
+__all__ = ["unsupported", "dyn_quant_matmul", "weight_only_matmul", "SMALL_M", "EXACT_BLOCK"]
 
 SMALL_M = 8
 """Rows up to which the fused multiply-reduce form is used."""
 
 EXACT_BLOCK = 4096
 """Longest run of k summed in float32 (exact below 2**24 / 2040 = 8224)."""
+
+
+def unsupported(call: Any, platform: str) -> list[str]:
+    """XLA runs every call on every platform: always empty (the engines share this signature)."""
+    del call, platform
+    return []
 
 
 def _sub_block(groupsize: int) -> int:

@@ -1,0 +1,103 @@
+"""The int4 matmul implementations: per lowering platform, an ordered list of `Implementation`s.
+
+Both int4 operations (``dyn_quant``: int8 activations, W4A8; ``weight_only``: W4A16 / W4A32) share the
+list; each engine's ``unsupported(call, platform)`` takes an `Int4Call` that names the operation.
+``run(x, packed, *, op, compute_dtype)`` computes. The ``quantized_engine`` flag filters the list
+(:func:`engine_filter`).
+
+=============  =========================================================
+platform       implementations, in the order tried
+=============  =========================================================
+cuda / rocm    pallas (Pallas Triton), xla
+cpu            pallas_interpret, cpp (C++ through jax.ffi), xla
+other          pallas_interpret, xla
+=============  =========================================================
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from jbackends._src.dispatch import GPU_PLATFORMS, Implementation, lazy
+
+__all__ = ["PALLAS", "PALLAS_INTERPRET", "CPP", "XLA", "REFERENCE", "BY_NAME", "implementations",
+           "engine_filter"]
+
+_PKG = "pallas_kernels.int4_matmul"
+
+
+def _pallas_run(interpret: bool):
+    def run(x, packed, *, op, compute_dtype=None):
+        if op == "dyn_quant":
+            return lazy(f"{_PKG}.pallas:dyn_quant_matmul")(x, packed, interpret=interpret)
+        return lazy(f"{_PKG}.pallas:weight_only_matmul")(x, packed, compute_dtype=compute_dtype,
+                                                         interpret=interpret)
+    return run
+
+
+def _cpp_run(x, packed, *, op, compute_dtype=None):
+    del compute_dtype
+    if op == "dyn_quant":
+        out = lazy(f"{_PKG}.cpu:dyn_quant_matmul")(x.astype(jnp.float32), packed)
+        return lazy(f"{_PKG}.base:truncate_to_bfloat16")(out) if x.dtype == jnp.bfloat16 else out
+    return lazy(f"{_PKG}.cpu:weight_only_matmul")(x.astype(jnp.float32), packed).astype(x.dtype)
+
+
+def _xla_run(x, packed, *, op, compute_dtype=None):
+    if op == "dyn_quant":
+        return lazy(f"{_PKG}.xla:dyn_quant_matmul")(x, packed)
+    return lazy(f"{_PKG}.xla:weight_only_matmul")(x, packed, compute_dtype=compute_dtype)
+
+
+def _reference_run(x, packed, *, op, compute_dtype=None):
+    del compute_dtype
+    fn = "dyn_quant_matmul" if op == "dyn_quant" else "weight_only_matmul"
+    return lazy(f"{_PKG}.base:{fn}")(x, packed)
+
+
+def _interpret_reasons(call, platform, device):
+    del platform, device
+    return lazy(f"{_PKG}.pallas:unsupported")(call, None)
+
+
+def _reasons(path: str):
+    fn = lazy(f"{_PKG}.{path}")
+    return lambda call, platform, device: fn(call, platform)
+
+
+PALLAS = Implementation("pallas", "Pallas Triton", GPU_PLATFORMS, _reasons("pallas:unsupported"),
+                        _pallas_run(False), description="fused dequantize + MMA kernels")
+PALLAS_INTERPRET = Implementation(
+    "pallas_interpret", "Pallas Triton (interpreted)", None, _interpret_reasons, _pallas_run(True),
+    description="the GPU kernels in the Pallas interpreter (tests; only with quantized_engine='pallas')")
+CPP = Implementation("cpp", "C++ (jax.ffi)", ("cpu",), _reasons("cpu:unsupported"), _cpp_run,
+                     description="AVX2 / AVX-512 (VNNI) kernels")
+XLA = Implementation("xla", "XLA", None, _reasons("xla:unsupported"), _xla_run,
+                     description="int4 unpack + grouped dots in XLA")
+REFERENCE = Implementation("reference", "XLA", None, lambda call, platform, device: [], _reference_run,
+                           description="the float64-faithful reference (pinned only)")
+
+_LISTS = {"gpu": (PALLAS, XLA), "cpu": (PALLAS_INTERPRET, CPP, XLA), "other": (PALLAS_INTERPRET, XLA)}
+
+#: implementation name -> implementation (what ``implementation=`` pins).
+BY_NAME: dict[str, Implementation] = {i.name: i for i in (PALLAS, PALLAS_INTERPRET, CPP, XLA, REFERENCE)}
+
+
+def implementations(platform: str) -> tuple[Implementation, ...]:
+    """The implementations tried when lowering for ``platform``, in order."""
+    if platform in GPU_PLATFORMS:
+        return _LISTS["gpu"]
+    return _LISTS["cpu" if platform == "cpu" else "other"]
+
+
+def engine_filter(engine: str, platform: str) -> Mapping[str, str]:
+    """What the ``quantized_engine`` flag excludes (name -> reason): 'auto' interprets no GPU kernel;
+    'pallas' forces the Pallas kernels (interpreted off GPU; the C++ kernel is never used then);
+    'xla' never uses them (the C++ kernel still runs on CPU)."""
+    if engine == "xla":
+        return {PALLAS.name: "quantized_engine='xla'", PALLAS_INTERPRET.name: "quantized_engine='xla'"}
+    if engine == "pallas":
+        return {} if platform in GPU_PLATFORMS else {PALLAS.name: f"no GPU when lowering for {platform}: interpreted"}
+    return {PALLAS_INTERPRET.name: "the GPU kernels are interpreted only with quantized_engine='pallas'"}
