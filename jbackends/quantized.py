@@ -19,6 +19,8 @@ leading batch dims, any layout:
   built, else pure XLA). The platform part is decided **per lowering
   platform** (`jax.lax.platform_dependent`), so ``jax.export(...,
   platforms=["cuda"])`` from a CPU host carries the Pallas (Triton) kernel.
+* `explain(x, packed, op=..., platform=...)`: which implementation would run
+  and why not the others (the registry: ``docs/architecture.md``).
 
 Example:
   >>> import jax, jax.numpy as jnp, jbackends as jb

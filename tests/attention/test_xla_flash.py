@@ -1,5 +1,5 @@
 """The blockwise XLA flash code (FLASH off CUDA where the C++ kernel cannot run) on the shared grid,
-plus its own tiling tests. Config(kernel="xla") keeps the C++ kernel out of these tests."""
+plus its own tiling tests. (The C++ kernel is a separate implementation: tests/attention/test_cpu_flash.py.)"""
 import dataclasses
 import functools
 
@@ -12,7 +12,7 @@ from pallas_kernels.attention import base, xla_flash
 from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
 
 # Small, unequal tiles so every grid case spans several ragged blocks (forward and backward differ).
-CFG = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=16, kernel="xla")
+CFG = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=16)
 
 
 class TestXlaFlash(AttentionTestBase):
@@ -32,7 +32,7 @@ def test_block_skipping_matches_reference(kw):
   args = make_case(Case("float32", "none", 53, 33, 32, 2))
   args = args.replace(**{k: v for k, v in kw.items() if k != "is_causal"},
                       causal=kw.get("is_causal", False))
-  cfg = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=32, kernel="xla")
+  cfg = xla_flash.Config(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=32)
   out, lse = xla_flash.attention(args, config=cfg)
   ref, ref_lse = base.reference(args)
   assert_close(out, ref, 2e-5, "out")
@@ -70,7 +70,7 @@ def test_peak_memory_is_linear_in_length():
 
   def loss(q, k, v):
     args = base.make_args(q, k, v, is_causal=True)
-    cfg = dataclasses.replace(xla_flash.Config.heuristics(args), kernel="xla")
+    cfg = dataclasses.replace(xla_flash.Config.heuristics(args))
     return xla_flash.attention(args, config=cfg)[0].sum()
 
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
