@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jbackends._src import mirror as _mirror
-from jbackends._src.flags import trace_flags as _trace_flags
+from jbackends._src.flag_state import trace_flags as _trace_flags
 from pallas_kernels import partition as _partition
 from pallas_kernels.int4_matmul import base as _base
 from pallas_kernels.int4_matmul import cpu as _cpu
