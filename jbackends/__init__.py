@@ -1,7 +1,7 @@
 """jbackends: a JAX/XLA-native `torch.backends`.
 
 Choose and trust the kernels that run: attention backends, matmul precision, int4 weights, and why a
-kernel was or wasn't picked. Flags are declared once (`jbackends/_src/flags.py`), held in a
+kernel was or wasn't picked. Flags are declared once (`jbackends/_src/flag_declarations.py`), held in a
 `contextvars`-based config that JAX traces through: the flags in force when a function is traced decide
 the kernel, and a change of flags makes `jax.jit` retrace.
 
@@ -16,23 +16,23 @@ Example:
 import sys as _sys
 
 from jbackends._src import flags as _flags_module
-from jbackends._src.flags import FLAGS as _FLAGS
-from jbackends._src.flags import BackendFlags as BackendFlags
-from jbackends._src.flags import Flag as Flag
-from jbackends._src.flags import FlagsFrozenError as FlagsFrozenError
-from jbackends._src.flags import FlagsOutOfSyncError as FlagsOutOfSyncError
-from jbackends._src.flags import FlagsTracingError as FlagsTracingError
-from jbackends._src.flags import compiler_options as compiler_options
-from jbackends._src.flags import current_flags as current_flags
-from jbackends._src.flags import disable_global_flags as disable_global_flags
-from jbackends._src.flags import enable_global_flags as enable_global_flags
-from jbackends._src.flags import flags_frozen as flags_frozen
-from jbackends._src.flags import jit as jit
-from jbackends._src.flags import propagate as propagate
-from jbackends._src.flags import reset_flags as reset_flags
-from jbackends._src.flags import set_flags as set_flags
-from jbackends._src.flags import sync as sync
-from jbackends._src.flags import with_backends as with_backends
+from jbackends._src.flag_declarations import FLAGS as _FLAGS
+from jbackends._src.flag_declarations import BackendFlags as BackendFlags
+from jbackends._src.flag_declarations import Flag as Flag
+from jbackends._src.flag_scope import FlagsFrozenError as FlagsFrozenError
+from jbackends._src.flag_state import FlagsOutOfSyncError as FlagsOutOfSyncError
+from jbackends._src.flag_scope import FlagsTracingError as FlagsTracingError
+from jbackends._src.jit import compiler_options as compiler_options
+from jbackends._src.flag_state import current_flags as current_flags
+from jbackends._src.flag_scope import disable_global_flags as disable_global_flags
+from jbackends._src.flag_scope import enable_global_flags as enable_global_flags
+from jbackends._src.flag_scope import flags_frozen as flags_frozen
+from jbackends._src.jit import jit as jit
+from jbackends._src.flag_scope import propagate as propagate
+from jbackends._src.flag_scope import reset_flags as reset_flags
+from jbackends._src.flag_scope import set_flags as set_flags
+from jbackends._src.flag_state import sync as sync
+from jbackends._src.flag_scope import with_backends as with_backends
 from jbackends._src import mirror as _mirror
 
 from jbackends import cuda as cuda

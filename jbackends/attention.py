@@ -63,7 +63,8 @@ from jbackends._src import sdp_backends as _sdp
 from jbackends._src import sdpa_registry as _sdpa_registry
 from jbackends._src.sdp_backends import SDPBackend
 from jbackends._src.attention_dispatch import NoAvailableBackendError
-from jbackends._src.flags import current_flags, trace_flags, with_backends
+from jbackends._src.flag_scope import with_backends
+from jbackends._src.flag_state import current_flags, trace_flags
 from pallas_kernels.attention import base as _base
 
 __all__ = [

@@ -1,6 +1,6 @@
 """`torch.backends.cuda`, for JAX: SDPA backend switches and `cuda.matmul` precision attributes.
 
-Functions and attributes are generated from the flag registry (`jbackends/_src/flags.py`):
+Functions and attributes are generated from the flag registry (`jbackends/_src/flag_declarations.py`):
 `enable_flash_sdp(bool)` / `flash_sdp_enabled()`, the same for `mem_efficient`, `math`, `cudnn`,
 `allow_fp16_bf16_reduction_math_sdp(bool)`, and `matmul.allow_tf32`,
 `matmul.allow_fp16_reduced_precision_reduction`, `matmul.allow_bf16_reduced_precision_reduction`.

@@ -9,7 +9,7 @@ import sys as _sys
 
 from jbackends._src import mirror as _mirror
 from jbackends._src import platforms as _platforms
-from jbackends._src.flags import with_backends as _with_backends
+from jbackends._src.flag_scope import with_backends as _with_backends
 
 
 def flags(enabled=None, benchmark=None, benchmark_limit=None, deterministic=None, allow_tf32=None):

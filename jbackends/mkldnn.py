@@ -8,7 +8,7 @@ restores the previous level on exit.
 
 from jbackends._src import cpu_info as _cpu_info
 from jbackends._src import verbose as _verbose
-from jbackends._src.flags import with_backends as _with_backends
+from jbackends._src.flag_scope import with_backends as _with_backends
 
 __all__ = ["VERBOSE_OFF", "VERBOSE_ON", "VERBOSE_ON_CREATION", "is_available", "verbose"]
 

@@ -16,7 +16,8 @@ Example:
 
 import sys as _sys
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_scope as _flag_scope
+from jbackends._src import flag_state as _flag_state
 from jbackends._src import mirror as _mirror
 
 # --- issue 6 (non-flag rows of torch.backends.opt_einsum) ---
@@ -64,12 +65,12 @@ def set_flags(_enabled=None, _strategy=None) -> tuple:
       ((True, 'auto'), 'greedy')
       >>> _ = jb.opt_einsum.set_flags(*previous)
     """
-    previous = _flags._PUB.values
+    previous = _flag_state.published_defaults()
     orig = (previous["opt_einsum_enabled"], previous["opt_einsum_strategy"] if is_available() else None)
     given = {"opt_einsum_enabled": _enabled, "opt_einsum_strategy": _strategy}
     updates = {k: v for k, v in given.items() if v is not None}
     if updates:
-        _flags.set_flags(**updates)
+        _flag_scope.set_flags(**updates)
     return orig
 
 
@@ -86,6 +87,6 @@ def flags(enabled=None, strategy=None):
       'optimal'
     """
     given = {"opt_einsum_enabled": enabled, "opt_einsum_strategy": strategy}
-    return _flags.with_backends(**{k: v for k, v in given.items() if v is not None})
+    return _flag_scope.with_backends(**{k: v for k, v in given.items() if v is not None})
 
 _mirror.install(_sys.modules[__name__])

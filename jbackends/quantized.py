@@ -48,8 +48,8 @@ import numpy as np
 from jbackends._src import dispatch as _dispatch
 from jbackends._src import int4_registry as _registry
 from jbackends._src import mirror as _mirror
-from jbackends._src import flags as _flags_mod
-from jbackends._src.flags import trace_flags as _trace_flags
+from jbackends._src.flag_state import current_flags as _current_flags
+from jbackends._src.flag_state import trace_flags as _trace_flags
 from pallas_kernels import partition as _partition
 from pallas_kernels.int4_matmul import base as _base
 from pallas_kernels.int4_matmul import cpu as _cpu
@@ -293,7 +293,7 @@ def explain(x: Any, packed: PackedInt4Weight, *, op: str = "int4_matmul",
         raise ValueError(f"`x` must have in_features={packed.in_features} as its last dim; got shape "
                          f"{tuple(x.shape)}")
     plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
-    choice = _choose(_flags_mod.current_flags().quantized_engine, _base.Int4Call.of(ops[op], x, packed),
+    choice = _choose(_current_flags().quantized_engine, _base.Int4Call.of(ops[op], x, packed),
                      plat)
     return Explanation(op=op, platform=plat, implementation=choice.chosen.name,
                        technology=choice.chosen.technology, reasons=dict(choice.reasons))

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jbackends as jb
-from jbackends._src import flags as flags_mod
+from jbackends._src import flag_state
 from jbackends._src.flags import trace_flags
 
 
@@ -278,7 +278,7 @@ def test_nesting_and_exceptions_restore_state():
                 1 / 0
         assert not jb.current_flags().deterministic
     assert jb.current_flags() == base
-    assert flags_mod._JIT_KEY.value == flags_mod._key_of(flags_mod._DEFAULTS)
+    assert flag_state._JIT_KEY.value == flag_state._key_of(flag_state.DEFAULTS)
 
 
 def test_omitted_flags_unchanged_in_cudnn_flags():
@@ -343,21 +343,21 @@ def test_interleaved_asyncio_tasks_each_see_their_flags():
         assert seen == flash
         np.testing.assert_allclose(y, (2 if flash else 3) * np.asarray(x), rtol=1e-6)
     # The thread is clean afterwards: no scope, and the key is back on the process default.
-    assert jb.current_flags() == jb.BackendFlags(**flags_mod._DEFAULTS)
-    assert flags_mod._JIT_KEY.value == flags_mod._key_of(flags_mod._DEFAULTS)
+    assert jb.current_flags() == jb.BackendFlags(**flag_state.DEFAULTS)
+    assert flag_state._JIT_KEY.value == flag_state._key_of(flag_state.DEFAULTS)
 
 
 def test_out_of_sync_key_is_detected_under_trace():
     """A ContextVar changed behind the key's back (as an un-synced asyncio task would) must not poison."""
-    token = flags_mod._OVERRIDES.set((("flash", False),))
+    token = flag_state.OVERRIDES.set((("flash", False),))
     try:
         with pytest.raises(jb.FlagsOutOfSyncError, match="sync"):
             jax.jit(Probe())(_x())
         # Outside a trace the accessor re-syncs instead.
         assert trace_flags().flash is False
-        assert flags_mod._JIT_KEY.value == flags_mod._expected_key()
+        assert flag_state._JIT_KEY.value == flag_state._expected_key()
     finally:
-        flags_mod._OVERRIDES.reset(token)
+        flag_state.OVERRIDES.reset(token)
         jb.sync()
 
 
@@ -396,15 +396,16 @@ def test_reload_adds_no_user_context():
         """
         import importlib, jax
         import jbackends as jb
-        from jbackends._src import flags
+        from jbackends._src import flag_declarations, flag_precision, flag_scope, flag_state, flags, jit
         made = []
         real = jax.make_user_context
         jax.make_user_context = lambda *a, **k: made.append(1) or real(*a, **k)
-        key = flags._JIT_KEY
-        importlib.reload(flags)
+        key = flag_state._JIT_KEY
+        for module in (flag_declarations, flag_precision, flag_state, flag_scope, jit, flags):
+            importlib.reload(module)
         importlib.reload(jb)
         assert made == [], made
-        assert flags._JIT_KEY is key
+        assert flag_state._JIT_KEY is key
         with jb.with_backends(flash=False):
             assert jb.current_flags().flash is False
         print("ok")
@@ -753,11 +754,12 @@ def test_reload_keeps_defaults_precision_and_snapshot_class():
         """
         import importlib, jax
         import jbackends as jb
-        from jbackends._src import flags
+        from jbackends._src import flag_declarations, flag_precision, flag_scope, flag_state, flags, jit
         before = jax.config.jax_default_matmul_precision
         jb.set_flags(flash=False, float32_matmul_precision="medium")
         snap = jb.current_flags()
-        importlib.reload(flags)
+        for module in (flag_declarations, flag_precision, flag_state, flag_scope, jit, flags):
+            importlib.reload(module)
         assert jb.current_flags().flash is False, "defaults lost"
         assert isinstance(jb.current_flags(), jb.BackendFlags) and jb.current_flags() == snap
         assert jax.config.jax_default_matmul_precision == "bfloat16"
@@ -1033,7 +1035,7 @@ def test_set_flags_under_a_trace_is_an_error_naming_with_backends(setter):
     for transform in (jax.jit, jax.grad, jax.vmap):
         with pytest.raises(jb.FlagsTracingError, match="with_backends"):
             transform(f)(jnp.float32(1) if transform is not jax.vmap else jnp.ones(2))
-    assert jb.current_flags() == jb.BackendFlags(**flags_mod._DEFAULTS)  # nothing changed
+    assert jb.current_flags() == jb.BackendFlags(**flag_state.DEFAULTS)  # nothing changed
 
 
 def test_import_does_not_load_flax_or_the_gpu_kernels():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jbackends as jb
-from jbackends._src import flags as flags_mod
+from jbackends._src import flag_state
 from jbackends._src.flags import trace_flags
 
 MATH = dict(math=True, flash=False, mem_efficient=False, cudnn=False)
@@ -264,9 +264,9 @@ def test_flags_read_twice_in_one_trace_agree(defaults):
 def test_the_pin_is_released_when_the_trace_ends(defaults):
     jb.set_flags(**MATH)
     jax.jit(_two_kernels)(jnp.ones(2))  # pins, then JAX drops the trace
-    assert getattr(flags_mod._thread_state, "record", None) is None
+    assert getattr(flag_state._thread_state, "record", None) is None
     jb.set_flags(**FLASH)
-    assert flags_mod._DEFAULTS_KEY.value == flags_mod._PUB.gkey  # the global key is in force again
+    assert flag_state._DEFAULTS_KEY.value == flag_state._PUB.gkey  # the global key is in force again
 
 
 def test_no_retirement_without_overlap(defaults):

@@ -17,7 +17,7 @@ from typing import Any
 
 from jax import lax
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_state as _flag_state
 from jbackends._src import verbose as _verbose
 
 
@@ -42,7 +42,7 @@ def conv_general_dilated(lhs: Any, rhs: Any, window_strides: Any, padding: Any, 
       9.0
     """
     if precision is None:
-        precision = precision_for_flags(_flags.trace_flags())
+        precision = precision_for_flags(_flag_state.trace_flags())
         chosen, reasons = f"precision={precision.name}", {"caller": "no precision= given"}
     else:
         chosen, reasons = "precision=explicit", {"flags": "precision= given by the caller"}

@@ -22,7 +22,7 @@ import numpy as np
 import opt_einsum as _oe
 from jax import lax
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_state as _flag_state
 from jbackends._src import verbose as _verbose
 
 Path = list[tuple[int, ...]]
@@ -58,7 +58,7 @@ def _choose(subscripts: str, operands: Sequence[Any], optimize: Any) -> tuple[An
     """(path or optimize value for jnp.einsum, chosen label, reasons others were not taken)."""
     if optimize is not None:
         return optimize, "explicit", {"flags": "optimize= given by the caller"}
-    flags = _flags.trace_flags()
+    flags = _flag_state.trace_flags()
     if len(operands) <= 2:
         # One contraction: every strategy gives the same path.
         path = left_to_right_path(len(operands))
@@ -135,7 +135,7 @@ def einsum(
         # torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction=False: accumulate the
         # half-precision contractions in float32 and round once at the end.
         result = jnp.result_type(*ops)
-        flags = _flags.trace_flags()
+        flags = _flag_state.trace_flags()
         if ((result == jnp.float16 and not flags.allow_fp16_reduced_precision_reduction)
                 or (result == jnp.bfloat16 and not flags.allow_bf16_reduced_precision_reduction)):
             preferred_element_type, cast_back = jnp.float32, result

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_state as _flag_state
 from jbackends._src import verbose as _verbose
 
 _Impl = lax.linalg.EigImplementation
@@ -47,7 +47,7 @@ def _eig(a: Any, *, vectors: bool, platform: str | None = None) -> Any:
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"a must be a batch of square matrices [..., n, n], got shape {a.shape}")
     platform = platform or jax.default_backend()
-    pref = _flags.trace_flags().preferred_linalg_library
+    pref = _flag_state.trace_flags().preferred_linalg_library
     impl, reasons = eig_implementation(pref, platform)
     _verbose.report_dispatch("linalg.eig", impl.value if impl is not None else "default", reasons,
                              (a.shape,), (a.dtype,))

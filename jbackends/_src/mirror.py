@@ -1,6 +1,6 @@
 """Generate the torch-shaped mirror (`jb.cuda.enable_flash_sdp`, `jb.cudnn.deterministic = True`, ...).
 
-Each `Flag` in `flags._DECLARATIONS` lists where torch spells it (`Flag.mirrors`). A mirror module calls
+Each `Flag` in `flag_declarations.DECLARATIONS` lists where torch spells it (`Flag.mirrors`). A mirror module calls
 `install(module)` once at its end; this turns every declaration naming that module into a function or a
 property. Properties need a class: the module's `__class__` becomes a generated `ModuleType` subclass (the
 module object itself stays in `sys.modules`; nothing is swapped). Nested names such as `cuda.matmul`
@@ -12,32 +12,34 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_declarations as _flag_declarations
+from jbackends._src import flag_scope as _flag_scope
+from jbackends._src import flag_state as _flag_state
 
 
-def _getter(flag: _flags.Flag):
+def _getter(flag: _flag_declarations.Flag):
     def get() -> Any:
-        return getattr(_flags.current_flags(), flag.name)
+        return getattr(_flag_state.current_flags(), flag.name)
 
     get.__name__ = f"get_{flag.name}"
     get.__doc__ = f"Return `{flag.name}` in force here. {flag.help}"
     return get
 
 
-def _setter(flag: _flags.Flag):
+def _setter(flag: _flag_declarations.Flag):
     def set_(value: Any) -> None:
-        _flags.set_flags(**{flag.name: value})
+        _flag_scope.set_flags(**{flag.name: value})
 
     set_.__name__ = f"set_{flag.name}"
     set_.__doc__ = f"Set the process default of `{flag.name}` (torch semantics). {flag.help}"
     return set_
 
 
-def _getset(flag: _flags.Flag):
+def _getset(flag: _flag_declarations.Flag):
     def getset(backend: Any = None) -> Any:
         if backend is not None:
-            _flags.set_flags(**{flag.name: backend})
-        return getattr(_flags.current_flags(), flag.name)
+            _flag_scope.set_flags(**{flag.name: backend})
+        return getattr(_flag_state.current_flags(), flag.name)
 
     getset.__name__ = flag.name
     getset.__doc__ = (f"Return `{flag.name}` in force here; with an argument, first set its process default "
@@ -64,10 +66,10 @@ def _guarded_setattr(valid: tuple[str, ...]):
     return __setattr__
 
 
-def _property(flag: _flags.Flag) -> property:
+def _property(flag: _flag_declarations.Flag) -> property:
     return property(
-        lambda self: getattr(_flags.current_flags(), flag.name),
-        lambda self, value: _flags.set_flags(**{flag.name: value}),
+        lambda self: getattr(_flag_state.current_flags(), flag.name),
+        lambda self, value: _flag_scope.set_flags(**{flag.name: value}),
         doc=f"{flag.help} Reading gives the value in force; assigning sets the process default.",
     )
 
@@ -89,7 +91,7 @@ def install(module: types.ModuleType) -> None:
     path = module.__name__.removeprefix("jbackends").removeprefix(".")
     module_props: dict[str, property] = {}
     nested: dict[str, dict[str, property]] = {}
-    for flag in _flags.FLAGS.values():
+    for flag in _flag_declarations.FLAGS.values():
         for where, kind, name in flag.mirrors:
             if kind in _FUNCTION_KINDS and where == path:
                 setattr(module, name, _FUNCTION_KINDS[kind](flag))
@@ -107,4 +109,4 @@ def install(module: types.ModuleType) -> None:
 
 def names(path: str) -> list[str]:
     """The mirror names declared for a module path (for docs and the environment report)."""
-    return [name for f in _flags.FLAGS.values() for where, _, name in f.mirrors if where == path]
+    return [name for f in _flag_declarations.FLAGS.values() for where, _, name in f.mirrors if where == path]

@@ -24,7 +24,7 @@ from flax import nnx
 from flax.nnx.nn import attention as _flax_attention
 from flax.nnx.nn import dtypes as _dtypes
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_state as _flag_state
 from jbackends._src import verbose as _verbose
 
 
@@ -114,7 +114,7 @@ def attention_fn(
                          f"got shapes {query.shape}, {key.shape}, {value.shape}")
     if key.shape[-3] != value.shape[-3]:
         raise ValueError(f"key and value lengths must match, got {key.shape[-3]} and {value.shape[-3]}")
-    flags = _flags.trace_flags()
+    flags = _flag_state.trace_flags()
     reasons = _fast_path_blockers(flags, dropout_rate, deterministic, module, precision)
     if not reasons:
         try:

@@ -12,7 +12,8 @@ import platform
 import sys
 from collections.abc import Callable, Iterator
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_declarations as _flag_declarations
+from jbackends._src import flag_state as _flag_state
 
 _PACKAGES = ("jax", "jaxlib", "flax", "chex", "opt_einsum", "numpy", "ml_dtypes", "torch", "tokamax")
 
@@ -83,8 +84,8 @@ def _int4_rows() -> Iterator[tuple[str, str]]:
 
 
 def _flag_rows() -> Iterator[tuple[str, str]]:
-    snap = _flags.current_flags()
-    for f in _flags.FLAGS.values():
+    snap = _flag_state.current_flags()
+    for f in _flag_declarations.FLAGS.values():
         torch = f.torch[0] if f.torch else ""
         kind = "traced" if f.traced else ("compile-time" if f.compiler_options else "runtime")
         yield f.name, f"{getattr(snap, f.name)!r:<22} {kind:<12} {torch}"

@@ -40,7 +40,8 @@ from typing import Any
 
 import jax
 
-from jbackends._src import flags as _flags
+from jbackends._src import flag_scope as _flag_scope
+from jbackends._src import flag_state as _flag_state
 
 logger = logging.getLogger("jbackends")
 
@@ -65,7 +66,7 @@ def _ensure_visible() -> None:
 
 def level() -> int:
     """The verbose level in force here (0 = off)."""
-    return _flags.current_flags().verbose
+    return _flag_state.current_flags().verbose
 
 
 def report_dispatch(op: str, chosen: str, reasons: Mapping[str, str], shapes: tuple = (), dtypes: tuple = ()) -> None:
@@ -78,7 +79,7 @@ def report_dispatch(op: str, chosen: str, reasons: Mapping[str, str], shapes: tu
       shapes: the argument shapes (tuples), in argument order.
       dtypes: the argument dtypes, in argument order.
     """
-    if not _flags.current_flags().verbose:
+    if not _flag_state.current_flags().verbose:
         return
     _ensure_visible()
     rejected = "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "-"
@@ -99,7 +100,7 @@ def _on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
             if len(_TRACE_COUNTS) >= _TRACE_COUNTS_MAX and fun not in _TRACE_COUNTS:
                 _TRACE_COUNTS.clear()
             count = _TRACE_COUNTS[fun] = _TRACE_COUNTS.get(fun, 0) + 1
-    if not _flags.current_flags().verbose:
+    if not _flag_state.current_flags().verbose:
         return
     _ensure_visible()
     logger.info("jbackends %s fun=%s secs=%.6f", stage, fun, duration_secs)
@@ -120,7 +121,7 @@ _register_once()
 
 def report_call(op: str, secs: float) -> None:
     """Log one timed call (level >= 2)."""
-    if _flags.current_flags().verbose < 2:
+    if _flag_state.current_flags().verbose < 2:
         return
     _ensure_visible()
     logger.info("jbackends call op=%s secs=%.6f", op, secs)
@@ -128,7 +129,7 @@ def report_call(op: str, secs: float) -> None:
 
 def call(op: str, fun: Callable, *args: Any, **kwargs: Any) -> Any:
     """Run `fun(*args, **kwargs)`; at verbose level >= 2 (and outside a trace) time it to completion."""
-    if _flags.current_flags().verbose < 2 or _flags._tracing():
+    if _flag_state.current_flags().verbose < 2 or _flag_state.tracing():
         return fun(*args, **kwargs)
     start = time.perf_counter()
     out = jax.block_until_ready(fun(*args, **kwargs))
@@ -178,4 +179,4 @@ def verbose(level: int) -> Any:
         raise TypeError(f"verbose level must be an int (0 off, 1, 2), got {type(level).__name__} {level!r}")
     if level not in (0, 1, 2):
         raise ValueError(f"verbose level must be 0 (off), 1 or 2, got {level}")
-    return _flags.with_backends(verbose=level)
+    return _flag_scope.with_backends(verbose=level)
