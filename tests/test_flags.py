@@ -45,6 +45,12 @@ class Probe:
         return x * (2.0 if f.flash else 3.0) + (0.5 if f.deterministic else 0.0)
 
 
+def _close(actual, expected, rtol=1e-6, atol=1e-6):
+    """Equal to float32 rounding: `3 * x + 0.5` near 0 rounds differently jitted and eager, so a
+    relative tolerance alone can fail; the flag-dependent terms differ by far more than `atol`."""
+    chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
+
+
 def _x():
     return jnp.asarray(np.random.default_rng().standard_normal(4), jnp.float32)
 
@@ -97,20 +103,20 @@ def test_jit_retraces_on_change_and_hits_cache_on_return():
             outs.append(f(x))
     assert probe.traces == 2 and compiles.count == 2
     for out, factor in zip(outs, (2, 3, 2, 3)):
-        chex.assert_trees_all_close(out, factor * x)
+        _close(out, factor * x)
     assert f._cache_size() <= 2  # never one dispatch entry per call
 
 
 def test_fresh_jit_of_same_function_sees_flags():
     probe = Probe()
     x = _x()
-    chex.assert_trees_all_close(jax.jit(probe)(x), 2 * x)
+    _close(jax.jit(probe)(x), 2 * x)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(jax.jit(probe)(x), 3 * x)
-    chex.assert_trees_all_close(jax.jit(probe)(x), 2 * x)
+        _close(jax.jit(probe)(x), 3 * x)
+    _close(jax.jit(probe)(x), 2 * x)
     # jax.jit(fn) objects built anew share JAX's trace cache by function: no stale hit across them.
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(jax.jit(probe)(x), 3 * x)
+        _close(jax.jit(probe)(x), 3 * x)
     assert probe.traces == 2
 
 
@@ -145,12 +151,12 @@ def test_eager_scan_body_retraces():
         return probe(c), None
 
     run = lambda: jax.lax.scan(body, x, None, length=2)[0]  # noqa: E731
-    chex.assert_trees_all_close(run(), 4 * x)
+    _close(run(), 4 * x)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(run(), 9 * x)
-    chex.assert_trees_all_close(run(), 4 * x)
+        _close(run(), 9 * x)
+    _close(run(), 4 * x)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(run(), 9 * x)
+        _close(run(), 9 * x)
     assert probe.traces == 2  # one trace per flag setting: cached, and never stale
 
 
@@ -173,12 +179,12 @@ def test_transforms_trace_with_flags_in_force(transform):
         True: (lambda x: 8 * x) if transform != "vmap" else (lambda x: 2 * x),
         False: (lambda x: 18 * x) if transform != "vmap" else (lambda x: 3 * x),
     }
-    chex.assert_trees_all_close(fn(x), expected[True](x), rtol=1e-6)
+    _close(fn(x), expected[True](x), rtol=1e-6)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(fn(x), expected[False](x), rtol=1e-6)
-    chex.assert_trees_all_close(fn(x), expected[True](x), rtol=1e-6)
+        _close(fn(x), expected[False](x), rtol=1e-6)
+    _close(fn(x), expected[True](x), rtol=1e-6)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(fn(x), expected[False](x), rtol=1e-6)
+        _close(fn(x), expected[False](x), rtol=1e-6)
     assert probe.traces == 2  # retraced on change, cache hits on return
 
 
@@ -207,14 +213,14 @@ def test_custom_vjp_backward_uses_forward_flags():
     """
     x = _x()
     out, vjp_fn = jax.vjp(lambda x: _scaled(trace_flags(), x), x)
-    chex.assert_trees_all_close(out, 2 * x)
+    _close(out, 2 * x)
     with jb.with_backends(flash=False):
         (g,) = vjp_fn(jnp.ones_like(x))
-    chex.assert_trees_all_close(g, jnp.full_like(x, 2.0))
+    _close(g, jnp.full_like(x, 2.0))
     with jb.with_backends(flash=False):
         out, vjp_fn = jax.vjp(jax.jit(lambda x: _scaled(trace_flags(), x)), x)
     (g,) = vjp_fn(jnp.ones_like(x))
-    chex.assert_trees_all_close(g, jnp.full_like(x, 3.0))
+    _close(g, jnp.full_like(x, 3.0))
 
 
 def test_shard_map_on_cpu_mesh():
@@ -222,10 +228,10 @@ def test_shard_map_on_cpu_mesh():
     probe = Probe()
     fn = jax.jit(jax.shard_map(probe, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     x = jnp.asarray(np.random.default_rng().standard_normal(8), jnp.float32)
-    chex.assert_trees_all_close(fn(x), 2 * x)
+    _close(fn(x), 2 * x)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(fn(x), 3 * x)
-    chex.assert_trees_all_close(fn(x), 2 * x)
+        _close(fn(x), 3 * x)
+    _close(fn(x), 2 * x)
     assert probe.traces == 2
 
 
@@ -242,12 +248,12 @@ def test_flax_nnx_jit():
     step = nnx.jit(lambda m, x: traces.append(1) or m(x))
     x = _x()[None]
     y = model.lin(x)
-    chex.assert_trees_all_close(step(model, x), 2 * y, rtol=1e-6)
+    _close(step(model, x), 2 * y, rtol=1e-6)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(step(model, x), 3 * y, rtol=1e-6)
-    chex.assert_trees_all_close(step(model, x), 2 * y, rtol=1e-6)
+        _close(step(model, x), 3 * y, rtol=1e-6)
+    _close(step(model, x), 2 * y, rtol=1e-6)
     with jb.with_backends(flash=False):
-        chex.assert_trees_all_close(step(model, x), 3 * y, rtol=1e-6)
+        _close(step(model, x), 3 * y, rtol=1e-6)
     assert len(traces) == 2
 
 
@@ -255,11 +261,11 @@ def test_decorator_on_jitted_and_jit_of_decorated():
     x = _x()
     outer = jb.with_backends(flash=False)(jax.jit(Probe()))
     inner = jax.jit(jb.with_backends(flash=False)(Probe()))
-    chex.assert_trees_all_close(outer(x), 3 * x)
-    chex.assert_trees_all_close(inner(x), 3 * x)
+    _close(outer(x), 3 * x)
+    _close(inner(x), 3 * x)
     with jb.with_backends(deterministic=True):  # a flag the decorators leave alone still applies
-        chex.assert_trees_all_close(outer(x), 3 * x + 0.5)
-        chex.assert_trees_all_close(inner(x), 3 * x + 0.5)
+        _close(outer(x), 3 * x + 0.5)
+        _close(inner(x), 3 * x + 0.5)
     assert jb.current_flags().flash
 
 
@@ -316,9 +322,9 @@ def test_scoped_flags_reach_worker_only_through_propagate():
             carried = pool.submit(jb.propagate(lambda: (jb.current_flags().flash, f(x)))).result()
         after = pool.submit(lambda: (jb.current_flags().flash, f(x))).result()
     assert plain[0] is True and carried[0] is False and after[0] is True
-    chex.assert_trees_all_close(plain[1], 2 * x)
-    chex.assert_trees_all_close(carried[1], 3 * x)
-    chex.assert_trees_all_close(after[1], 2 * x)  # the worker thread's key was restored
+    _close(plain[1], 2 * x)
+    _close(carried[1], 3 * x)
+    _close(after[1], 2 * x)  # the worker thread's key was restored
 
 
 def test_interleaved_asyncio_tasks_each_see_their_flags():
@@ -366,7 +372,7 @@ def test_global_set_inside_copied_context_is_in_force_outside(defaults):
     ctx.run(jb.set_flags, flash=False)  # a notebook cell boundary
     assert jb.current_flags().flash is False
     x = _x()
-    chex.assert_trees_all_close(jax.jit(Probe())(x), 3 * x)  # and traced functions see it
+    _close(jax.jit(Probe())(x), 3 * x)  # and traced functions see it
 
 
 def test_global_change_retraces(defaults):
@@ -375,10 +381,10 @@ def test_global_change_retraces(defaults):
     x = _x()
     f(x)
     jb.cuda.enable_flash_sdp(False)
-    chex.assert_trees_all_close(f(x), 3 * x)
+    _close(f(x), 3 * x)
     assert not jb.cuda.flash_sdp_enabled()
     jb.cuda.enable_flash_sdp(True)
-    chex.assert_trees_all_close(f(x), 2 * x)
+    _close(f(x), 2 * x)
     assert probe.traces == 2
 
 
@@ -388,7 +394,7 @@ def test_global_change_inside_scope_keeps_key_consistent(defaults):
     x = _x()
     with jb.with_backends(math=False):
         jb.set_flags(flash=False)
-        chex.assert_trees_all_close(f(x), 3 * x)
+        _close(f(x), 3 * x)
 
 
 def test_reload_adds_no_user_context():
@@ -565,7 +571,7 @@ def test_jb_jit_compile_time_flags_give_distinct_executables():
     x = _x()
     f(x)
     with jb.with_backends(deterministic=True):
-        chex.assert_trees_all_close(f(x), 2 * x + 0.5)
+        _close(f(x), 2 * x + 0.5)
         compiled = f.lower(x).compile()
     f(x)
     assert len(f.executables) == 2
@@ -612,7 +618,7 @@ def test_jb_jit_reports_call_time_at_verbose_level_2(caplog):
         f(x)
         assert not [r for r in caplog.records if "call op=" in r.getMessage()]
         with jb.verbose(2):
-            chex.assert_trees_all_close(f(x), 2 * x)
+            _close(f(x), 2 * x)
     lines = [r.getMessage() for r in caplog.records if "call op=" in r.getMessage()]
     assert len(lines) == 1 and "op=<lambda>" in lines[0] and "secs=" in lines[0]
 
@@ -658,11 +664,11 @@ def test_default_changed_by_another_thread_never_serves_a_stale_executable(defau
         results["synced"] = f(x)
 
     results = _worker_in_scope_while_main_changes_flash({"math": False}, before, after)
-    chex.assert_trees_all_close(results["before"], 2 * x)
+    _close(results["before"], 2 * x)
     # The worker's key changed with the global default: it retraced and refused to cache flash=True
     # under the new key (without the global defaults key it silently returned the stale 2x).
     assert "error" in results and "after" not in results
-    chex.assert_trees_all_close(results["synced"], 3 * x)
+    _close(results["synced"], 3 * x)
 
 
 def test_default_changed_by_another_thread_where_the_scope_overrides_it(defaults):
@@ -671,7 +677,7 @@ def test_default_changed_by_another_thread_where_the_scope_overrides_it(defaults
     results = _worker_in_scope_while_main_changes_flash(
         {"flash": True, "math": False}, lambda r: None,
         lambda r: r.update(after=f(x)))  # the scope pins flash: no error, and the scope's value
-    chex.assert_trees_all_close(results["after"], 2 * x)
+    _close(results["after"], 2 * x)
 
 
 def _precision_in_jaxpr() -> str:
