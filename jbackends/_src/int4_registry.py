@@ -16,7 +16,6 @@ other          pallas_interpret, xla
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import jax.numpy as jnp
 
