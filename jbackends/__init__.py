@@ -42,7 +42,7 @@ from jbackends import mkl as mkl
 from jbackends import mkldnn as mkldnn
 from jbackends import opt_einsum as opt_einsum
 
-# --- issue 6 exports (cpu, mps, einsum, fft, verbose, conv, nn, xeon, ...): owned by that work ---
+# --- backend modules (cpu, mps, einsum, fft, verbose, conv, nn, xeon, ...) ---
 from jbackends import conv as conv
 from jbackends import cpu as cpu
 from jbackends import cusparselt as cusparselt
@@ -59,9 +59,8 @@ from jbackends._src.einsum import einsum as einsum
 from jbackends._src.einsum import einsum_path as einsum_path
 from jbackends._src.verbose import timed as timed
 from jbackends._src.verbose import verbose as verbose
-# --- end issue 6 exports ---
 
-# --- attention / quantized exports: owned by the lead ---
+# --- attention / quantized ---
 from jbackends import attention as attention
 from jbackends.attention import SDPBackend as SDPBackend
 from jbackends.attention import dot_product_attention as dot_product_attention

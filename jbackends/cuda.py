@@ -23,7 +23,7 @@ from jbackends._src import mirror as _mirror
 from jbackends._src import platforms as _platforms
 from jbackends._src.fft import cufft_plan_cache as cufft_plan_cache
 
-# --- issue 6 (non-flag rows of torch.backends.cuda) ---
+# --- non-flag rows of torch.backends.cuda ---
 
 
 def is_built() -> bool:
@@ -110,9 +110,8 @@ cublas_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="cuBLAS", name="cublas
 cublaslt_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="cuBLASLt", name="cublaslt_workspace_size")
 blas_workspace_size.__doc__ = _WORKSPACE_DOC.format(lib="BLAS", name="blas_workspace_size")
 
-# --- end issue 6 ---
 
-# --- SDPA helpers (torch.backends.cuda.SDPAParams, can_use_*, sdp_kernel): owned by the lead ---
+# --- SDPA helpers (torch.backends.cuda.SDPAParams, can_use_*, sdp_kernel) ---
 from jbackends.attention import SDPAParams as SDPAParams  # noqa: E402
 from jbackends.attention import can_use_cudnn_attention as can_use_cudnn_attention  # noqa: E402
 from jbackends.attention import can_use_efficient_attention as can_use_efficient_attention  # noqa: E402

@@ -26,7 +26,7 @@ def flags(enabled=None, benchmark=None, benchmark_limit=None, deterministic=None
     return _with_backends(**{k: v for k, v in given.items() if v is not None})
 
 
-# --- issue 6 (non-flag rows of torch.backends.cudnn) ---
+# --- non-flag rows of torch.backends.cudnn ---
 
 
 def version() -> int | None:
@@ -74,6 +74,5 @@ def is_acceptable(tensor) -> bool:
     return is_available() and all(d.platform == "gpu" for d in devices)
 
 
-# --- end issue 6 ---
 
 _mirror.install(_sys.modules[__name__])

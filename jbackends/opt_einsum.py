@@ -20,7 +20,7 @@ from jbackends._src import flag_scope as _flag_scope
 from jbackends._src import flag_state as _flag_state
 from jbackends._src import mirror as _mirror
 
-# --- issue 6 (non-flag rows of torch.backends.opt_einsum) ---
+# --- non-flag rows of torch.backends.opt_einsum ---
 
 
 def is_available() -> bool:
@@ -49,7 +49,6 @@ def get_opt_einsum():
     return opt_einsum
 
 
-# --- end issue 6 ---
 
 
 def set_flags(_enabled=None, _strategy=None) -> tuple:

@@ -865,7 +865,7 @@ def test_jb_jit_staged_into_plain_jit_traces_once():
 
 @pytest.mark.parametrize("where", ["top", "jit", "grad"])
 def test_jb_jit_lets_a_users_value_error_through(where):
-    """Issue 15 q: a ValueError mentioning "top-level" is the function's, not JAX's refusal."""
+    """A ValueError mentioning "top-level" is the function's, not JAX's refusal."""
     traces = []
 
     def fn(x):
@@ -903,7 +903,7 @@ def test_reloading_a_mirror_module_keeps_its_attributes_working(defaults):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-# ------------------------------------------------------------------------------------- issue 15 i, j, p, r, s
+# ------------------------------------------------------------------------------------- bad input to the flag API
 
 
 @pytest.mark.parametrize("value", [np.bool_(False), np.False_, np.array(False), jnp.bool_(False)])

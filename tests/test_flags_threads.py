@@ -1,4 +1,4 @@
-"""Process defaults changed by one thread (or asyncio task) while another traces (issue 16, defect 1).
+"""Process defaults changed by one thread (or asyncio task) while another traces.
 
 Thread A alternates `jb.set_flags(<only MATH>)` / `jb.set_flags(<only FLASH>)`; thread B traces a function
 that reads the flags twice (two kernels, one of them behind a nested `jax.jit`) on hundreds of new
@@ -312,7 +312,7 @@ def _primitives(jaxpr) -> tuple:
 
 
 def test_attention_twice_under_concurrent_set_flags(defaults):
-    """Issue 16's probe: thread A flips MATH / FLASH, thread B traces two attention calls per function."""
+    """The probe: thread A flips MATH / FLASH, thread B traces two attention calls per function."""
     key = jax.random.key(0)
     shape = lambda t: (1, t, 1, 8)  # noqa: E731
     q = jax.random.normal(key, shape(5))

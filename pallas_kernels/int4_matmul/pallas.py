@@ -15,7 +15,7 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
   contracts over >= `MIN_INT8_DOT_K` = 32 k: Triton's NVIDIA backend has no
   narrower int8 MMA (``mma.m16n8k32``, ``wgmma ... k32``), and a 16-k int8
   operand (a 32-k group's nibble plane) is fed to the k32 instruction with its
-  registers repeated, so every product is counted twice (issue 14). A group
+  registers repeated, so every product is counted twice. A group
   whose nibble plane is not a multiple of 32 bytes (groupsize an odd multiple
   of 32) is covered by 32-byte windows that overlap the neighbouring k, with
   the k outside the group masked to 0 (`_windows`). Decode: the grid

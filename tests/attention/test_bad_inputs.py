@@ -1,4 +1,4 @@
-"""What a new user hits (issue 15, the attention findings): each answered like torch / jax.nn, or by a
+"""What a new user hits (the attention findings): each answered like torch / jax.nn, or by a
 clear error naming the argument, the same on every backend.
 
 b: a non-bool ``is_causal``; g: ``scale`` 0 / negative; h: ``dropout_rng`` that is not a PRNG key;

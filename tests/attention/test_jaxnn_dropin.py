@@ -1,4 +1,4 @@
-"""`jb.dot_product_attention` as an exact drop-in for `jax.nn.dot_product_attention` (issue 15).
+"""`jb.dot_product_attention` as an exact drop-in for `jax.nn.dot_product_attention`.
 
 Every backend, through the public jax.nn-shaped API: MATH, FLASH (the C++ kernel and the blockwise
 XLA code), EFFICIENT (blockwise XLA), the Pallas Triton kernels in interpret mode and the cuDNN
@@ -451,7 +451,7 @@ def test_upstream_local_window_without_mask(name):
       1, 1))), atol=3e-5)
 
 
-# ---- second order (issue 15, finding c) -------------------------------------------------------------
+# ---- second order ---------------------------------------------------------------------------------
 
 SECOND_ORDER_CALLS = {
     "causal": dict(is_causal=True),

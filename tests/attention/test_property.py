@@ -1,4 +1,4 @@
-"""Property test (issue 15): random calls through both public APIs, every enabled CPU backend
+"""Property test: random calls through both public APIs, every enabled CPU backend
 against the math reference (float32 upcast, highest precision), forward and gradients.
 
 Hypothesis draws shapes (batch, T, S, heads, GQA groups, head dims), dtypes, masks (bool, float,

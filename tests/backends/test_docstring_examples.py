@@ -1,4 +1,4 @@
-"""The runnable examples in the docstrings of the issue 6 modules."""
+"""The runnable examples in the docstrings of the backend modules."""
 
 import doctest
 import importlib

@@ -1,4 +1,4 @@
-"""Bad and unusual inputs, answered the same way on every engine (issue 15 a, d, k, l).
+"""Bad and unusual inputs, answered the same way on every engine.
 
 * NaN / inf in an activation row: torch's x86 kernel, emulated below line by line from its C++
   (``ref_dyn_quant_matmul_4bit_{channelwise,groupwise}_kernel``), is the contract.

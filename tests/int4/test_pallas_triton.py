@@ -1,4 +1,4 @@
-"""The Pallas Triton int4 kernels as the GPU compiles them (issue 14).
+"""The Pallas Triton int4 kernels as the GPU compiles them.
 
 The W4A8 kernel returned garbage for groupsize 32 on an H100 while interpret mode passed: each 32-k
 group's nibble plane was an int8 ``jnp.dot`` over 16 k. Triton's NVIDIA backend has no int8 MMA
