@@ -72,7 +72,7 @@ __all__ = [
 IMPLEMENTATIONS = tuple(_registry.BY_NAME)  # ("pallas", "pallas_interpret", "cpp", "xla", "reference")
 
 #: Lowering platforms given their own branch; any other gets the default one.
-_GPU = _dispatch.GPU_PLATFORMS
+_GPU = _dispatch.GPU_LOWERING
 
 #: Weight-only rows above which the CPU path is XLA's dequantize + GEMM.
 CPP_WEIGHT_ONLY_MAX_M = _cpu.WEIGHT_ONLY_MAX_ROWS

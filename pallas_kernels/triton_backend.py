@@ -6,8 +6,9 @@ kernels, which is us, not to the users of jbackends: our kernels pass :class:`Co
 lowering runs JAX's own Triton lowering with that one warning silenced. Everything else (other
 warnings, JAX's accelerated deprecations, which raise) passes through unchanged.
 
-(Every Triton kernel here imports ``jax.experimental.pallas.triton``; a JAX without that backend
-will need the dispatch to route around them: not the case for any JAX released so far.)
+On a JAX without the backend, :func:`available` is False, ``CompilerParams`` is None, and the
+dispatcher gives every Triton implementation the reason "the installed JAX has no Pallas Triton
+backend", so calls route to cuDNN or XLA (no JAX released so far lacks it).
 
 Example:
   >>> from pallas_kernels import triton_backend
@@ -17,11 +18,22 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import warnings
 
-__all__ = ["CompilerParams"]
+__all__ = ["CompilerParams", "available"]
 
 _DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@functools.cache
+def available() -> bool:
+  """Whether the installed JAX has the Pallas Triton backend (``jax.experimental.pallas.triton``)."""
+  try:
+    return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+  except ImportError:
+    return False
 
 
 def _quiet_params_class():
@@ -52,4 +64,4 @@ def _quiet_params_class():
   return CompilerParams
 
 
-CompilerParams = _quiet_params_class()
+CompilerParams = _quiet_params_class() if available() else None

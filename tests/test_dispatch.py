@@ -148,3 +148,31 @@ def test_int4_explain_bad_inputs():
   with pytest.raises(TypeError, match="`platform`"):
     jb.quantized.explain(x, p, platform=3)
   assert int4_registry.BY_NAME.keys() == set(jb.quantized.IMPLEMENTATIONS)
+
+
+def test_a_jax_without_pallas_triton_routes_around_the_triton_kernels(monkeypatch):
+  """The Triton backend is deprecated: once a JAX drops it, dispatch says so and picks cuDNN / XLA."""
+  from pallas_kernels import triton_backend
+  monkeypatch.setattr(triton_backend, "available", lambda: False)
+  q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+  e = jb.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)
+  assert e.chosen == SDPBackend.CUDNN_ATTENTION
+  assert "no Pallas Triton backend" in e.reasons[SDPBackend.FLASH_ATTENTION]
+  assert "no Pallas Triton backend" in e.reasons[SDPBackend.EFFICIENT_ATTENTION]
+  with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+    e = jb.explain(q, q, q, is_causal=True, platform="cuda")
+  assert e.chosen == SDPBackend.MATH
+  p = _packed()
+  e4 = jb.quantized.explain(jax.ShapeDtypeStruct((1, 128), jnp.bfloat16), p, platform="cuda")
+  assert e4.implementation == "xla" and "no Pallas Triton backend" in e4.reasons["pallas"]
+
+
+def test_cuda_calls_see_the_target_compute_capability():
+  """At run time the CUDA decision knows the target GPU (local, or `gpu.cuda_target`): routing by
+  compute capability (cuDNN's limits, a Mosaic GPU kernel for sm90+) uses it."""
+  from pallas_kernels import gpu
+  assert D.local_device_info("cpu") is None
+  with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+    assert D.local_device_info("cuda") == {"compute_capability": 9.0}
+  with gpu.cuda_target("NVIDIA A100-SXM4-80GB"):
+    assert D.local_device_info("cuda") == {"compute_capability": 8.0}

@@ -48,6 +48,17 @@ class NoAvailableBackendError(RuntimeError):
   """No enabled SDPA backend can run the call; the message has every enabled backend's reasons."""
 
 
+def local_device_info(platform: str) -> Optional[Mapping[str, Any]]:
+  """What is known about the device a call lowered for ``platform`` will run on: the compute
+  capability of the CUDA target (the local GPU, or `pallas_kernels.gpu.cuda_target`'s), for
+  implementations that route by it; None when nothing is known (then none is assumed)."""
+  if platform != "cuda":
+    return None
+  from pallas_kernels import gpu  # noqa: PLC0415 - only when lowering for CUDA
+  cc = gpu.compute_capability()
+  return None if cc is None else {"compute_capability": cc / 10}
+
+
 def backend_choice(args: base.AttentionArgs, backend: int, platform: str, flags: Any = None,
                    device_info: Optional[Mapping[str, Any]] = None) -> dispatch.Choice:
   """Which implementation of ``backend`` would run ``args`` on ``platform`` (flags give the filters)."""
@@ -153,7 +164,7 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
 
   decisions = []
   for p in tuple(platforms) + tuple(optional_platforms):
-    d = decide(args, flags, p, only=only)
+    d = decide(args, flags, p, only=only, device_info=local_device_info(p))
     if d.chosen is None:
       if p in optional_platforms:
         continue

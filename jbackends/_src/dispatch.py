@@ -28,10 +28,11 @@ from typing import Any
 import jax
 
 __all__ = ["Implementation", "Choice", "lazy", "choose", "set_ranker", "ranker", "by_platform",
-           "canonical_platform", "default_platform", "GPU_PLATFORMS"]
+           "canonical_platform", "default_platform", "GPU_LOWERING"]
 
-#: Lowering platforms that are GPUs.
-GPU_PLATFORMS = ("cuda", "rocm")
+#: Lowering platforms that are GPUs (each gets its own ``platform_dependent`` branch). Not
+#: ``pallas_kernels.gpu.GPU_PLATFORMS``, the names under which a kernel sees an NVIDIA GPU.
+GPU_LOWERING = ("cuda", "rocm")
 
 
 def _no_options(flags: Any, platform: str) -> dict:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from jbackends._src.dispatch import GPU_PLATFORMS, Implementation, lazy
+from jbackends._src.dispatch import GPU_LOWERING, Implementation, lazy
 
 __all__ = ["PALLAS", "PALLAS_INTERPRET", "CPP", "XLA", "REFERENCE", "BY_NAME", "implementations",
            "engine_filter"]
@@ -56,9 +56,19 @@ def _reference_run(x, packed, *, op, compute_dtype=None):
     return lazy(f"{_PKG}.base:{fn}")(x, packed)
 
 
+def _triton_missing() -> list:
+    from pallas_kernels import triton_backend  # noqa: PLC0415 - a leaf; imports no kernel
+    return [] if triton_backend.available() else ["the installed JAX has no Pallas Triton backend"]
+
+
+def _pallas_reasons(call, platform, device):
+    del device
+    return _triton_missing() or lazy(f"{_PKG}.pallas:unsupported")(call, platform)
+
+
 def _interpret_reasons(call, platform, device):
     del platform, device
-    return lazy(f"{_PKG}.pallas:unsupported")(call, None)
+    return _triton_missing() or lazy(f"{_PKG}.pallas:unsupported")(call, None)
 
 
 def _reasons(path: str):
@@ -66,7 +76,7 @@ def _reasons(path: str):
     return lambda call, platform, device: fn(call, platform)
 
 
-PALLAS = Implementation("pallas", "Pallas Triton", GPU_PLATFORMS, _reasons("pallas:unsupported"),
+PALLAS = Implementation("pallas", "Pallas Triton", GPU_LOWERING, _pallas_reasons,
                         _pallas_run(False), description="fused dequantize + MMA kernels")
 PALLAS_INTERPRET = Implementation(
     "pallas_interpret", "Pallas Triton (interpreted)", None, _interpret_reasons, _pallas_run(True),
@@ -86,7 +96,7 @@ BY_NAME: dict[str, Implementation] = {i.name: i for i in (PALLAS, PALLAS_INTERPR
 
 def implementations(platform: str) -> tuple[Implementation, ...]:
     """The implementations tried when lowering for ``platform``, in order."""
-    if platform in GPU_PLATFORMS:
+    if platform in GPU_LOWERING:
         return _LISTS["gpu"]
     return _LISTS["cpu" if platform == "cpu" else "other"]
 
@@ -98,5 +108,5 @@ def engine_filter(engine: str, platform: str) -> Mapping[str, str]:
     if engine == "xla":
         return {PALLAS.name: "quantized_engine='xla'", PALLAS_INTERPRET.name: "quantized_engine='xla'"}
     if engine == "pallas":
-        return {} if platform in GPU_PLATFORMS else {PALLAS.name: f"no GPU when lowering for {platform}: interpreted"}
+        return {} if platform in GPU_LOWERING else {PALLAS.name: f"no GPU when lowering for {platform}: interpreted"}
     return {PALLAS_INTERPRET.name: "the GPU kernels are interpreted only with quantized_engine='pallas'"}

@@ -21,6 +21,7 @@ from typing import Any
 
 from jbackends._src.dispatch import Implementation, lazy
 from jbackends._src.sdp_backends import SDPBackend
+from pallas_kernels import triton_backend as _TRITON
 
 __all__ = ["IMPLEMENTATIONS", "BY_NAME", "implementations", "cpu_filter"]
 
@@ -31,6 +32,17 @@ _ANY = "*"  # the list for every platform without its own
 def _reasons(path: str):
     fn = lazy(f"{_PKG}.{path}")
     return lambda args, platform, device: fn(args, platform)
+
+
+def _triton_missing() -> list:
+    """The Pallas Triton backend is deprecated since jax 0.11: once a JAX drops it, its kernels say so
+    and dispatch moves on (cuDNN, XLA)."""
+    return [] if _TRITON.available() else ["the installed JAX has no Pallas Triton backend"]
+
+
+def _triton_reasons(path: str):
+    fn = _reasons(path)
+    return lambda args, platform, device: _triton_missing() or fn(args, platform, device)
 
 
 def _tf32(flags: Any, platform: str) -> dict:
@@ -52,11 +64,11 @@ def _cudnn_reasons(args, platform, device):
 
 
 TRITON_DECODE = Implementation(
-    "triton_decode", "Pallas Triton", ("cuda",), _reasons("decode:unsupported"),
+    "triton_decode", "Pallas Triton", ("cuda",), _triton_reasons("decode:unsupported"),
     lazy(f"{_PKG}.decode:attention"), _tf32,
     "split-K decode kernel for short queries (T <= 16); fused flash backward")
 TRITON_FLASH = Implementation(
-    "triton_flash", "Pallas Triton", ("cuda",), _reasons("flash:unsupported"),
+    "triton_flash", "Pallas Triton", ("cuda",), _triton_reasons("flash:unsupported"),
     _flash_only, _tf32,
     "FlashAttention-2 forward and fused backward")
 CPP_FLASH = Implementation(
@@ -66,7 +78,7 @@ XLA_FLASH = Implementation(
     "xla_flash", "XLA", None, _reasons("xla_flash:unsupported"),
     lazy(f"{_PKG}.xla_flash:attention"), description="blockwise FlashAttention-2 in XLA (O(L) memory)")
 TRITON_MEM_EFFICIENT = Implementation(
-    "triton_mem_efficient", "Pallas Triton", ("cuda",), _reasons("mem_efficient:unsupported"),
+    "triton_mem_efficient", "Pallas Triton", ("cuda",), _triton_reasons("mem_efficient:unsupported"),
     lazy(f"{_PKG}.mem_efficient:attention"), _tf32, "flash tiling with bias / mask tiles")
 XLA_MEM_EFFICIENT = Implementation(
     "xla_mem_efficient", "XLA", None, _reasons("xla_mem_efficient:unsupported"),
