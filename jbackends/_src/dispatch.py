@@ -131,10 +131,10 @@ def choose(op: str, candidates: Sequence[Implementation], call: Any, platform: s
     reasons: dict[str, str] = {}
     runnable = []
     for impl in candidates:
-        if impl.name in excluded:
-            reasons[impl.name] = excluded[impl.name]
-            continue
         why = impl.reasons(call, platform, device)
+        if impl.name in excluded:  # what it cannot do first: that holds whatever the flags say
+            reasons[impl.name] = "; ".join(why + [excluded[impl.name]])
+            continue
         if why:
             reasons[impl.name] = "; ".join(why)
         else:
