@@ -153,3 +153,43 @@ def test_no_import_cycle():
     graph = {v: {w for w in ws if (v, w) not in ALLOWED_EDGES} for v, ws in _graph().items()}
     cycles = _cycles(graph)
     assert not cycles, "import cycle(s):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _private_uses(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> list[str]:
+    """`from <our module> import _x` and `<our module alias>._x` in one module (anywhere in it)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    aliases: dict[str, str] = {}  # local name -> our module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source not in modules or source == name:
+                continue
+            for a in node.names:
+                full = f"{source}.{a.name}"
+                if full in modules:
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{name}: from {source} import {a.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and node.attr.startswith("_")
+                and not node.attr.startswith("__") and aliases[node.value.id] != name):
+            found.append(f"{name}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    found = sorted({f for name, path in modules.items() for f in _private_uses(name, path, modules)})
+    assert not found, "private names used across modules:\n" + "\n".join(found)

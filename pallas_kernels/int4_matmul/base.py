@@ -16,7 +16,7 @@ The semantics are those of torch's ``_dyn_quant_pack_4bit_weight`` /
   each multiplied by its weight scale, multiplies by ``1 / scale``, adds the
   bias and clamps to the finite float32 range. No fused multiply-add anywhere:
   XLA contracts ``a * b + c`` inside a fusion, so every product that the
-  reference rounds on its own goes through `_rounded_mul`.
+  reference rounds on its own goes through `rounded_mul`.
 * ``weight_only_matmul`` (W4A16 / W4A32) is ``x @ dequantize(w).T`` with no
   activation quantization; float tolerance only.
 
@@ -35,6 +35,7 @@ from jax import lax
 
 __all__ = [
     "Int4Call",
+    "rounded_mul",
     "PackedInt4Weight",
     "quantize_4bit",
     "pack_nibbles",
@@ -332,7 +333,7 @@ def _opaque(v: jax.Array, like: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _rounded_mul(a: jax.Array, b: jax.Array, guard: jax.Array) -> jax.Array:
+def rounded_mul(a: jax.Array, b: jax.Array, guard: jax.Array) -> jax.Array:
     """``a * b`` rounded to float32 on its own: never fused into an FMA.
 
     XLA (CPU and GPU) and Triton contract ``a * b + c`` inside a fusion. The
@@ -362,16 +363,16 @@ def accumulate_groups(idots: jax.Array, scales: jax.Array, recip: jax.Array, zp:
       idots: int32 ``[M, N, G]`` group sums.
       scales: float32 ``[N, G]``.
       recip: float32 ``[M]`` (1 / activation scale).
-      zp: int32 ``[M]`` (only a runtime guard for `_rounded_mul`).
+      zp: int32 ``[M]`` (only a runtime guard for `rounded_mul`).
       bias: float32 ``[N]`` or None.
       channelwise: ``G == 1`` with torch's channel-wise kernel (no ``0 +``).
     """
     G = idots.shape[-1]
     fd = idots.astype(jnp.float32)
     if channelwise:
-        acc = _rounded_mul(fd[..., 0], scales[None, :, 0], idots[..., 0])
+        acc = rounded_mul(fd[..., 0], scales[None, :, 0], idots[..., 0])
     else:
-        prods = _rounded_mul(fd, scales[None], idots)
+        prods = rounded_mul(fd, scales[None], idots)
         acc = jnp.zeros(prods.shape[:-1], jnp.float32)
         if G <= 1024:
             for g in range(G):
@@ -382,7 +383,7 @@ def accumulate_groups(idots: jax.Array, scales: jax.Array, recip: jax.Array, zp:
     if bias is None:
         out = acc * recip[:, None]
     else:
-        out = _rounded_mul(acc, recip[:, None], zpb) + bias[None, :]
+        out = rounded_mul(acc, recip[:, None], zpb) + bias[None, :]
     return jnp.clip(out, -np.finfo(np.float32).max, np.finfo(np.float32).max)
 
 

@@ -23,7 +23,7 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
   (``[G, M, N]``); XLA then applies torch's ordered float tail, so split-K
   stays bit-exact. Prefill: one program per ``[block_m, block_n]`` tile walks
   every group in order and accumulates ``float(I) * scale`` in fp32 with no
-  FMA contraction (`base._rounded_mul`), again bit-exact.
+  FMA contraction (`base.rounded_mul`), again bit-exact.
 
 Both kernels take ``interpret: bool``: ``interpret=True`` runs them on CPU
 through the Pallas interpreter (tests); on a GPU leave it False.
@@ -229,7 +229,7 @@ def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groups
             plgpu.store(out_ref.at[j], isum, mask=rmask[:, None] & cmask[None, :])
             return acc
         s = _load(st_ref.at[g], cmask, 0.0)
-        return acc + base._rounded_mul(isum.astype(jnp.float32), s[None, :], isum)
+        return acc + base.rounded_mul(isum.astype(jnp.float32), s[None, :], isum)
 
     acc = lax.fori_loop(0, groups_per_prog, group, jnp.zeros((block_m, block_n), jnp.float32))
     if fused:
@@ -355,7 +355,7 @@ def _finish(acc, recip, zp, bias):
     if bias is None:
         out = acc * recip[:, None]
     else:
-        out = base._rounded_mul(acc, recip[:, None], jnp.broadcast_to(zp[:, None], acc.shape)) + bias[None]
+        out = base.rounded_mul(acc, recip[:, None], jnp.broadcast_to(zp[:, None], acc.shape)) + bias[None]
     fmax = jnp.finfo(jnp.float32).max
     return jnp.clip(out, -fmax, fmax)
 
