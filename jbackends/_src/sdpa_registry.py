@@ -21,7 +21,6 @@ from typing import Any
 
 from jbackends._src.dispatch import Implementation, lazy
 from jbackends._src.sdp_backends import SDPBackend
-from pallas_kernels import triton_backend as _TRITON
 
 __all__ = ["IMPLEMENTATIONS", "BY_NAME", "implementations", "cpu_filter"]
 
@@ -37,7 +36,8 @@ def _reasons(path: str):
 def _triton_missing() -> list:
     """The Pallas Triton backend is deprecated since jax 0.11: once a JAX drops it, its kernels say so
     and dispatch moves on (cuDNN, XLA)."""
-    return [] if _TRITON.available() else ["the installed JAX has no Pallas Triton backend"]
+    from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
+    return [] if triton_backend.available() else ["the installed JAX has no Pallas Triton backend"]
 
 
 def _triton_reasons(path: str):
