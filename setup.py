@@ -40,6 +40,10 @@ class OptionalBuildExt(build_ext):
             print(f"warning: could not build {ext.name}: {e}", file=sys.stderr)
 
 
+# Headers the kernels include: a change rebuilds them, and the sdist carries them.
+_COMMON = ["csrc/common.h"]
+
+
 def _extensions():
     inc = _ffi_include_dir()
     if inc is None or os.environ.get("JBACKENDS_NO_CPP"):
@@ -49,6 +53,7 @@ def _extensions():
         Extension(
             "pallas_kernels.int4_matmul._int4_cpu",
             sources=["csrc/int4_matmul.cc"],
+            depends=_COMMON,
             include_dirs=[inc],
             language="c++",
             # -ffp-contract=off: the dyn-quant kernel is bit-exact with torch's
@@ -60,6 +65,7 @@ def _extensions():
         Extension(
             "pallas_kernels.attention._flash_cpu",
             sources=["csrc/flash_attention.cc"],
+            depends=_COMMON,
             include_dirs=[inc],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],

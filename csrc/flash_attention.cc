@@ -30,22 +30,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <new>
-#include <string>
-#include <thread>
 #include <vector>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define JB_X86 1
-#else
-#define JB_X86 0
-#endif
-
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -56,7 +43,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+using jb::HasAvx2;
+using jb::HSum;
+using jb::ParallelTasks;
+using jb::RoundUp;
+using jb::StaticTasks;
 
 // ---------------------------------------------------------------- threading
 
@@ -65,73 +56,14 @@ std::atomic<int> g_threads_override{0};
 int HwThreads() {
   const int forced = g_threads_override.load(std::memory_order_relaxed);
   if (forced > 0) return forced;
-  static const int n = [] {
-#if defined(__linux__)
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-      int c = CPU_COUNT(&set);
-      if (c > 0) return std::min(c, 256);
-    }
-#endif
-    unsigned h = std::thread::hardware_concurrency();
-    return h == 0 ? 1 : static_cast<int>(std::min(h, 256u));
-  }();
+  static const int n = jb::AffinityThreads(256);
   return n;
-}
-
-// Runs f(task, thread) for task in [0, n) on `threads` threads, tasks handed
-// out in order (callers put the heaviest first).
-template <typename F>
-void ParallelTasks(int64_t n, int threads, F&& f) {
-  threads = static_cast<int>(std::min<int64_t>(threads, n));
-  if (threads <= 1) {
-    for (int64_t t = 0; t < n; ++t) f(t, 0);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int id) {
-    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t, id);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int i = 1; i < threads; ++i) pool.emplace_back(worker, i);
-  worker(0);
-  for (auto& th : pool) th.join();
-}
-
-// Runs f(task, thread) with task t on thread t % threads, each thread in task
-// order: which thread accumulates which task never changes from run to run.
-template <typename F>
-void StaticTasks(int64_t n, int threads, F&& f) {
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
-  auto worker = [&](int id) {
-    for (int64_t t = id; t < n; t += threads) f(t, id);
-  };
-  if (threads == 1) {
-    worker(0);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int i = 1; i < threads; ++i) pool.emplace_back(worker, i);
-  worker(0);
-  for (auto& th : pool) th.join();
 }
 
 // Threads for `flops` of work: one below ~8 MFLOP (thread start-up dominates).
 int ThreadsFor(double flops) { return flops < 8e6 ? 1 : HwThreads(); }
 
 #if JB_X86
-#define JB_AVX2 __attribute__((target("avx2,fma")))
-
-bool HasAvx2() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-}
-
 // ------------------------------------------------------------------- GEMM
 
 // C[m, 0:16] (+)= sum_k A[m * sam + k * sak] * B[k * ldb + 0:16], m < MR.
@@ -229,13 +161,6 @@ JB_AVX2 inline float HMax(__m256 v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_max_ps(a, _mm_movehl_ps(a, a));
   a = _mm_max_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-
-JB_AVX2 inline float HSum(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
   return _mm_cvtss_f32(a);
 }
 #endif  // JB_X86
@@ -691,16 +616,13 @@ ffi::Error FwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   if (e.failure()) return e;
 #if JB_X86
   if (p.B * p.T * p.N == 0) return ffi::Error::Success();
-  try {
+  return jb::CatchErrors("flash attention", [&] {
     Forward(p, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
             lse->typed_data());
-  } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "flash attention: out of memory");
-  } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string("flash attention: ") + ex.what());
-  }
-#endif
+  });
+#else
   return ffi::Error::Success();
+#endif
 }
 
 ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -722,17 +644,14 @@ ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   std::memset(dk->typed_data(), 0, dk->element_count() * 4);
   std::memset(dv->typed_data(), 0, dv->element_count() * 4);
   if (p.B * p.T * p.N == 0 || p.S == 0) return ffi::Error::Success();
-  try {
+  return jb::CatchErrors("flash attention", [&] {
     Backward(p, q.typed_data(), k.typed_data(), v.typed_data(), dout.typed_data(),
              lse.typed_data(), delta.typed_data(), dq->typed_data(), dk->typed_data(),
              dv->typed_data());
-  } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "flash attention: out of memory");
-  } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string("flash attention: ") + ex.what());
-  }
-#endif
+  });
+#else
   return ffi::Error::Success();
+#endif
 }
 
 }  // namespace

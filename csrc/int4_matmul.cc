@@ -33,58 +33,29 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define JB_X86 1
-#else
-#define JB_X86 0
-#endif
-
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jb::HasAvx2;
+using jb::HasAvx512;
+using jb::HasAvx512Vnni;
+using jb::HSum;
+using jb::RoundUp;
+
 // ---------------------------------------------------------------- threading
 
+// Threads for `work` (weight bytes x rows): one below ~256K, where the thread
+// start-up dominates.
 int NumThreads(int64_t work) {
-  static const int hw = [] {
-    unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 1 : static_cast<int>(std::min(n, 64u));
-  }();
-  // Below ~256K weight bytes x rows the thread start-up dominates.
+  static const int hw = jb::HardwareThreads(64);
   if (work < (int64_t{1} << 18)) return 1;
   return hw;
-}
-
-template <typename F>
-void ParallelFor(int64_t n, int64_t work, int64_t align, F&& f) {
-  int t = NumThreads(work);
-  int64_t blocks = (n + align - 1) / align;
-  if (t > blocks) t = static_cast<int>(std::max<int64_t>(blocks, 1));
-  if (t <= 1) {
-    f(int64_t{0}, n);
-    return;
-  }
-  std::vector<std::thread> threads;
-  threads.reserve(t - 1);
-  auto range = [&](int i, int64_t* lo, int64_t* hi) {
-    *lo = std::min(n, (blocks * i / t) * align);
-    *hi = std::min(n, (blocks * (i + 1) / t) * align);
-  };
-  for (int i = 1; i < t; ++i) {
-    int64_t lo, hi;
-    range(i, &lo, &hi);
-    threads.emplace_back([&f, lo, hi] { f(lo, hi); });
-  }
-  int64_t lo, hi;
-  range(0, &lo, &hi);
-  f(lo, hi);
-  for (auto& th : threads) th.join();
 }
 
 // ------------------------------------------------------ activation quantizer
@@ -94,8 +65,6 @@ void ParallelFor(int64_t n, int64_t work, int64_t align, F&& f) {
 // zero-padded to whole AVX2 steps (kPadBytes bytes, kPadBytes / 16 blocks) so
 // that the AVX2 path, which has no masked byte loads, reads them unmasked.
 constexpr int64_t kPadBytes = 128;
-
-int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 struct QRow {
   std::vector<int8_t> even, odd;  // [K/2] each, padded to kPadBytes
@@ -531,29 +500,10 @@ using BlockDotsFn = void (*)(const uint8_t*, const QRow* const*, int, int64_t,
 using TailFn = void (*)(const int32_t*, int64_t, int64_t, bool, const float*,
                         const float*, const float*, int, float*);
 
-bool HasAvx512() {
-#if JB_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-#else
-  return false;
-#endif
-}
-
-bool HasAvx2() {
-#if JB_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
 BlockDotsFn PickBlockDots() {
 #if JB_X86
   if (HasAvx512()) {
-    if (__builtin_cpu_supports("avx512vnni")) return &BlockDotsAvx512Vnni;
+    if (HasAvx512Vnni()) return &BlockDotsAvx512Vnni;
     return &BlockDotsAvx512Bw;
   }
   if (HasAvx2()) return &BlockDotsAvx2;
@@ -597,7 +547,7 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
   const BlockDotsFn block_dots = g_block_dots.load();
   const TailFn tail = g_tail.load();
-  ParallelFor(N, M * N * K / 2, 16, [&](int64_t n0, int64_t n1) {
+  jb::ParallelFor(N, NumThreads(M * N * K / 2), 16, [&](int64_t n0, int64_t n1) {
     std::vector<int32_t> dots((nb + 16) * kRowBlock);
     const QRow* rp[kRowBlock];
     float recip[kRowBlock], res[kRowBlock];
@@ -709,13 +659,6 @@ __attribute__((target("avx2,fma"))) void UnpackScaledRowAvx2(const uint8_t* w, i
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float HsumAvx2(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
 // out[r] = <x_r, w> for MB rows sharing each weight load, U ymm of each plane
 // per step: 2 U FMA chains per row (MB * 2 U = 8 accumulators of 16 ymm).
 template <int MB, int U>
@@ -749,7 +692,7 @@ __attribute__((target("avx2,fma"))) inline void DotRowsAvx2(const float* ue, con
   for (int r = 0; r < MB; ++r) {
     __m256 t = acc[r][0];
     for (int a = 1; a < 2 * U; ++a) t = _mm256_add_ps(t, acc[r][a]);
-    out[r] = HsumAvx2(t);
+    out[r] = HSum(t);
   }
 }
 
@@ -778,7 +721,7 @@ __attribute__((target("avx2,fma"))) float WeightOnlyOneAvx2(const uint8_t* w, co
     const __m256 dg = _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
     acc = _mm256_fmadd_ps(dg, _mm256_set1_ps(s[g]), acc);
   }
-  return HsumAvx2(acc);
+  return HSum(acc);
 }
 
 __attribute__((target("avx2,fma"))) void WeightOnlyRowAvx2(
@@ -847,7 +790,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
       xo[m * (K / 2) + k] = x[m * K + 2 * k + 1];
     }
   const WoRowFn row_fn = g_wo_row.load();
-  ParallelFor(N, M * N * K, 16, [&](int64_t n0, int64_t n1) {
+  jb::ParallelFor(N, NumThreads(M * N * K), 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> ue(K / 2), uo(K / 2), res(kWoRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kWoRowBlock) {
       const int nm = static_cast<int>(std::min<int64_t>(kWoRowBlock, M - m0));
@@ -949,7 +892,7 @@ extern "C" int JbInt4SetIsa(const char* name) {
     return 0;
   }
 #if JB_X86
-  if (HasAvx512() && (n == "avx512bw" || (n == "avx512vnni" && __builtin_cpu_supports("avx512vnni")))) {
+  if (HasAvx512() && (n == "avx512bw" || (n == "avx512vnni" && HasAvx512Vnni()))) {
     g_block_dots = n == "avx512bw" ? &BlockDotsAvx512Bw : &BlockDotsAvx512Vnni;
     g_tail = &TailAvx512;
     g_wo_row = &WeightOnlyRowAvx512;

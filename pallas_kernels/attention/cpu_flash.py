@@ -38,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import importlib.util
 import os
 from typing import Optional
 
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import base, sharded
+from pallas_kernels.ffi import load_library
 
 __all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "set_threads",
            "unsupported", "attention", "workspace_bytes"]
@@ -61,21 +61,9 @@ BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
 
 @functools.cache
 def _library() -> Optional[ctypes.CDLL]:
-  if os.environ.get("JBACKENDS_NO_CPP"):
-    return None
-  spec = importlib.util.find_spec(f"{__package__}._flash_cpu")
-  if spec is None or not spec.origin or not os.path.exists(spec.origin):
-    return None
-  try:
-    lib = ctypes.CDLL(spec.origin)
-    if not lib.JbFlashAvailable():
-      return None
-    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.JbFlashFwdF32), platform="cpu")
-    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.JbFlashBwdF32), platform="cpu")
-    lib.JbFlashSetThreads.argtypes = [ctypes.c_int]
-  except (OSError, AttributeError):
-    return None
-  return lib
+  return load_library(f"{__package__}._flash_cpu", check="JbFlashAvailable",
+                      targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
+                      argtypes={"JbFlashSetThreads": [ctypes.c_int]})
 
 
 # Registered at import, so that a deserialized CPU export carrying the kernels runs in a fresh

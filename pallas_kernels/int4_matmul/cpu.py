@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..ffi import load_library
 from . import base
 from .base import PackedInt4Weight
 
@@ -34,21 +33,12 @@ _WO_TARGET = "jb_int4_matmul_f32"
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("JBACKENDS_NO_CPP"):
-        return None
-    spec = importlib.util.find_spec(f"{__package__}._int4_cpu")
-    if spec is None or not spec.origin or not os.path.exists(spec.origin):
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        jax.ffi.register_ffi_target(_DYN_TARGET, jax.ffi.pycapsule(lib.JbInt4DynQuantMatmulF32), platform="cpu")
-        jax.ffi.register_ffi_target(_WO_TARGET, jax.ffi.pycapsule(lib.JbInt4MatmulF32), platform="cpu")
-        lib.JbInt4Isa.restype = ctypes.c_char_p
-        lib.JbInt4SetIsa.restype = ctypes.c_int
-        lib.JbInt4SetIsa.argtypes = [ctypes.c_char_p]
-    except (OSError, AttributeError):
-        return None
-    return lib
+    return load_library(
+        f"{__package__}._int4_cpu",
+        targets={_DYN_TARGET: "JbInt4DynQuantMatmulF32", _WO_TARGET: "JbInt4MatmulF32"},
+        restypes={"JbInt4Isa": ctypes.c_char_p, "JbInt4SetIsa": ctypes.c_int},
+        argtypes={"JbInt4SetIsa": [ctypes.c_char_p]},
+    )
 
 
 def available() -> bool:
