@@ -15,7 +15,7 @@ Peak memory, and how it is measured:
 * JAX rows: ``jax.jit(f).lower(...).compile().memory_analysis()``: the executable's temporary
   buffers plus its outputs (inputs excluded), i.e. what the call allocates at its peak. It needs no
   run, so jax.nn at 16k is reported even where running it would not fit (its time is then "-").
-  Where the C++ flash kernel runs, its own allocations (``cpu_flash.workspace_bytes``) are added.
+  Where the C++ flash kernel runs, its own allocations (``cpp_flash.workspace_bytes``) are added.
 * torch rows: the growth of the resident set (``/proc/self/statm``, sampled every 0.5 ms) of a
   fresh subprocess during one call after a warm-up call (inputs allocated before). Memory the
   allocator kept from the warm-up is not counted again, so this is a lower bound of what the call
@@ -100,8 +100,8 @@ def bench_jax(name: str, impl, L: int, causal: bool, mode: str, repeats: int,
   mem = ma.temp_size_in_bytes + ma.output_size_in_bytes
   if "jb_flash_attention_" in lowered.as_text():
     # The C++ kernel's own allocations (packed k / v, tiles, dQ buffers) are not XLA buffers.
-    from pallas_kernels.attention import cpu_flash  # noqa: PLC0415
-    mem += cpu_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd")
+    from pallas_kernels.attention import cpp_flash  # noqa: PLC0415
+    mem += cpp_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd")
   row = dict(impl=name, mem=mem, time=None)
   if mem > max_run_bytes:
     return row

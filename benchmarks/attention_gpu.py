@@ -3,7 +3,7 @@
 For bf16, head dims 64 and 128, sequence lengths 1k..16k, causal and not, it times the forward and
 forward+backward of:
 
-* ``pallas``: ``pallas_kernels.attention.flash`` (this project's Triton kernels),
+* ``pallas``: ``pallas_kernels.attention.triton_flash`` (this project's Triton kernels),
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
 * ``jax_xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (quadratic memory; skipped
   where it runs out of memory),
@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.attention import base, flash, xla_flash  # noqa: E402
+from pallas_kernels.attention import base, triton_flash, xla_flash  # noqa: E402
 
 try:  # optional peer
   import tokamax  # noqa: E402
@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 def _pallas(q, k, v, causal, interpret=False):
-  return flash.attention(base.make_args(q, k, v, is_causal=causal), interpret=interpret)[0]
+  return triton_flash.attention(base.make_args(q, k, v, is_causal=causal), interpret=interpret)[0]
 
 
 def _xla_flash(q, k, v, causal):

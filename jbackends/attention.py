@@ -440,8 +440,8 @@ def explain(query, key, value, *, api: str = "dot_product_attention", platform: 
   if impl is not None:
     kernel = f"{impl.name}: {impl.technology}" + (f", {impl.description}" if impl.description else "")
     if impl.name == "cpp_flash":
-      from pallas_kernels.attention import cpu_flash  # noqa: PLC0415 - optional extension
-      kernel += f" (up to {cpu_flash.threads()} threads)"
+      from pallas_kernels.attention import cpp_flash  # noqa: PLC0415 - optional extension
+      kernel += f" (up to {cpp_flash.threads()} threads)"
     kernel += "".join(f"\n    not {n}: {r}" for n, r in d.implementation_reasons.items())
   return Explanation(platform=plat, chosen=None if d.chosen is None else SDPBackend(d.chosen),
                      order=tuple(SDPBackend(b) for b in d.order),

@@ -129,14 +129,14 @@ def test_sharded_checks_its_factors():
 @pytest.mark.parametrize("kernel", ["flash", "decode"])
 def test_pallas_kernels_keep_sharding(kernel):
   """The Pallas kernels (interpret mode here; the same rule wraps the compiled ones)."""
-  from pallas_kernels.attention import base, decode, flash  # noqa: PLC0415
+  from pallas_kernels.attention import base, triton_decode, triton_flash  # noqa: PLC0415
 
   mesh = _mesh()
   q, k, v, _, _ = _inputs(2)
   if kernel == "decode":
     q = q[:, :4]
   spec = P("b", None, "h")
-  module = {"flash": flash, "decode": decode}[kernel]
+  module = {"flash": triton_flash, "decode": triton_decode}[kernel]
 
   def f(q, k, v):
     def loss(q, k, v):

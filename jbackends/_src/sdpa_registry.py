@@ -55,31 +55,27 @@ def _math_options(flags: Any, platform: str) -> dict:
     return dict(low_precision=bool(flags.allow_fp16_bf16_reduction_math_sdp))
 
 
-def _flash_only(args, **options):
-    return lazy(f"{_PKG}.flash:attention")(args, use_decode=False, **options)
-
-
 def _cudnn_reasons(args, platform, device):
     return lazy(f"{_PKG}.cudnn:unsupported")(args, platform, **dict(device))
 
 
 TRITON_DECODE = Implementation(
-    "triton_decode", "Pallas Triton", ("cuda",), _triton_reasons("decode:unsupported"),
-    lazy(f"{_PKG}.decode:attention"), _tf32,
+    "triton_decode", "Pallas Triton", ("cuda",), _triton_reasons("triton_decode:unsupported"),
+    lazy(f"{_PKG}.triton_decode:attention"), _tf32,
     "split-K decode kernel for short queries (T <= 16); fused flash backward")
 TRITON_FLASH = Implementation(
-    "triton_flash", "Pallas Triton", ("cuda",), _triton_reasons("flash:unsupported"),
-    _flash_only, _tf32,
+    "triton_flash", "Pallas Triton", ("cuda",), _triton_reasons("triton_flash:unsupported"),
+    lazy(f"{_PKG}.triton_flash:attention"), _tf32,
     "FlashAttention-2 forward and fused backward")
 CPP_FLASH = Implementation(
-    "cpp_flash", "C++ (jax.ffi)", ("cpu",), _reasons("cpu_flash:unsupported"),
-    lazy(f"{_PKG}.cpu_flash:attention"), description="FlashAttention-2 CPU kernel, AVX2 + FMA, threaded")
+    "cpp_flash", "C++ (jax.ffi)", ("cpu",), _reasons("cpp_flash:unsupported"),
+    lazy(f"{_PKG}.cpp_flash:attention"), description="FlashAttention-2 CPU kernel, AVX2 + FMA, threaded")
 XLA_FLASH = Implementation(
     "xla_flash", "XLA", None, _reasons("xla_flash:unsupported"),
     lazy(f"{_PKG}.xla_flash:attention"), description="blockwise FlashAttention-2 in XLA (O(L) memory)")
 TRITON_MEM_EFFICIENT = Implementation(
-    "triton_mem_efficient", "Pallas Triton", ("cuda",), _triton_reasons("mem_efficient:unsupported"),
-    lazy(f"{_PKG}.mem_efficient:attention"), _tf32, "flash tiling with bias / mask tiles")
+    "triton_mem_efficient", "Pallas Triton", ("cuda",), _triton_reasons("triton_mem_efficient:unsupported"),
+    lazy(f"{_PKG}.triton_mem_efficient:attention"), _tf32, "flash tiling with bias / mask tiles")
 XLA_MEM_EFFICIENT = Implementation(
     "xla_mem_efficient", "XLA", None, _reasons("xla_mem_efficient:unsupported"),
     lazy(f"{_PKG}.xla_mem_efficient:attention"), description="blockwise XLA with bias / mask tiles")

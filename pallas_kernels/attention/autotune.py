@@ -1,6 +1,6 @@
 """Autotuning for the Pallas attention kernels: time candidate configs on the GPU, cache the best.
 
-:func:`flash.heuristics` / :func:`flash_vjp.heuristics` / :func:`decode.heuristics` give a good
+:func:`common.heuristics` / :func:`triton_flash_vjp.heuristics` / :func:`triton_decode.heuristics` give a good
 default without measuring; :func:`autotune` measures. The cache key is a *shape class*: the device
 kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the kernel, dtype, padded head dims, power-of-two buckets
 of the query / key lengths, the GQA group size and which features change the inner loop (causal,
@@ -9,10 +9,10 @@ memory) are skipped.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from pallas_kernels.attention import autotune, base, flash
+  >>> from pallas_kernels.attention import autotune, base, triton_flash
   >>> x = jnp.ones((1, 20, 1, 16))
   >>> args = base.make_args(x, x, x)
-  >>> cands = [flash.Config(16, 16), flash.Config(32, 16)]
+  >>> cands = [common.Config(16, 16), common.Config(32, 16)]
   >>> cfg = autotune.autotune(args, "flash", candidates=cands, interpret=True, repeats=1)
   >>> cfg in cands
   True
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import base, decode, flash, flash_vjp
+from pallas_kernels.attention import base, triton_common as common, triton_decode, triton_flash, triton_flash_vjp
 
 __all__ = ["KERNELS", "shape_class", "candidates", "autotune", "clear_cache", "cache"]
 
@@ -61,15 +61,15 @@ def _device_kind(interpret: bool) -> str:
 
 def shape_class(args: base.AttentionArgs, kernel: str, *, interpret: bool = False) -> tuple:
   """The cache key of ``args`` for ``kernel`` (see the module docstring)."""
-  return (_device_kind(interpret), kernel, str(args.dtype), flash._pad_dim(args.head_dim),
-          flash._pad_dim(args.v_head_dim), _bucket(args.q_len), _bucket(args.kv_len), args.groups,
+  return (_device_kind(interpret), kernel, str(args.dtype), common.pad_dim(args.head_dim),
+          common.pad_dim(args.v_head_dim), _bucket(args.q_len), _bucket(args.kv_len), args.groups,
           args.causal, args.window is not None, args.bias is not None, args.mask is not None,
           args.has_dropout, args.logits_soft_cap is not None)
 
 
 def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
   """The default search space of ``kernel`` for a head dim / dtype."""
-  hp = flash._pad_dim(head_dim)
+  hp = common.pad_dim(head_dim)
   wide = jnp.dtype(dtype).itemsize >= 4
   if kernel in ("flash", "mem_efficient"):
     out = []
@@ -79,7 +79,7 @@ def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
           continue
         for warps in (4, 8):
           for stages in (2, 3):
-            out.append(flash.Config(bq, bk, warps, stages))
+            out.append(common.Config(bq, bk, warps, stages))
     return out
   if kernel in ("flash_bwd", "mem_efficient_bwd"):
     out = []
@@ -88,25 +88,25 @@ def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
         if hp >= 256 and bk > 32 or wide and bk > 64:
           continue
         for warps in (4, 8):
-          out.append(flash_vjp.Config(bq, bk, warps, 2 if hp <= 128 else 1))
+          out.append(triton_flash_vjp.Config(bq, bk, warps, 2 if hp <= 128 else 1))
     return out
   if kernel == "decode":
-    return [decode.Config(bk, splits, warps, 2) for bk in (32, 64) for splits in (0, 4, 16, 32)
+    return [triton_decode.Config(bk, splits, warps, 2) for bk in (32, 64) for splits in (0, 4, 16, 32)
             for warps in (4, 8)]
   raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
 
 
 def _runner(kernel: str, args: base.AttentionArgs, config, interpret: bool) -> Callable:
   if kernel in ("flash", "mem_efficient"):
-    return jax.jit(lambda a: flash.forward(a, config=config, interpret=interpret))
+    return jax.jit(lambda a: triton_flash.forward(a, config=config, interpret=interpret))
   if kernel in ("flash_bwd", "mem_efficient_bwd"):
     def f(a):
-      out, lse = flash.forward(a, interpret=interpret)
-      return flash_vjp.backward(a, out, lse, jnp.ones_like(out), config=config,
+      out, lse = triton_flash.forward(a, interpret=interpret)
+      return triton_flash_vjp.backward(a, out, lse, jnp.ones_like(out), config=config,
                                 interpret=interpret)
     return jax.jit(f)
   if kernel == "decode":
-    return jax.jit(lambda a: decode.forward(a, config=config, interpret=interpret))
+    return jax.jit(lambda a: triton_decode.forward(a, config=config, interpret=interpret))
   raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
 
 
@@ -125,7 +125,7 @@ def autotune(args: base.AttentionArgs, kernel: str = "flash", *,
     use_cache: return a cached result for the same :func:`shape_class`.
 
   Returns:
-    The fastest config (a ``flash.Config``, ``flash_vjp.Config`` or ``decode.Config``).
+    The fastest config (a ``common.Config``, ``triton_flash_vjp.Config`` or ``triton_decode.Config``).
 
   Raises:
     RuntimeError: no GPU (and not ``interpret``), or every candidate failed.

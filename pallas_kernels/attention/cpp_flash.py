@@ -25,11 +25,11 @@ Forward-mode AD (``jvp``) is not defined (a ``custom_vjp``, like the XLA impleme
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from pallas_kernels.attention import base, cpu_flash
+  >>> from pallas_kernels.attention import base, cpp_flash
   >>> q = jax.random.normal(jax.random.key(0), (1, 300, 4, 32))
   >>> args = base.make_args(q, q, q, is_causal=True)
-  >>> if not cpu_flash.unsupported(args):
-  ...   out, lse = cpu_flash.attention(args)
+  >>> if not cpp_flash.unsupported(args):
+  ...   out, lse = cpp_flash.attention(args)
   ...   ref, _ = base.reference(args)
   ...   assert jnp.allclose(out, ref, atol=1e-5)
 """

@@ -14,11 +14,11 @@ keep-mask), any ``S``, head dims up to 256. The backward pass is the fused :mod:
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from pallas_kernels.attention import base, decode
+  >>> from pallas_kernels.attention import base, triton_decode
   >>> q = jax.random.normal(jax.random.key(0), (2, 1, 4, 32))
   >>> kv = jax.random.normal(jax.random.key(1), (2, 100, 1, 32))
   >>> args = base.make_args(q, kv, kv, kv_seq_lengths=jnp.array([100, 37]))
-  >>> out, lse = decode.attention(args, config=decode.Config(block_k=16, num_splits=3), interpret=True)
+  >>> out, lse = triton_decode.attention(args, config=triton_decode.Config(block_k=16, num_splits=3), interpret=True)
   >>> bool(jnp.allclose(out, base.reference(args)[0], atol=1e-4))
   True
 """
@@ -35,16 +35,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_backend
-from pallas_kernels.attention import base
-from pallas_kernels.attention import flash
-from pallas_kernels.attention import flash_vjp
+from pallas_kernels.attention import base, triton_common as common, triton_flash_vjp
 
 __all__ = ["Config", "heuristics", "unsupported", "attention", "forward", "MAX_QUERY_LEN"]
 
 #: Longest query this path takes (beyond it, the flash kernel fills the GPU on its own).
 MAX_QUERY_LEN = 16
-_LOG2E = flash._LOG2E
-_LN2 = flash._LN2
+_LOG2E = common.LOG2E
+_LN2 = common.LN2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +77,12 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
   """A decode :class:`Config`: enough splits for ~2 waves of programs, >= 4 key blocks per split.
 
   Example:
-    >>> from pallas_kernels.attention import decode
-    >>> decode.heuristics(128, batch_kv_heads=8, kv_len=32768).num_splits
+    >>> from pallas_kernels.attention import triton_decode
+    >>> triton_decode.heuristics(128, batch_kv_heads=8, kv_len=32768).num_splits
     27
   """
   cc = 80 if compute_capability is None else compute_capability
-  hp = flash._pad_dim(head_dim)
+  hp = common.pad_dim(head_dim)
   wide = jnp.dtype(dtype).itemsize >= 4
   block_k = 32 if (hp > 128 or wide or cc < 80) else 64
   max_splits = max(1, pl.cdiv(kv_len, 4 * block_k))
@@ -95,31 +93,31 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
 
 
 def _decode_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref,
-                   lse_ref, *, spec: flash.Spec, M: int, Mp: int, block_k: int, chunk: int):
+                   lse_ref, *, spec: common.Spec, M: int, Mp: int, block_k: int, chunk: int):
   sp, kh, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   G = spec.G
   r = jnp.arange(Mp, dtype=jnp.int32)
   rows = (r // G)[:, None]  # query index t of packed row r = t * G + g
   heads = (kh * G + r % G)[:, None]
-  q = flash.load_tile(q_ref, 0, Mp, M, spec.H, spec.Hp, ragged=Mp != M)
-  q_len = flash.load_scalar(qlen_ref)
-  kv_len = flash.load_scalar(kvlen_ref)
+  q = common.load_tile(q_ref, 0, Mp, M, spec.H, spec.Hp, ragged=Mp != M)
+  q_len = common.load_scalar(qlen_ref)
+  kv_len = common.load_scalar(kvlen_ref)
   q_seg = None
   if qseg_ref is not None:
-    q_seg = flash.load_rows(qseg_ref, 0, Mp, M, other=-1)[:, None]
+    q_seg = common.load_rows(qseg_ref, 0, Mp, M, other=-1)[:, None]
   ragged_k = spec.S % block_k != 0
 
   def body(kb, carry):
     acc, m_prev, l_prev = carry
     k_start = kb * block_k
     cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-    k = flash.load_tile(k_ref, k_start, block_k, spec.S, spec.H, spec.Hp, ragged=ragged_k)
+    k = common.load_tile(k_ref, k_start, block_k, spec.S, spec.H, spec.Hp, ragged=ragged_k)
     kv_seg = None
     if kvseg_ref is not None:
-      kv_seg = flash.load_rows(kvseg_ref, k_start, block_k, spec.S, other=-2)[None, :]
-    mask = flash.logits_mask(spec, rows, cols, q_len=q_len, kv_len=kv_len, q_seg=q_seg,
+      kv_seg = common.load_rows(kvseg_ref, k_start, block_k, spec.S, other=-2)[None, :]
+    mask = common.logits_mask(spec, rows, cols, q_len=q_len, kv_len=kv_len, q_seg=q_seg,
                              kv_seg=kv_seg, force_bounds=Mp != M)
-    s, _ = flash.scores(spec, q, k, rows, cols, mask=mask)
+    s, _ = common.scores(spec, q, k, rows, cols, mask=mask)
     s = s * _LOG2E
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -127,9 +125,9 @@ def _decode_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_
     p = jnp.exp2(s - m_safe[:, None])
     l_new = alpha * l_prev + jnp.sum(p, axis=1)
     if spec.dropout_rate > 0:
-      keep = flash.dropout_keep(spec, seed_ref, b, heads, rows, cols)
+      keep = common.dropout_keep(spec, seed_ref, b, heads, rows, cols)
       p = jnp.where(keep, p, 0.0)
-    v = flash.load_tile(v_ref, k_start, block_k, spec.S, spec.Hv, spec.Hvp, ragged=ragged_k)
+    v = common.load_tile(v_ref, k_start, block_k, spec.S, spec.Hv, spec.Hvp, ragged=ragged_k)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=spec.precision)
     return acc, m_new, l_new
 
@@ -146,13 +144,13 @@ def _decode_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_
   m_i = jnp.full((Mp,), -jnp.inf, jnp.float32)
   l_i = jnp.zeros((Mp,), jnp.float32)
   # Splits own whole key blocks (chunk is a multiple of block_k), so no block is visited twice.
-  acc, m_i, l_i = lax.fori_loop(*flash.block_range(lo, hi, block_k), body, (acc, m_i, l_i))
+  acc, m_i, l_i = lax.fori_loop(*common.block_range(lo, hi, block_k), body, (acc, m_i, l_i))
   empty = l_i == 0.0
   l_safe = jnp.where(empty, 1.0, l_i)
   inv = (spec.keep_scale if spec.dropout_rate > 0 else 1.0) / l_safe
   m_safe = jnp.where(empty, 0.0, m_i)
   lse = jnp.where(empty, -jnp.inf, (m_safe + jnp.log2(l_safe)) * _LN2)
-  flash.store_tile(o_ref, acc * inv[:, None], 0, Mp, M, spec.Hv, ragged=Mp != M)
+  common.store_tile(o_ref, acc * inv[:, None], 0, Mp, M, spec.Hv, ragged=Mp != M)
   if Mp != M:
     plgpu.store(lse_ref, lse, mask=r < M)
   else:
@@ -162,12 +160,12 @@ def _decode_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_
 def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interpret: bool = False,
             allow_tf32: bool = False):
   """Split-K forward: ``(out [B, T, N, Hv], lse [B, N, T] float32)``."""
-  spec = flash.make_spec(args, allow_tf32=allow_tf32)
+  spec = common.make_spec(args, allow_tf32=allow_tf32)
   B, T, S, N, K, G = spec.B, spec.T, spec.S, spec.N, spec.K, spec.G
-  auto = heuristics(spec.H, args.dtype, flash.local_compute_capability(), batch_kv_heads=B * K,
+  auto = heuristics(spec.H, args.dtype, common.local_compute_capability(), batch_kv_heads=B * K,
                     kv_len=S)
   cfg = config or auto
-  block_k = flash._block(cfg.block_k, S)
+  block_k = common.block(cfg.block_k, S)
   splits = cfg.num_splits or auto.num_splits
   chunk = pl.cdiv(pl.cdiv(S, splits), block_k) * block_k  # whole key blocks per split
   splits = pl.cdiv(S, chunk)
@@ -178,7 +176,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
   qseg = None
   if args.q_segment_ids is not None:
     qseg = jnp.repeat(args.q_segment_ids, G, axis=1)  # [B, M], row r -> query r // G
-  seed = flash.dropout_seed_words(args)
+  seed = common.dropout_seed_words(args)
 
   def scalar_spec():
     return pl.BlockSpec((None,), lambda s, h, b: (b,))
@@ -205,7 +203,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
       kernel, grid=(splits, K, B), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interp, name="jb_decode_fwd")
-  o_part, lse_part = flash.triton_call(make_call, operands, interpret=interpret)
+  o_part, lse_part = common.triton_call(make_call, operands, interpret=interpret)
   # Combine step: rescale each split's normalised partial by its share of the total softmax mass.
   lse_max = jnp.max(lse_part, axis=2, keepdims=True)
   lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
@@ -224,12 +222,12 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from pallas_kernels.attention import base, decode
+    >>> from pallas_kernels.attention import base, triton_decode
     >>> x = jnp.ones((1, 64, 2, 16), jnp.bfloat16)
-    >>> decode.unsupported(base.make_args(x, x, x), "cuda")
+    >>> triton_decode.unsupported(base.make_args(x, x, x), "cuda")
     ['query length T=64 > 16 (decode is for short queries; use flash)']
   """
-  reasons = flash.common_unsupported(args, platform)
+  reasons = common.common_unsupported(args, platform)
   if args.q_len > MAX_QUERY_LEN:
     reasons.append(f"query length T={args.q_len} > {MAX_QUERY_LEN} (decode is for short queries; "
                    "use flash)")
@@ -242,7 +240,7 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
 
 
 def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, interpret: bool = False,
-              allow_tf32: bool = False, bwd_config: Optional[flash_vjp.Config] = None, **opts):
+              allow_tf32: bool = False, bwd_config: Optional[triton_flash_vjp.Config] = None, **opts):
   """Split-K decode attention (Pallas Triton); differentiable via the fused flash backward.
 
   Args:
@@ -250,17 +248,17 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, inte
     config: :class:`Config` (default :func:`heuristics` from the shape).
     interpret: run the kernel in the Pallas interpreter (CPU testing).
     allow_tf32: float32 inputs use TF32 tensor-core dots.
-    bwd_config: backward :class:`flash_vjp.Config`.
+    bwd_config: backward :class:`triton_flash_vjp.Config`.
     **opts: ignored dispatch options.
 
   Returns:
     ``(out [B, T, N, Hv], lse [B, N, T] float32)``.
   """
   del opts
-  flash._check_config(config, Config)
+  common.check_config(config, Config)
   reasons = unsupported(args, "cuda")
   if reasons:
     raise ValueError("decode (Pallas) cannot run this call: " + "; ".join(reasons))
   fwd = functools.partial(forward, config=config, interpret=interpret, allow_tf32=allow_tf32)
-  return flash_vjp.differentiable(args, fwd=fwd, bwd_config=bwd_config, interpret=interpret,
+  return triton_flash_vjp.differentiable(args, fwd=fwd, bwd_config=bwd_config, interpret=interpret,
                                   allow_tf32=allow_tf32)

@@ -34,15 +34,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_backend
-from pallas_kernels.attention import base
-from pallas_kernels.attention import flash
-from pallas_kernels.attention import sharded
+from pallas_kernels.attention import base, sharded, triton_common as common
 
 Array = Any
 
 __all__ = ["Config", "heuristics", "backward", "differentiable"]
 
-_LOG2E = flash._LOG2E
+_LOG2E = common.LOG2E
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +58,7 @@ class Config:
   num_warps: int = 4
   num_stages: int = 2
 
-  __post_init__ = flash.Config.__post_init__
+  __post_init__ = common.Config.__post_init__
 
 
 def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[int] = None) -> Config:
@@ -70,12 +68,12 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
   forward's.
 
   Example:
-    >>> from pallas_kernels.attention import flash_vjp
-    >>> flash_vjp.heuristics(128).num_warps
+    >>> from pallas_kernels.attention import triton_flash_vjp
+    >>> triton_flash_vjp.heuristics(128).num_warps
     8
   """
   cc = 80 if compute_capability is None else compute_capability
-  hp = flash._pad_dim(head_dim)
+  hp = common.pad_dim(head_dim)
   wide = jnp.dtype(dtype).itemsize >= 4
   if cc < 80:  # Turing: 64 KiB shared memory
     if hp > 128 and wide:
@@ -103,15 +101,15 @@ def _dbias_mode(bias_shape, T: int, S: int) -> Optional[str]:
 
 def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref, v_ref, bias_ref,
                 mask_ref, do_ref, lse_ref, delta_ref, dbias_in_ref, dq_ref, dk_ref, dv_ref, dbias_ref,
-                *, spec: flash.Spec, block_q: int, block_k: int, nq: int, nk: int,
+                *, spec: common.Spec, block_q: int, block_k: int, nq: int, nk: int,
                 dbias_mode: Optional[str]):
   del dbias_in_ref  # aliased to dbias_ref (zero-initialised: skipped tiles stay 0)
   pid, kh, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   G, T, S = spec.G, spec.T, spec.S
   ragged_q = T % block_q != 0
   ragged_k = S % block_k != 0
-  q_len = flash.load_scalar(qlen_ref)
-  kv_len = flash.load_scalar(kvlen_ref)
+  q_len = common.load_scalar(qlen_ref)
+  kv_len = common.load_scalar(kvlen_ref)
   bias_head = (lambda g: g) if spec.bias_shape is not None and spec.bias_shape[1] != 1 else (
       lambda g: None)
   mask_head = (lambda g: g) if spec.mask_shape is not None and spec.mask_shape[1] != 1 else (
@@ -123,18 +121,18 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
     cols = (k_start + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     bias_tile = mask_tile = None
     if bias_ref is not None:
-      bias_tile = flash.load_bias_like(bias_ref, spec.bias_shape, spec, q_start, block_q, k_start,
+      bias_tile = common.load_bias_like(bias_ref, spec.bias_shape, spec, q_start, block_q, k_start,
                                        block_k, other=0, head=bias_head(g))
     if mask_ref is not None:
-      mask_tile = flash.load_bias_like(mask_ref, spec.mask_shape, spec, q_start, block_q,
+      mask_tile = common.load_bias_like(mask_ref, spec.mask_shape, spec, q_start, block_q,
                                        k_start, block_k, other=False, head=mask_head(g))
-    mask = flash.logits_mask(spec, rows, cols, q_len=q_len, kv_len=kv_len, q_seg=q_seg,
+    mask = common.logits_mask(spec, rows, cols, q_len=q_len, kv_len=kv_len, q_seg=q_seg,
                              kv_seg=kv_seg, mask_tile=mask_tile, force_bounds=ragged_q)
-    s, t = flash.scores(spec, q, k, rows, cols, bias_tile=bias_tile, mask=mask)
+    s, t = common.scores(spec, q, k, rows, cols, bias_tile=bias_tile, mask=mask)
     p = jnp.exp2((s - lse[:, None]) * _LOG2E)
     dp = plgpu.dot(do, v, trans_b=True, precision=spec.precision)
     if spec.dropout_rate > 0:
-      keep = flash.dropout_keep(spec, seed_ref, b, kh * G + g, rows, cols)
+      keep = common.dropout_keep(spec, seed_ref, b, kh * G + g, rows, cols)
       p_drop = jnp.where(keep, p * spec.keep_scale, 0.0)
       dp = jnp.where(keep, dp * spec.keep_scale, 0.0)
     else:
@@ -144,28 +142,28 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
     return p_drop, ds, dx
 
   def load_q_side(g, q_start):
-    q = flash.load_tile(q_ref, q_start, block_q, T, spec.H, spec.Hp, ragged=ragged_q, head=g)
-    do = flash.load_tile(do_ref, q_start, block_q, T, spec.Hv, spec.Hvp, ragged=ragged_q, head=g)
-    lse = flash.load_rows(lse_ref, q_start, block_q, T, other=0.0, head=g)
-    delta = flash.load_rows(delta_ref, q_start, block_q, T, other=0.0, head=g)
+    q = common.load_tile(q_ref, q_start, block_q, T, spec.H, spec.Hp, ragged=ragged_q, head=g)
+    do = common.load_tile(do_ref, q_start, block_q, T, spec.Hv, spec.Hvp, ragged=ragged_q, head=g)
+    lse = common.load_rows(lse_ref, q_start, block_q, T, other=0.0, head=g)
+    delta = common.load_rows(delta_ref, q_start, block_q, T, other=0.0, head=g)
     q_seg = None
     if qseg_ref is not None:
-      q_seg = flash.load_rows(qseg_ref, q_start, block_q, T, other=-1)[:, None]
+      q_seg = common.load_rows(qseg_ref, q_start, block_q, T, other=-1)[:, None]
     return q, do, lse, delta, q_seg
 
   def load_k_side(k_start):
-    k = flash.load_tile(k_ref, k_start, block_k, S, spec.H, spec.Hp, ragged=ragged_k)
-    v = flash.load_tile(v_ref, k_start, block_k, S, spec.Hv, spec.Hvp, ragged=ragged_k)
+    k = common.load_tile(k_ref, k_start, block_k, S, spec.H, spec.Hp, ragged=ragged_k)
+    v = common.load_tile(v_ref, k_start, block_k, S, spec.Hv, spec.Hvp, ragged=ragged_k)
     kv_seg = None
     if kvseg_ref is not None:
-      kv_seg = flash.load_rows(kvseg_ref, k_start, block_k, S, other=-2)[None, :]
+      kv_seg = common.load_rows(kvseg_ref, k_start, block_k, S, other=-2)[None, :]
     return k, v, kv_seg
 
   # Phase 1: dK, dV of key block `pid` (summed over the G query heads of this kv head).
   def dkdv_phase():
     k_start = pid * block_k
     k, v, kv_seg = load_k_side(k_start)
-    qlo, qhi = flash.query_block_range(spec, k_start, k_start + block_k, block_q, q_len=q_len,
+    qlo, qhi = common.query_block_range(spec, k_start, k_start + block_k, block_q, q_len=q_len,
                                        kv_len=kv_len)
 
     def per_head(g, carry):
@@ -182,14 +180,14 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
     dk = jnp.zeros((block_k, spec.Hp), jnp.float32)
     dv = jnp.zeros((block_k, spec.Hvp), jnp.float32)
     dk, dv = lax.fori_loop(0, G, per_head, (dk, dv))
-    flash.store_tile(dk_ref, dk * spec.scale, 0, block_k, S - k_start, spec.H, ragged=ragged_k)
-    flash.store_tile(dv_ref, dv, 0, block_k, S - k_start, spec.Hv, ragged=ragged_k)
+    common.store_tile(dk_ref, dk * spec.scale, 0, block_k, S - k_start, spec.H, ragged=ragged_k)
+    common.store_tile(dv_ref, dv, 0, block_k, S - k_start, spec.Hv, ragged=ragged_k)
 
   # Phase 2: dQ of query block `pid` for each of the G query heads (and the bias gradient).
   def dq_phase():
     q_start = pid * block_q
     rows1 = q_start + jnp.arange(block_q, dtype=jnp.int32)
-    klo, khi = flash.key_block_range(spec, q_start, q_start + block_q, block_k, q_len=q_len,
+    klo, khi = common.key_block_range(spec, q_start, q_start + block_q, block_k, q_len=q_len,
                                      kv_len=kv_len)
 
     def per_head(g, carry):
@@ -218,7 +216,7 @@ def _bwd_kernel(seed_ref, qlen_ref, kvlen_ref, qseg_ref, kvseg_ref, q_ref, k_ref
       dq = jnp.zeros((block_q, spec.Hp), jnp.float32)
       rowsum = jnp.zeros((block_q,), jnp.float32)
       dq, rowsum = lax.fori_loop(klo, khi, per_kblock, (dq, rowsum))
-      flash.store_tile(dq_ref, dq * spec.scale, 0, block_q, T - q_start, spec.H, ragged=ragged_q,
+      common.store_tile(dq_ref, dq * spec.scale, 0, block_q, T - q_start, spec.H, ragged=ragged_q,
                        head=g)
       if dbias_mode == "rows":
         plgpu.store(dbias_ref.at[g, pl.ds(0, block_q), pl.ds(0, 1)],
@@ -254,10 +252,10 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
   Returns:
     ``(dq, dk, dv, dbias)`` with ``dbias`` None without bias or when not needed.
   """
-  spec = flash.make_spec(args, allow_tf32=allow_tf32)
-  cfg = config or heuristics(spec.H, args.dtype, flash.local_compute_capability())
-  block_q = flash._block(cfg.block_q, spec.T)
-  block_k = flash._block(cfg.block_k, spec.S)
+  spec = common.make_spec(args, allow_tf32=allow_tf32)
+  cfg = config or heuristics(spec.H, args.dtype, common.local_compute_capability())
+  block_q = common.block(cfg.block_q, spec.T)
+  block_k = common.block(cfg.block_k, spec.S)
   nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)
   P = max(nq, nk)
   G = spec.G
@@ -290,7 +288,7 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
 
   qb = lambda p: jnp.minimum(p, nq - 1)  # noqa: E731  (clamped: programs past the last block idle)
   kb = lambda p: jnp.minimum(p, nk - 1)  # noqa: E731
-  seed = flash.dropout_seed_words(args)
+  seed = common.dropout_seed_words(args)
   operands = (seed, args.q_seq_lengths, args.kv_seq_lengths, args.q_segment_ids,
               args.kv_segment_ids, args.q, args.k, args.v, args.bias, args.mask, dout, lse, delta,
               dbias0)
@@ -331,7 +329,7 @@ def backward(args: base.AttentionArgs, out, lse, dout, dlse=None, *, config: Opt
       input_output_aliases=aliases,
       compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interp, name=name)
-  dq, dk, dv, dbias = flash.triton_call(make_call, operands, interpret=interpret)
+  dq, dk, dv, dbias = common.triton_call(make_call, operands, interpret=interpret)
   if dbias is not None:
     bb, nb, tb, sb = spec.bias_shape
     axes = tuple(ax for ax, keep in ((0, bb != 1), (1, nb != 1), (2, tb != 1)) if not keep)
@@ -351,7 +349,7 @@ def differentiable(args: base.AttentionArgs, *, fwd: Callable, bwd_config: Optio
   (:func:`sharded.attention_vjp`).
   """
   if bwd_config is not None and not isinstance(bwd_config, Config):
-    raise TypeError(f"`bwd_config` must be a flash_vjp.Config or None; got "
+    raise TypeError(f"`bwd_config` must be a triton_flash_vjp.Config or None; got "
                     f"{type(bwd_config).__name__}")
 
   def bwd(a, out, lse, dout, dlse, need_dbias=True):

@@ -1,7 +1,7 @@
 """FlashAttention-2 in plain XLA: blockwise online softmax, O(L x block) memory forward and backward.
 
 This is the implementation of ``SDPBackend.FLASH_ATTENTION`` that runs on every platform; the
-dispatcher prefers the C++ kernel of :mod:`cpu_flash` over it when lowering for CPU where that kernel
+dispatcher prefers the C++ kernel of :mod:`cpp_flash` over it when lowering for CPU where that kernel
 can run the call (flag ``flash_cpu_kernel``). The algorithm is FlashAttention-2 (Dao, 2023, arXiv:2307.08691):
 
 * Forward (Algorithm 1): an outer ``lax.scan`` over query blocks; for each, a ``lax.fori_loop`` over

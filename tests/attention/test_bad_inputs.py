@@ -125,8 +125,8 @@ def test_flash_with_an_attn_mask_says_why_and_the_way_out():
 # ---- t: jax.export of the C++ kernel --------------------------------------------------------------------
 
 def test_default_export_error_names_the_portable_flag():
-  from pallas_kernels.attention import cpu_flash
-  if not cpu_flash.available():
+  from pallas_kernels.attention import cpp_flash
+  if not cpp_flash.available():
     pytest.skip("the C++ kernel is not built here")
   q = rand((1, 32, 2, 16))
   f = jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True))

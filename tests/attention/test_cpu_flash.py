@@ -8,18 +8,18 @@ import pytest
 
 import jbackends as jb
 from jbackends._src import attention_dispatch as D
-from pallas_kernels.attention import base, cpu_flash
+from pallas_kernels.attention import base, cpp_flash
 from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
 
-pytestmark = pytest.mark.skipif(not cpu_flash.available(),
+pytestmark = pytest.mark.skipif(not cpp_flash.available(),
                                 reason="C++ flash kernel not built or no AVX2 + FMA here")
 
 # Small, unequal tiles: every grid case spans several ragged blocks (forward and backward differ).
-CFG = cpu_flash.Config(block_q=5, block_k=16, block_q_bwd=7, block_k_bwd=32)
+CFG = cpp_flash.Config(block_q=5, block_k=16, block_q_bwd=7, block_k_bwd=32)
 
 
 class TestCpuFlash(AttentionTestBase):
-  impl = staticmethod(functools.partial(cpu_flash.attention, config=CFG))
+  impl = staticmethod(functools.partial(cpp_flash.attention, config=CFG))
   supports_bias = False
   supports_mask = False
   supports_dropout = False
@@ -28,7 +28,7 @@ class TestCpuFlash(AttentionTestBase):
 
 
 def _check(args, cfg=None, tol=2e-5):
-  impl = functools.partial(cpu_flash.attention, config=cfg)
+  impl = functools.partial(cpp_flash.attention, config=cfg)
   out, lse = jax.jit(impl)(args)
   ref, ref_lse = base.reference(args)
   assert_close(out, ref, tol, "out")
@@ -41,9 +41,9 @@ def _check(args, cfg=None, tol=2e-5):
 
 @pytest.fixture
 def two_threads():
-  cpu_flash.set_threads(2)
+  cpp_flash.set_threads(2)
   yield
-  cpu_flash.set_threads(0)
+  cpp_flash.set_threads(0)
 
 
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
@@ -56,7 +56,7 @@ def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
   k = jax.random.normal(key[1], (batch, 290, kv_heads, 40))
   v = jax.random.normal(key[2], (batch, 290, kv_heads, 24))
   _check(base.make_args(q, k, v, is_causal=True))
-  _check(base.make_args(q, k, v, window=(100, 20)), cpu_flash.Config(block_q=32, block_k=64))
+  _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
 
 
 def test_backward_is_reproducible_across_runs(two_threads):
@@ -66,8 +66,8 @@ def test_backward_is_reproducible_across_runs(two_threads):
   q = jax.random.normal(key[0], (1, 260, 2, 32))
   k = jax.random.normal(key[1], (1, 250, 1, 32))
   args = base.make_args(q, k, k, is_causal=True)
-  cfg = cpu_flash.Config(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
-  grad = jax.jit(jax.grad(lambda q: cpu_flash.attention(args.replace(q=q), config=cfg)[0].sum()))
+  cfg = cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+  grad = jax.jit(jax.grad(lambda q: cpp_flash.attention(args.replace(q=q), config=cfg)[0].sum()))
   first = np.asarray(grad(q))
   for _ in range(4):
     np.testing.assert_array_equal(np.asarray(grad(q)), first)
@@ -76,7 +76,7 @@ def test_backward_is_reproducible_across_runs(two_threads):
 def test_nan_inputs_give_nan_rows():
   args = make_case(Case("float32", "none", 24, 24, 32, 1))
   q = args.q.at[0, 3, 0, 5].set(jnp.nan)
-  out, _ = cpu_flash.attention(args.replace(q=q))
+  out, _ = cpp_flash.attention(args.replace(q=q))
   assert bool(jnp.all(jnp.isnan(out[0, 3, 0])))
   assert bool(jnp.all(jnp.isfinite(out[0, 4])))
 
@@ -90,7 +90,7 @@ def test_block_ranges_match_reference(kw):
   args = make_case(Case("float32", "none", 53, 33, 32, 2))
   args = args.replace(**{k: v for k, v in kw.items() if k != "is_causal"},
                       causal=kw.get("is_causal", False))
-  _check(args, cpu_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
+  _check(args, cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
 
 
 def _flash_on_cpu(args, **flags):
@@ -122,10 +122,10 @@ def test_dispatch_runs_it_on_cpu_and_says_why_not():
   with pytest.raises(D.NoAvailableBackendError, match="soft cap"):
     _flash_on_cpu(soft, flash_cpu_kernel="cpp")
   with pytest.raises(NotImplementedError, match="soft cap"):
-    cpu_flash.attention(soft)
+    cpp_flash.attention(soft)
   with pytest.raises(ValueError, match="flash_cpu_kernel"):
     jb.with_backends(flash_cpu_kernel="fast")
-  assert "CPU only" in " ".join(cpu_flash.unsupported(args, "tpu"))
+  assert "CPU only" in " ".join(cpp_flash.unsupported(args, "tpu"))
 
 
 def test_tpu_export_lowers_the_xla_code():
@@ -143,7 +143,7 @@ def test_tpu_export_lowers_the_xla_code():
   both = jax.jit(functools.partial(f, platforms=("cpu", "tpu")))
   with pytest.raises(ValueError, match="jb_flash_attention_fwd_f32"):
     jax.export.export(both, platforms=["cpu", "tpu"])(args.q, args.k, args.v)
-  checks = [jax.export.DisabledSafetyCheck.custom_call(cpu_flash.FORWARD_TARGET)]
+  checks = [jax.export.DisabledSafetyCheck.custom_call(cpp_flash.FORWARD_TARGET)]
   exp = jax.export.export(both, platforms=["cpu", "tpu"], disabled_checks=checks)(
       args.q, args.k, args.v)
   assert "jb_flash_attention_fwd_f32" in exp.mlir_module()  # the CPU branch
@@ -152,21 +152,21 @@ def test_tpu_export_lowers_the_xla_code():
 
 def test_vmap_and_low_precision_inputs():
   args = make_case(Case("bfloat16", "lower_right", 20, 30, 32, 2))
-  out, lse = cpu_flash.attention(args)
+  out, lse = cpp_flash.attention(args)
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
   qs = jnp.stack([args.q, args.q * 0.5])
-  got = jax.vmap(lambda q: cpu_flash.attention(args.replace(q=q))[0])(qs)
+  got = jax.vmap(lambda q: cpp_flash.attention(args.replace(q=q))[0])(qs)
   for i in range(2):
-    want = cpu_flash.attention(args.replace(q=qs[i]))[0]
+    want = cpp_flash.attention(args.replace(q=qs[i]))[0]
     np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
 
 
 def test_config_validation():
   with pytest.raises(ValueError, match="block_k"):
-    cpu_flash.Config(block_k=24)
+    cpp_flash.Config(block_k=24)
   with pytest.raises(ValueError, match="block_q"):
-    cpu_flash.Config(block_q=0)
-  assert cpu_flash.threads() >= 1
+    cpp_flash.Config(block_q=0)
+  assert cpp_flash.threads() >= 1
 
 
 def test_scores_jumping_between_key_blocks():
@@ -176,7 +176,7 @@ def test_scores_jumping_between_key_blocks():
   q = jax.random.normal(key[0], (1, 40, 2, 32))
   k = jax.random.normal(key[1], (1, 96, 2, 32))
   v = jax.random.normal(key[2], (1, 96, 2, 32))
-  cfg = cpu_flash.Config(block_q=8, block_k=16, block_q_bwd=8, block_k_bwd=16)
+  cfg = cpp_flash.Config(block_q=8, block_k=16, block_q_bwd=8, block_k_bwd=16)
   u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
   scale = 1 / np.sqrt(32)
   for jump in (3.0, 60.0):  # natural-log logits grow by `jump` per key block: one pass / recompute
@@ -190,7 +190,7 @@ def test_scores_jumping_between_key_blocks():
     _check(args, cfg, tol=5e-5 if jump < 10 else 3e-4)
 
 
-@pytest.mark.parametrize("name", ["pallas_kernels.attention.cpu_flash",
+@pytest.mark.parametrize("name", ["pallas_kernels.attention.cpp_flash",
                                   "pallas_kernels.attention.xla_flash"])
 def test_docstring_examples(name):
   import doctest  # noqa: PLC0415

@@ -26,7 +26,7 @@ from jbackends import attention as A
 from jbackends._src import attention_dispatch as D
 from jbackends._src import sdpa_registry as R
 from jbackends._src.dispatch import Implementation
-from pallas_kernels.attention import base, cudnn, flash, flash_vjp, mem_efficient
+from pallas_kernels.attention import base, cudnn, triton_flash, triton_flash_vjp, triton_mem_efficient
 
 SB = A.SDPBackend
 LARGE_NEG = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
@@ -38,8 +38,8 @@ def rand(shape, seed=0, dtype=jnp.float32):
 
 # ---- routing every backend through the public API on CPU ------------------------------------------
 
-_CFG = flash.Config(block_q=16, block_k=16)
-_BWD = flash_vjp.Config(block_q=16, block_k=16)
+_CFG = triton_flash.Config(block_q=16, block_k=16)
+_BWD = triton_flash_vjp.Config(block_q=16, block_k=16)
 
 
 def _shim(name, unsupported, attention):
@@ -81,7 +81,7 @@ def backend(name):
     elif name == "efficient":
       scope = A.sdpa_kernel(SB.EFFICIENT_ATTENTION)
     elif name in ("pallas_flash", "pallas_efficient"):
-      mod = flash if name == "pallas_flash" else mem_efficient
+      mod = triton_flash if name == "pallas_flash" else triton_mem_efficient
       shim = _shim(f"_jb_test_{name}", lambda a, p, mod=mod: mod.unsupported(a, "cuda"),
                    lambda a, mod=mod, **o: mod.attention(a, config=_CFG, bwd_config=_BWD,
                                                          interpret=True))

@@ -11,19 +11,19 @@ import functools
 
 import pytest
 
-from pallas_kernels.attention import decode, flash, flash_vjp, mem_efficient
+from pallas_kernels.attention import triton_decode, triton_flash, triton_flash_vjp, triton_mem_efficient
 from tests.attention.attention_base import GRID, AttentionTestBase
 
 # Blocks of 16 so the grid's 29..64-long sequences span several ragged blocks.
-CFG = flash.Config(block_q=16, block_k=16)
-BWD = flash_vjp.Config(block_q=16, block_k=16)
+CFG = triton_flash.Config(block_q=16, block_k=16)
+BWD = triton_flash_vjp.Config(block_q=16, block_k=16)
 
 _FLASH_CASES = {GRID[2].id, GRID[4].id, GRID[11].id, GRID[17].id}
 _MEM_CASES = {GRID[5].id, GRID[10].id, GRID[18].id}
 
 
 class TestPallasFlashInterpret(AttentionTestBase):
-  impl = staticmethod(functools.partial(flash.attention, config=CFG, bwd_config=BWD,
+  impl = staticmethod(functools.partial(triton_flash.attention, config=CFG, bwd_config=BWD,
                                         interpret=True))
   supports_bias = False
   supports_mask = False
@@ -31,7 +31,7 @@ class TestPallasFlashInterpret(AttentionTestBase):
 
 
 class TestPallasMemEfficientInterpret(AttentionTestBase):
-  impl = staticmethod(functools.partial(mem_efficient.attention, config=CFG, bwd_config=BWD,
+  impl = staticmethod(functools.partial(triton_mem_efficient.attention, config=CFG, bwd_config=BWD,
                                         interpret=True))
   grid_filter = staticmethod(lambda c: c.id in _MEM_CASES)
 
@@ -40,11 +40,11 @@ class TestPallasMemEfficientInterpret(AttentionTestBase):
 # dropout, lengths, segment ids, window, f16 / bf16, T = 1 included); its backward is the flash one.
 _DECODE_GRID = [dataclasses.replace(GRID[i], T=t) for i, t in
                 ((2, 5), (4, 16), (11, 3), (12, 1), (16, 7), (17, 9), (18, 12))]
-DEC = decode.Config(block_k=16, num_splits=3)
+DEC = triton_decode.Config(block_k=16, num_splits=3)
 
 
 class TestPallasDecodeInterpret(AttentionTestBase):
-  impl = staticmethod(functools.partial(decode.attention, config=DEC, bwd_config=BWD, interpret=True))
+  impl = staticmethod(functools.partial(triton_decode.attention, config=DEC, bwd_config=BWD, interpret=True))
   supports_bias = False
   supports_mask = False
 

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 from jax import export
 
+import jbackends as jb
+from jbackends._src import attention_dispatch as D
 from pallas_kernels import gpu
-from pallas_kernels.attention import base, decode, flash, flash_vjp, mem_efficient
+from pallas_kernels.attention import base, triton_decode, triton_flash, triton_flash_vjp, triton_mem_efficient
 
 TRITON = "__gpu$xla.gpu.triton"
 CHECKS = [export.DisabledSafetyCheck.custom_call(TRITON)]
@@ -73,15 +75,15 @@ FEATURES = dict(is_causal=True, diag_offset=3, window=(40, 0), logits_soft_cap=2
 
 
 @pytest.mark.parametrize("kernel,cfg,bwd", [
-    ("flash", flash.Config(128, 64, 4, 3), flash_vjp.Config(64, 64, 4, 2)),
-    ("flash", flash.Config(64, 32, 8, 2), flash_vjp.Config(32, 128, 8, 1)),
-    ("mem_efficient", flash.Config(128, 128, 8, 2), flash_vjp.Config(64, 32, 4, 2)),
-    ("mem_efficient", flash.Config(32, 64, 4, 1), flash_vjp.Config(32, 32, 4, 1)),
-    ("decode", decode.Config(64, 4, 4, 2), flash_vjp.Config(64, 64, 4, 2)),
-    ("decode", decode.Config(32, 0, 8, 3), flash_vjp.Config(32, 64, 8, 2)),
+    ("flash", triton_flash.Config(128, 64, 4, 3), triton_flash_vjp.Config(64, 64, 4, 2)),
+    ("flash", triton_flash.Config(64, 32, 8, 2), triton_flash_vjp.Config(32, 128, 8, 1)),
+    ("mem_efficient", triton_flash.Config(128, 128, 8, 2), triton_flash_vjp.Config(64, 32, 4, 2)),
+    ("mem_efficient", triton_flash.Config(32, 64, 4, 1), triton_flash_vjp.Config(32, 32, 4, 1)),
+    ("decode", triton_decode.Config(64, 4, 4, 2), triton_flash_vjp.Config(64, 64, 4, 2)),
+    ("decode", triton_decode.Config(32, 0, 8, 3), triton_flash_vjp.Config(32, 64, 8, 2)),
 ])
 def test_forward_and_backward_lower_to_triton_for_cuda(kernel, cfg, bwd):
-  module = {"flash": flash, "mem_efficient": mem_efficient, "decode": decode}[kernel]
+  module = {"flash": triton_flash, "mem_efficient": triton_mem_efficient, "decode": triton_decode}[kernel]
   T = 5 if kernel == "decode" else 50
   kw = dict(FEATURES)
   if kernel == "mem_efficient":
@@ -103,7 +105,7 @@ def test_forward_and_backward_lower_to_triton_for_cuda(kernel, cfg, bwd):
 def test_other_dtypes_and_head_dims_lower(dtype):
   args = _zeros(1, 33, 33, 2, 1, 256 if dtype == jnp.float16 else 24, dtype=dtype,
                 q_segment_ids=jnp.zeros((1, 33), jnp.int32))
-  impl = functools.partial(flash.attention, config=flash.Config(64, 32),
+  impl = functools.partial(triton_flash.attention, config=triton_flash.Config(64, 32),
                            allow_tf32=dtype == jnp.float32)
   _, text, n = _export_fwd_bwd(impl, args)
   assert n == 2 and text.count(TRITON) == 2
@@ -111,7 +113,10 @@ def test_other_dtypes_and_head_dims_lower(dtype):
 
 def test_short_queries_route_to_decode_by_default():
   args = _zeros(1, 3, 300, 4, 1, 64)
-  _, text, _ = _export_fwd_bwd(flash.attention, args)
+  with jb.sdpa_kernel(jb.SDPBackend.FLASH_ATTENTION):
+    d = D.decide(args, jb.current_flags(), "cuda")
+  assert d.implementation.name == "triton_decode"
+  _, text, _ = _export_fwd_bwd(d.implementation.run, args)
   assert 'name = "jb_decode_fwd"' in text and 'name = "jb_flash_bwd"' in text
 
 
@@ -122,7 +127,7 @@ def test_cpu_and_cuda_export_carries_both_paths_and_runs_on_cpu():
   args = base.make_args(q, k, k, is_causal=True, diag_offset=4)
 
   def impl(a):
-    return jax.lax.platform_dependent(a, cuda=flash.attention, default=base.reference)
+    return jax.lax.platform_dependent(a, cuda=triton_flash.attention, default=base.reference)
 
   exp, text, _ = _export_fwd_bwd(impl, args, platforms=("cpu", "cuda"))
   assert text.count(TRITON) == 2
@@ -134,13 +139,13 @@ def test_cpu_and_cuda_export_carries_both_paths_and_runs_on_cpu():
 def test_lowering_for_cpu_alone_raises_clearly():
   args = _zeros(1, 20, 20, 1, 1, 16)
   with pytest.raises(ValueError, match="CUDA only.*interpret=True"):
-    jax.jit(lambda a: flash.attention(a, config=flash.Config(16, 16))).lower(args)
+    jax.jit(lambda a: triton_flash.attention(a, config=triton_flash.Config(16, 16))).lower(args)
 
 
 def test_vmap_of_kernel_lowers():
   args = _zeros(1, 20, 20, 2, 1, 32)
   batched = jnp.zeros((3, 1, 20, 2, 32), jnp.bfloat16)
-  f = jax.vmap(lambda q: flash.attention(args.replace(q=q), config=flash.Config(16, 16))[0])
+  f = jax.vmap(lambda q: triton_flash.attention(args.replace(q=q), config=triton_flash.Config(16, 16))[0])
   text = _export(jax.jit(f), ["cuda"])(batched).mlir_module()
   assert text.count(TRITON) == 1
 
@@ -149,9 +154,6 @@ def test_vmap_of_kernel_lowers():
 # Through the public API and the dispatch.
 # ---------------------------------------------------------------------------------------------
 
-jb = pytest.importorskip("jbackends")
-_HAS_DISPATCH = all(hasattr(jb, n) for n in ("dot_product_attention", "sdpa_kernel", "SDPBackend"))
-needs_dispatch = pytest.mark.skipif(not _HAS_DISPATCH, reason="the SDPA dispatch is not there yet")
 
 
 def _export_public(export_platforms, backend, **call_kw):
@@ -170,7 +172,6 @@ def _export_public(export_platforms, backend, **call_kw):
 _CPU_TARGETS = ("jb_flash_attention_fwd_f32", "jb_flash_attention_bwd_f32")
 
 
-@needs_dispatch
 def test_public_api_cpu_export_is_portable_with_the_xla_kernel_flag():
   """flash_cpu_kernel='xla' keeps this package's custom calls out of a CPU export (no opt-in)."""
   q = jnp.zeros((1, 40, 4, 64), jnp.float32)
@@ -183,7 +184,6 @@ def test_public_api_cpu_export_is_portable_with_the_xla_kernel_flag():
   assert not any(t in text for t in _CPU_TARGETS)
 
 
-@needs_dispatch
 @pytest.mark.parametrize("platforms", [["cuda"], ["cpu", "cuda"]])
 def test_public_api_export_with_explicit_platforms_carries_triton(platforms):
   text = _export_public(platforms, jb.SDPBackend.FLASH_ATTENTION, platforms=platforms)
@@ -191,7 +191,6 @@ def test_public_api_export_with_explicit_platforms_carries_triton(platforms):
   assert re.search(r'name = "jb_flash_fwd"', text)
 
 
-@needs_dispatch
 @pytest.mark.parametrize("platforms", [["cuda"], ["cpu", "cuda"]])
 def test_public_api_export_chooses_per_lowering_platform(platforms):
   """The issue's contract: no ``platforms=`` argument, the lowering platforms decide."""
@@ -200,7 +199,6 @@ def test_public_api_export_chooses_per_lowering_platform(platforms):
   assert re.search(r'name = "jb_flash_fwd"', text)
 
 
-@needs_dispatch
 def test_explain_on_cuda_picks_the_pallas_kernels_with_reasons():
   q = jnp.zeros((1, 40, 4, 64), jnp.bfloat16)
   k = jnp.zeros((1, 40, 2, 64), jnp.bfloat16)
@@ -253,6 +251,6 @@ def test_jax_triton_deprecation_is_kept_from_users():
   assert not _triton_deprecation_warnings(
       _plain_triton_kernel(triton_backend.CompilerParams(num_warps=4)))
   for kernel, T in (("flash", 50), ("mem_efficient", 50), ("decode", 5)):
-    module = {"flash": flash, "mem_efficient": mem_efficient, "decode": decode}[kernel]
+    module = {"flash": triton_flash, "mem_efficient": triton_mem_efficient, "decode": triton_decode}[kernel]
     args = _zeros(1, T, 40, 2, 1, 32, is_causal=True, diag_offset=35 if kernel == "decode" else 0)
     assert not _triton_deprecation_warnings(lambda: _export_fwd_bwd(module.attention, args)), kernel

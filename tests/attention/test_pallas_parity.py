@@ -15,20 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import base, decode, flash, flash_vjp, mem_efficient
+from pallas_kernels.attention import base, triton_decode, triton_flash, triton_flash_vjp, triton_mem_efficient
 
-CFG = flash.Config(block_q=16, block_k=16, num_warps=4, num_stages=2)
-BWD = flash_vjp.Config(block_q=16, block_k=16, num_warps=4, num_stages=2)
-DEC = decode.Config(block_k=16, num_splits=3)
+CFG = triton_flash.Config(block_q=16, block_k=16, num_warps=4, num_stages=2)
+BWD = triton_flash_vjp.Config(block_q=16, block_k=16, num_warps=4, num_stages=2)
+DEC = triton_decode.Config(block_k=16, num_splits=3)
 
 # (forward atol, gradient tolerance relative to the largest reference gradient)
 TOL = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (3e-2, 3e-2), jnp.float16: (4e-3, 4e-3)}
 
 IMPLS = {
-    "flash": functools.partial(flash.attention, config=CFG, bwd_config=BWD, interpret=True),
-    "mem_efficient": functools.partial(mem_efficient.attention, config=CFG, bwd_config=BWD,
+    "flash": functools.partial(triton_flash.attention, config=CFG, bwd_config=BWD, interpret=True),
+    "mem_efficient": functools.partial(triton_mem_efficient.attention, config=CFG, bwd_config=BWD,
                                        interpret=True),
-    "decode": functools.partial(decode.attention, config=DEC, bwd_config=BWD, interpret=True),
+    "decode": functools.partial(triton_decode.attention, config=DEC, bwd_config=BWD, interpret=True),
 }
 
 
@@ -216,7 +216,7 @@ def test_decode(case):
 @pytest.mark.parametrize("splits", [1, 5])
 def test_decode_split_counts_agree(splits):
   args = _build(DECODE_CASES["t1_gqa4"])
-  out, lse = decode.forward(args, config=decode.Config(block_k=16, num_splits=splits),
+  out, lse = triton_decode.forward(args, config=triton_decode.Config(block_k=16, num_splits=splits),
                             interpret=True)
   ref_out, ref_lse = base.reference(args)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.attention import autotune, base, decode, flash, flash_vjp, mem_efficient
+from pallas_kernels.attention import autotune, base, triton_decode, triton_flash, triton_flash_vjp, triton_mem_efficient
 
-MODULES = {"flash": flash, "mem_efficient": mem_efficient, "decode": decode}
+MODULES = {"flash": triton_flash, "mem_efficient": triton_mem_efficient, "decode": triton_decode}
 
 
 def _args(T=8, S=8, H=16, dtype=jnp.bfloat16, **kw):
@@ -41,13 +41,13 @@ def test_reasons_name_each_constraint(name):
 def test_bias_and_mask_reasons_per_kernel():
   with_bias = _args(bias=jnp.zeros((1, 1, 8, 8)))
   with_mask = _args(mask=jnp.ones((1, 1, 8, 8), bool))
-  assert any("bias" in r for r in flash.unsupported(with_bias, "cuda"))
-  assert any("mask" in r for r in flash.unsupported(with_mask, "cuda"))
-  assert any("bias" in r for r in decode.unsupported(with_bias, "cuda"))
-  assert any("mask" in r for r in decode.unsupported(with_mask, "cuda"))
-  assert mem_efficient.unsupported(with_bias, "cuda") == []
-  assert mem_efficient.unsupported(with_mask, "cuda") == []
-  assert any("T=17 > 16" in r for r in decode.unsupported(_args(T=17), "cuda"))
+  assert any("bias" in r for r in triton_flash.unsupported(with_bias, "cuda"))
+  assert any("mask" in r for r in triton_flash.unsupported(with_mask, "cuda"))
+  assert any("bias" in r for r in triton_decode.unsupported(with_bias, "cuda"))
+  assert any("mask" in r for r in triton_decode.unsupported(with_mask, "cuda"))
+  assert triton_mem_efficient.unsupported(with_bias, "cuda") == []
+  assert triton_mem_efficient.unsupported(with_mask, "cuda") == []
+  assert any("T=17 > 16" in r for r in triton_decode.unsupported(_args(T=17), "cuda"))
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -60,33 +60,33 @@ def test_attention_raises_at_call_time_not_grad_time(name):
 def test_config_validation_messages():
   concrete = base.make_args(*(jnp.zeros((1, 20, 1, 16), jnp.bfloat16),) * 3)
   with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
-    flash.Config(block_q=24)
+    triton_flash.Config(block_q=24)
   with pytest.raises(ValueError, match="block_k"):
-    flash.Config(block_k=8)
+    triton_flash.Config(block_k=8)
   with pytest.raises(ValueError, match="num_warps"):
-    flash.Config(num_warps=3)
+    triton_flash.Config(num_warps=3)
   with pytest.raises(ValueError, match="num_stages"):
-    flash_vjp.Config(num_stages=0)
+    triton_flash_vjp.Config(num_stages=0)
   with pytest.raises(ValueError, match="block_q"):
-    flash_vjp.Config(block_q=100)
+    triton_flash_vjp.Config(block_q=100)
   with pytest.raises(ValueError, match="num_splits"):
-    decode.Config(num_splits=-1)
+    triton_decode.Config(num_splits=-1)
   with pytest.raises(TypeError, match="config"):
-    flash.attention(concrete, config=decode.Config(), interpret=True)
+    triton_flash.attention(concrete, config=triton_decode.Config(), interpret=True)
   with pytest.raises(TypeError, match="bwd_config"):
-    flash.attention(concrete, config=flash.Config(16, 16), bwd_config=flash.Config(),
+    triton_flash.attention(concrete, config=triton_flash.Config(16, 16), bwd_config=triton_flash.Config(),
                     interpret=True)
   with pytest.raises(AttributeError):
-    flash.Config().block_q = 32  # frozen
+    triton_flash.Config().block_q = 32  # frozen
 
 
 @pytest.mark.parametrize("cc", [75, 80, 90])
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_heuristics_are_valid_and_fit_shared_memory(cc, head_dim, dtype):
-  cfg = flash.heuristics(head_dim, dtype, cc)
-  bwd = flash_vjp.heuristics(head_dim, dtype, cc)
-  dec = decode.heuristics(head_dim, dtype, cc, batch_kv_heads=4, kv_len=8192)
+  cfg = triton_flash.heuristics(head_dim, dtype, cc)
+  bwd = triton_flash_vjp.heuristics(head_dim, dtype, cc)
+  dec = triton_decode.heuristics(head_dim, dtype, cc, batch_kv_heads=4, kv_len=8192)
   hp = max(16, 1 << (head_dim - 1).bit_length())
   item = jnp.dtype(dtype).itemsize
   smem = {75: 64, 80: 164, 90: 228}[cc] * 1024
@@ -101,7 +101,7 @@ def test_autotune_interpret_picks_a_candidate_and_caches():
   autotune.clear_cache()
   x = jax.random.normal(jax.random.key(0), (1, 20, 1, 16))
   args = base.make_args(x, x, x, is_causal=True)
-  cands = [flash.Config(16, 16), flash.Config(32, 16), flash.Config(block_q=16, block_k=128)]
+  cands = [triton_flash.Config(16, 16), triton_flash.Config(32, 16), triton_flash.Config(block_q=16, block_k=128)]
   best = autotune.autotune(args, "flash", candidates=cands, interpret=True, repeats=1)
   assert best in cands
   key = autotune.shape_class(args, "flash", interpret=True)
@@ -113,6 +113,6 @@ def test_autotune_interpret_picks_a_candidate_and_caches():
   if jax.default_backend() != "gpu":
     with pytest.raises(RuntimeError, match="GPU"):
       autotune.autotune(args, "flash")
-  assert all(isinstance(c, flash_vjp.Config) for c in autotune.candidates("flash_bwd", 128))
-  assert all(isinstance(c, decode.Config) for c in autotune.candidates("decode", 64))
+  assert all(isinstance(c, triton_flash_vjp.Config) for c in autotune.candidates("flash_bwd", 128))
+  assert all(isinstance(c, triton_decode.Config) for c in autotune.candidates("decode", 64))
   autotune.clear_cache()
