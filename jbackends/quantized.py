@@ -50,6 +50,7 @@ from jbackends._src import int4_registry as _registry
 from jbackends._src import mirror as _mirror
 from jbackends._src.flag_state import current_flags as _current_flags
 from jbackends._src.flag_state import trace_flags as _trace_flags
+from jbackends._src import verbose as _verbose
 from pallas_kernels import partition as _partition
 from pallas_kernels.int4_matmul import base as _base
 from pallas_kernels.int4_matmul import cpu as _cpu
@@ -222,8 +223,6 @@ def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choic
 def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call,
                        run_options: dict) -> jax.Array:
     """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them."""
-    from jbackends._src.verbose import report_dispatch  # noqa: PLC0415 - avoid an import cycle
-
     flags = _trace_flags()
     branches, chosen_all, rejected = {}, [], {}
     for platform in _LOWERING:
@@ -231,7 +230,7 @@ def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, call: _b
         chosen_all.append(f"{choice.chosen.name}@{platform}")
         rejected.update({f"{k}@{platform}": v for k, v in choice.reasons.items()})
         branches[platform] = (lambda impl: lambda a, p: impl.run(a, p, **run_options))(choice.chosen)
-    report_dispatch(op, ",".join(chosen_all), rejected,
+    _verbose.report_dispatch(op, ",".join(chosen_all), rejected,
                     (tuple(x.shape), tuple(packed.weight.shape)), (str(x.dtype), "uint4"))
     default = branches.pop("other")
     return _dispatch.by_platform(branches, default, x, packed)

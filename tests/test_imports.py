@@ -16,9 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("jbackends", "pallas_kernels")
 
-# Known edges of cycles outside the flags modules, (importer, imported): being removed by the
-# kernel-files restructure. Empty: the flash <-> decode / flash_vjp cycle in pallas_kernels.attention is
-# closed by an import inside a function (flash.py), which this graph does not count.
+# Known edges of cycles, (importer, imported), each with its reason. Empty: there are none.
 ALLOWED_EDGES: set[tuple[str, str]] = set()
 
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from jbackends._src import dispatch, sdpa_registry
 from jbackends._src.dispatch import Implementation, canonical_platform, default_platform
+from jbackends._src import verbose
 from jbackends._src.sdp_backends import DEFAULT_ORDER, FLAG, RUNNABLE, SDPBackend
 from pallas_kernels.attention import base
 
@@ -160,8 +161,6 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
   TPU / ROCm exports) lowers the XLA-path choice (the CPU decision, else the first required one): the
   XLA implementations run anywhere XLA does.
   """
-  from jbackends._src.verbose import report_dispatch  # noqa: PLC0415 - cheap, avoids cycles
-
   decisions = []
   for p in tuple(platforms) + tuple(optional_platforms):
     d = decide(args, flags, p, only=only, device_info=local_device_info(p))
@@ -174,7 +173,7 @@ def run(args: base.AttentionArgs, flags: Any, platforms: Sequence[str],
       continue  # chosen so an export for it carries its kernel; not what runs here, so not reported
     rejected = {NAMES[b]: r for b, r in d.reasons.items()}
     rejected.update({f"{NAMES[d.chosen]}/{name}": r for name, r in d.implementation_reasons.items()})
-    report_dispatch(op, f"{d.chosen_name}@{p}[{d.implementation.name}]", rejected,
+    verbose.report_dispatch(op, f"{d.chosen_name}@{p}[{d.implementation.name}]", rejected,
                     shapes or (tuple(args.q.shape), tuple(args.k.shape), tuple(args.v.shape)),
                     (str(args.q.dtype),))
 

@@ -108,7 +108,7 @@ class Config:
       val = getattr(self, name)
       if not isinstance(val, int) or val < 1 or (name.startswith("block_k") and val % 16):
         need = "a positive multiple of 16" if name.startswith("block_k") else "an int >= 1"
-        raise ValueError(f"cpu_flash.Config.{name} must be {need}; got {name}={val!r}")
+        raise ValueError(f"cpp_flash.Config.{name} must be {need}; got {name}={val!r}")
 
   def fit(self, args: base.AttentionArgs) -> "Config":
     """Tiles no larger than the (16-rounded) sequence lengths."""

@@ -179,7 +179,7 @@ def dropout_seed_words(args: base.AttentionArgs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel-body helpers (plain jnp on tiles; shared with flash_vjp / mem_efficient / decode).
+# Kernel-body helpers (plain jnp on tiles; shared with triton_flash_vjp / triton_mem_efficient / triton_decode).
 # ----------------------------------------------------------------------------------------------
 
 def load_scalar(ref):

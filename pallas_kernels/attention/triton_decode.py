@@ -8,9 +8,9 @@ query rows of one GQA group into one tile (every query head of the group reads t
 once). Each program writes a partial ``(out_s, lse_s)``; a combine step (a small XLA fusion)
 rescales them: ``lse = logsumexp_s(lse_s)``, ``out = sum_s exp(lse_s - lse) * out_s``.
 
-Supports what :mod:`flash` does except bias / mask tiles: causal (any ``diag_offset``, e.g.
+Supports what :mod:`triton_flash` does except bias / mask tiles: causal (any ``diag_offset``, e.g.
 lower-right for decoding), window, softcap, lengths, segment ids, GQA / MQA, dropout (same
-keep-mask), any ``S``, head dims up to 256. The backward pass is the fused :mod:`flash_vjp` kernel.
+keep-mask), any ``S``, head dims up to 256. The backward pass is the fused :mod:`triton_flash_vjp` kernel.
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -8,7 +8,7 @@ the bias gradient ``dS`` (tiles for a full bias, on-chip row / column partial su
 broadcast over keys / queries, summed over broadcast batch / head dims afterwards). The bias
 gradient is only computed when the bias is differentiated.
 
-Everything :mod:`flash` supports is supported here too (causal with any ``diag_offset``, window,
+Everything :mod:`triton_flash` supports is supported here too (causal with any ``diag_offset``, window,
 softcap, lengths, segment ids, GQA / MQA by index map, dropout with the shared keep-mask, any
 ``T`` / ``S``, head dims up to 256).
 

@@ -1,5 +1,5 @@
 """The blockwise XLA flash code (FLASH off CUDA where the C++ kernel cannot run) on the shared grid,
-plus its own tiling tests. (The C++ kernel is a separate implementation: tests/attention/test_cpu_flash.py.)"""
+plus its own tiling tests. (The C++ kernel is a separate implementation: tests/attention/test_cpp_flash.py.)"""
 import dataclasses
 import functools
 
