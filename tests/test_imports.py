@@ -51,6 +51,15 @@ def _top_level_imports(body: list[ast.stmt]):
             yield from _top_level_imports(node.body)
 
 
+def _source(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    """The absolute module a `from ... import` in module `name` reads from (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -60,12 +69,7 @@ def _graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
-                if node.level:
-                    base = name.split(".")
-                    base = base[: len(base) - node.level + (1 if is_package else 0)]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
+                source = _source(node, name, is_package)
                 targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
                            for alias in node.names]
             graph[name].update(t for t in targets if t in modules and t != name)
@@ -165,12 +169,7 @@ def _private_uses(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path
                 if a.name in modules and a.asname:
                     aliases[a.asname] = a.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")
-                base = base[: len(base) - node.level + (1 if is_package else 0)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = _source(node, name, is_package)
             if source not in modules or source == name:
                 continue
             for a in node.names:
