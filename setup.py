@@ -5,6 +5,7 @@ compiler, or without jaxlib's FFI headers at build time, the install still
 succeeds and the int4 matmul and flash attention fall back to their pure-XLA
 implementations.
 """
+
 import importlib.util
 import os
 import sys
@@ -58,7 +59,13 @@ def _extensions():
             language="c++",
             # -ffp-contract=off: the dyn-quant kernel is bit-exact with torch's
             # reference only without FMA contraction.
-            extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
+            extra_compile_args=[
+                "-O3",
+                "-std=c++17",
+                "-ffp-contract=off",
+                "-Wno-attributes",
+                "-Wno-return-type",
+            ],
             extra_link_args=["-lpthread"],
             optional=True,
         ),

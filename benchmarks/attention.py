@@ -24,6 +24,7 @@ Peak memory, and how it is measured:
 Ratios are ``other / jbackends`` for both time and memory (> 1: jbackends is faster / smaller).
 The machine is usually shared: rerun for stable numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ import time
 from typing import Any, Callable, Optional
 
 if __package__ in (None, ""):
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
@@ -45,70 +46,73 @@ B, N, D = 1, 8, 64
 
 
 def _jax_impls() -> dict:
-  from jbackends import attention as jba
+    from jbackends import attention as jba
 
-  import jbackends as jb  # noqa: PLC0415
+    import jbackends as jb  # noqa: PLC0415
 
-  def flash_xla(q, k, v, c):
-    with jb.with_backends(flash_cpu_kernel="xla"):
-      return jba.dot_product_attention(q, k, v, is_causal=c, implementation="flash")
+    def flash_xla(q, k, v, c):
+        with jb.with_backends(flash_cpu_kernel="xla"):
+            return jba.dot_product_attention(q, k, v, is_causal=c, implementation="flash")
 
-  impls = {
-      "jbackends flash": lambda q, k, v, c: jba.dot_product_attention(
-          q, k, v, is_causal=c, implementation="flash"),
-      "jbackends flash (xla)": flash_xla,
-      "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(
-          q, k, v, is_causal=c, implementation="xla"),
-  }
-  try:
-    import tokamax  # noqa: PLC0415
-    from absl import flags as absl_flags  # noqa: PLC0415 - tokamax's dependency
+    impls = {
+        "jbackends flash": lambda q, k, v, c: jba.dot_product_attention(
+            q, k, v, is_causal=c, implementation="flash"
+        ),
+        "jbackends flash (xla)": flash_xla,
+        "jax.nn xla": lambda q, k, v, c: jax.nn.dot_product_attention(
+            q, k, v, is_causal=c, implementation="xla"
+        ),
+    }
+    try:
+        import tokamax  # noqa: PLC0415
+        from absl import flags as absl_flags  # noqa: PLC0415 - tokamax's dependency
 
-    # tokamax reads its absl flags on first use and would parse this script's argv as its own.
-    if not absl_flags.FLAGS.is_parsed():
-      absl_flags.FLAGS.mark_as_parsed()
+        # tokamax reads its absl flags on first use and would parse this script's argv as its own.
+        if not absl_flags.FLAGS.is_parsed():
+            absl_flags.FLAGS.mark_as_parsed()
 
-    impls["tokamax xla_chunked"] = lambda q, k, v, c: tokamax.dot_product_attention(
-        q, k, v, is_causal=c, implementation="xla_chunked")
-  except Exception:  # noqa: BLE001 - not installed / other API: column left out
-    pass
-  return impls
+        impls["tokamax xla_chunked"] = lambda q, k, v, c: tokamax.dot_product_attention(
+            q, k, v, is_causal=c, implementation="xla_chunked"
+        )
+    except Exception:  # noqa: BLE001 - not installed / other API: column left out
+        pass
+    return impls
 
 
 def _fn(impl: Callable, causal: bool, mode: str) -> Callable:
-  if mode == "fwd":
-    return lambda q, k, v: impl(q, k, v, causal)
-  return jax.grad(lambda q, k, v: impl(q, k, v, causal).sum(), argnums=(0, 1, 2))
+    if mode == "fwd":
+        return lambda q, k, v: impl(q, k, v, causal)
+    return jax.grad(lambda q, k, v: impl(q, k, v, causal).sum(), argnums=(0, 1, 2))
 
 
 def _best(f: Callable[[], Any], repeats: int) -> float:
-  f()
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
     f()
-    best = min(best, time.perf_counter() - t)
-  return best
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
-def bench_jax(name: str, impl, L: int, causal: bool, mode: str, repeats: int,
-              max_run_bytes: float) -> dict:
-  x = jax.ShapeDtypeStruct((B, L, N, D), jnp.float32)
-  lowered = jax.jit(_fn(impl, causal, mode)).lower(x, x, x)
-  compiled = lowered.compile()
-  ma = compiled.memory_analysis()
-  mem = ma.temp_size_in_bytes + ma.output_size_in_bytes
-  if "jb_flash_attention_" in lowered.as_text():
-    # The C++ kernel's own allocations (packed k / v, tiles, dQ buffers) are not XLA buffers.
-    from pallas_kernels.attention import cpp_flash  # noqa: PLC0415
-    mem += cpp_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd")
-  row = dict(impl=name, mem=mem, time=None)
-  if mem > max_run_bytes:
+def bench_jax(name: str, impl, L: int, causal: bool, mode: str, repeats: int, max_run_bytes: float) -> dict:
+    x = jax.ShapeDtypeStruct((B, L, N, D), jnp.float32)
+    lowered = jax.jit(_fn(impl, causal, mode)).lower(x, x, x)
+    compiled = lowered.compile()
+    ma = compiled.memory_analysis()
+    mem = ma.temp_size_in_bytes + ma.output_size_in_bytes
+    if "jb_flash_attention_" in lowered.as_text():
+        # The C++ kernel's own allocations (packed k / v, tiles, dQ buffers) are not XLA buffers.
+        from pallas_kernels.attention import cpp_flash  # noqa: PLC0415
+
+        mem += cpp_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd")
+    row = dict(impl=name, mem=mem, time=None)
+    if mem > max_run_bytes:
+        return row
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, D)), jnp.float32) for _ in range(3))
+    row["time"] = _best(lambda: jax.block_until_ready(compiled(q, k, v)), repeats)
     return row
-  rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, D)), jnp.float32) for _ in range(3))
-  row["time"] = _best(lambda: jax.block_until_ready(compiled(q, k, v)), repeats)
-  return row
 
 
 _TORCH_CHILD = r"""
@@ -145,67 +149,89 @@ print(json.dumps(dict(time=best, mem=mem, threads=torch.get_num_threads())))
 
 
 def bench_torch(L: int, causal: bool, mode: str, repeats: int) -> Optional[dict]:
-  try:
-    import torch  # noqa: F401, PLC0415
-  except Exception:  # noqa: BLE001
-    return None
-  out = subprocess.run([sys.executable, "-c", _TORCH_CHILD, str(L), "1" if causal else "0", mode,
-                        str(repeats)], capture_output=True, text=True, check=False)
-  if out.returncode != 0:
-    return dict(impl="torch sdpa (cpu)", time=None, mem=None, error=out.stderr[-300:])
-  r = json.loads(out.stdout.strip().splitlines()[-1])
-  return dict(impl="torch sdpa (cpu)", time=r["time"], mem=r["mem"])
+    try:
+        import torch  # noqa: F401, PLC0415
+    except Exception:  # noqa: BLE001
+        return None
+    out = subprocess.run(
+        [sys.executable, "-c", _TORCH_CHILD, str(L), "1" if causal else "0", mode, str(repeats)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        return dict(impl="torch sdpa (cpu)", time=None, mem=None, error=out.stderr[-300:])
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(impl="torch sdpa (cpu)", time=r["time"], mem=r["mem"])
 
 
 def _fmt_t(t):
-  return "-" if t is None else f"{t * 1e3:9.1f}"
+    return "-" if t is None else f"{t * 1e3:9.1f}"
 
 
 def _fmt_m(m):
-  return "-" if m is None else f"{m / 2**20:9.1f}"
+    return "-" if m is None else f"{m / 2**20:9.1f}"
 
 
 def _ratio(a, b):
-  return "-" if (a is None or b is None or b == 0) else f"{a / b:6.2f}x"
+    return "-" if (a is None or b is None or b == 0) else f"{a / b:6.2f}x"
 
 
 def main(argv=None) -> list:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-  p.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
-  p.add_argument("--max-run-gb", type=float, default=6.0,
-                 help="do not run a JAX executable needing more than this (memory is still reported)")
-  p.add_argument("--no-torch", action="store_true")
-  a = p.parse_args(argv)
-  impls = _jax_impls()
-  print(f"attention on {jax.devices()[0].platform}: float32, B={B}, heads={N}, head_dim={D}; "
-        f"time = best of {a.repeats}; memory = JAX compiled temp+output bytes / torch peak-RSS growth")
-  rows = []
-  for L in a.lengths:
-    repeats = a.repeats if L <= 4096 else 1
-    for causal in (c == "yes" for c in a.causal):
-      for mode in a.modes:
-        res = [bench_jax(name, impl, L, causal, mode, repeats, a.max_run_gb * 2**30)
-               for name, impl in impls.items()]
-        t = None if a.no_torch else bench_torch(L, causal, mode, repeats)
-        if t is not None:
-          res.append(t)
-        ours = res[0]
-        for r in res:
-          r.update(L=L, causal=causal, mode=mode,
-                   time_ratio=None if r["time"] is None or ours["time"] is None
-                   else r["time"] / ours["time"],
-                   mem_ratio=None if r["mem"] is None or not ours["mem"] else r["mem"] / ours["mem"])
-        rows.extend(res)
-        print(f"\nL={L:5d} causal={'yes' if causal else 'no ':3s} {mode}")
-        print(f"  {'implementation':22s} {'time ms':>9s} {'t/ours':>7s} {'peak MiB':>9s} {'m/ours':>7s}")
-        for r in res:
-          print(f"  {r['impl']:22s} {_fmt_t(r['time'])} {_ratio(r['time'], ours['time']):>7s} "
-                f"{_fmt_m(r['mem'])} {_ratio(r['mem'], ours['mem']):>7s}", flush=True)
-  return rows
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
+    p.add_argument(
+        "--max-run-gb",
+        type=float,
+        default=6.0,
+        help="do not run a JAX executable needing more than this (memory is still reported)",
+    )
+    p.add_argument("--no-torch", action="store_true")
+    a = p.parse_args(argv)
+    impls = _jax_impls()
+    print(
+        f"attention on {jax.devices()[0].platform}: float32, B={B}, heads={N}, head_dim={D}; "
+        f"time = best of {a.repeats}; memory = JAX compiled temp+output bytes / torch peak-RSS growth"
+    )
+    rows = []
+    for L in a.lengths:
+        repeats = a.repeats if L <= 4096 else 1
+        for causal in (c == "yes" for c in a.causal):
+            for mode in a.modes:
+                res = [
+                    bench_jax(name, impl, L, causal, mode, repeats, a.max_run_gb * 2**30)
+                    for name, impl in impls.items()
+                ]
+                t = None if a.no_torch else bench_torch(L, causal, mode, repeats)
+                if t is not None:
+                    res.append(t)
+                ours = res[0]
+                for r in res:
+                    r.update(
+                        L=L,
+                        causal=causal,
+                        mode=mode,
+                        time_ratio=None
+                        if r["time"] is None or ours["time"] is None
+                        else r["time"] / ours["time"],
+                        mem_ratio=None if r["mem"] is None or not ours["mem"] else r["mem"] / ours["mem"],
+                    )
+                rows.extend(res)
+                print(f"\nL={L:5d} causal={'yes' if causal else 'no ':3s} {mode}")
+                print(
+                    f"  {'implementation':22s} {'time ms':>9s} {'t/ours':>7s} {'peak MiB':>9s} {'m/ours':>7s}"
+                )
+                for r in res:
+                    print(
+                        f"  {r['impl']:22s} {_fmt_t(r['time'])} {_ratio(r['time'], ours['time']):>7s} "
+                        f"{_fmt_m(r['mem'])} {_ratio(r['mem'], ours['mem']):>7s}",
+                        flush=True,
+                    )
+    return rows
 
 
 if __name__ == "__main__":
-  main()
+    main()

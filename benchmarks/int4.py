@@ -15,6 +15,7 @@ of each row over dense f32, dense bf16, torch dyn-quant and torch int4pack.
 
 The CPU is often shared: timings are medians of short runs; rerun for stable numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,29 +75,52 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
         for M in ms:
             x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
             r = {}
-            r["jb dyn-quant (auto)"] = (_time(_jax(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N), x, packed),
-                                              budget_s=budget_s), int4_bytes)
-            r["jb dyn-quant (xla)"] = (_time(_jax(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N,
-                                                                                      implementation="xla"), x, packed),
-                                             budget_s=budget_s), int4_bytes)
-            r["jb int4_matmul (auto)"] = (_time(_jax(lambda x, p: Q.int4_matmul(x, p), x, packed), budget_s=budget_s),
-                                          int4_bytes)
+            r["jb dyn-quant (auto)"] = (
+                _time(
+                    _jax(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N), x, packed),
+                    budget_s=budget_s,
+                ),
+                int4_bytes,
+            )
+            r["jb dyn-quant (xla)"] = (
+                _time(
+                    _jax(
+                        lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N, implementation="xla"),
+                        x,
+                        packed,
+                    ),
+                    budget_s=budget_s,
+                ),
+                int4_bytes,
+            )
+            r["jb int4_matmul (auto)"] = (
+                _time(_jax(lambda x, p: Q.int4_matmul(x, p), x, packed), budget_s=budget_s),
+                int4_bytes,
+            )
             r["dense f32 jnp.dot"] = (_time(_jax(jnp.dot, x, wt32), budget_s=budget_s), N * K * 4)
             xb = x.astype(jnp.bfloat16)
             r["dense bf16 jnp.dot"] = (_time(_jax(jnp.dot, xb, wt16), budget_s=budget_s), N * K * 2)
             if torch is not None:
                 tx = torch.tensor(np.asarray(x))
                 if M <= torch_dyn_max_m:
-                    t = _time(lambda: torch.ops.aten._dyn_quant_matmul_4bit(tx, tpk, groupsize, K, N),
-                              min_iters=1, budget_s=budget_s)
+                    t = _time(
+                        lambda: torch.ops.aten._dyn_quant_matmul_4bit(tx, tpk, groupsize, K, N),
+                        min_iters=1,
+                        budget_s=budget_s,
+                    )
                     if M == 16:
                         t_dyn_m16 = t
                     r["torch _dyn_quant_matmul_4bit"] = (t, int4_bytes)
                 elif t_dyn_m16 is not None:
                     r["torch _dyn_quant_matmul_4bit (est.)"] = (t_dyn_m16 * M / 16, int4_bytes)
                 txb = tx.to(torch.bfloat16)
-                r["torch _weight_int4pack_mm (bf16 x)"] = (_time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    txb, t4, groupsize, sz), budget_s=budget_s), int4_bytes)
+                r["torch _weight_int4pack_mm (bf16 x)"] = (
+                    _time(
+                        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(txb, t4, groupsize, sz),
+                        budget_s=budget_s,
+                    ),
+                    int4_bytes,
+                )
             rows.append(((K, N, M), r))
             _print_block((K, N, M), r)
     return rows
@@ -109,11 +133,15 @@ def _print_block(key, r):
     tdyn = next((v[0] for k, v in r.items() if k.startswith("torch _dyn")), None)
     t4 = r.get("torch _weight_int4pack_mm (bf16 x)", (None,))[0]
     print(f"\nK={K} N={N} M={M}")
-    print(f"  {'impl':38s} {'ms':>9s} {'GB/s':>7s} {'vs f32':>7s} {'vs bf16':>8s} {'vs t.dyn':>9s} {'vs t.i4pk':>9s}")
+    print(
+        f"  {'impl':38s} {'ms':>9s} {'GB/s':>7s} {'vs f32':>7s} {'vs bf16':>8s} {'vs t.dyn':>9s} {'vs t.i4pk':>9s}"
+    )
     for name, (t, nbytes) in r.items():
         ratio = lambda ref: f"{ref / t:.2f}x" if ref else "-"
-        print(f"  {name:38s} {t * 1e3:9.3f} {nbytes / t / 1e9:7.1f} {ratio(f32):>7s} {ratio(bf16):>8s} "
-              f"{ratio(tdyn):>9s} {ratio(t4):>9s}")
+        print(
+            f"  {name:38s} {t * 1e3:9.3f} {nbytes / t / 1e9:7.1f} {ratio(f32):>7s} {ratio(bf16):>8s} "
+            f"{ratio(tdyn):>9s} {ratio(t4):>9s}"
+        )
 
 
 def main():
@@ -121,13 +149,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="M=1 only")
     ap.add_argument("--groupsize", type=int, default=128)
     ap.add_argument("--ms", type=int, nargs="*", default=None)
-    ap.add_argument("--torch-dyn-max-m", type=int, default=16,
-                    help="largest M to time torch's scalar _dyn_quant_matmul_4bit on (above: scaled estimate)")
+    ap.add_argument(
+        "--torch-dyn-max-m",
+        type=int,
+        default=16,
+        help="largest M to time torch's scalar _dyn_quant_matmul_4bit on (above: scaled estimate)",
+    )
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timing per cell")
     a = ap.parse_args()
     ms = a.ms or ([1] if a.quick else [1, 16, 256])
-    print(f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpu.isa()}, "
-          f"torch: {getattr(torch, '__version__', 'absent')}, groupsize={a.groupsize}")
+    print(
+        f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpu.isa()}, "
+        f"torch: {getattr(torch, '__version__', 'absent')}, groupsize={a.groupsize}"
+    )
     run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget)
 
 

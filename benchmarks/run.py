@@ -17,6 +17,7 @@ Two benchmarks:
 Timings are medians (or best-of) of short runs on whatever device JAX picks; on a shared machine rerun
 for stable numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,13 @@ def _header(title: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 INT4_QUICK = dict(ms=[1, 4, 16, 64], shapes=[(4096, 4096)], groupsize=128, torch_dyn_max_m=1, budget_s=0.25)
-INT4_FULL = dict(ms=[1, 4, 16, 64, 256], shapes=[(4096, 4096), (4096, 11008)], groupsize=128,
-                 torch_dyn_max_m=16, budget_s=1.0)
+INT4_FULL = dict(
+    ms=[1, 4, 16, 64, 256],
+    shapes=[(4096, 4096), (4096, 11008)],
+    groupsize=128,
+    torch_dyn_max_m=16,
+    budget_s=1.0,
+)
 
 
 def run_int4(full: bool, out: str) -> dict[str, Any]:
@@ -62,8 +68,10 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
     from benchmarks import int4
 
     cfg = INT4_FULL if full else INT4_QUICK
-    _header(f"int4 matmul (groupsize {cfg['groupsize']}, {'full' if full else 'quick'}): "
-            "ms per call and speed-up over dense matmuls (>1x: faster)")
+    _header(
+        f"int4 matmul (groupsize {cfg['groupsize']}, {'full' if full else 'quick'}): "
+        "ms per call and speed-up over dense matmuls (>1x: faster)"
+    )
     rows = int4.run(cfg["ms"], cfg["shapes"], cfg["groupsize"], cfg["torch_dyn_max_m"], cfg["budget_s"])
 
     # Summary table and plot: every int4 row against dense f32, per (K, N).
@@ -86,8 +94,13 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
         for name, pts in series.items():
             ax.plot([m for m, _ in pts], [s for _, s in pts], "o-", label=name)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set(xscale="log", yscale="log", xlabel="M (rows of x)", ylabel="dense f32 time / int4 time",
-               title=f"int4 speed-up, K={k} N={n} ({jax.devices()[0].platform})")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="M (rows of x)",
+            ylabel="dense f32 time / int4 time",
+            title=f"int4 speed-up, K={k} N={n} ({jax.devices()[0].platform})",
+        )
         ms = sorted({m for pts in series.values() for m, _ in pts})
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.xaxis.set_minor_locator(plt.NullLocator())
@@ -106,8 +119,22 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-ATTN_QUICK = ["--lengths", "256", "512", "1024", "2048", "--modes", "fwd+bwd", "--causal", "yes", "--repeats", "3"]
-ATTN_FULL: list[str] = []  # benchmarks/attention.py's defaults: L in {1k, 4k, 16k}, causal and not, fwd and fwd+bwd
+ATTN_QUICK = [
+    "--lengths",
+    "256",
+    "512",
+    "1024",
+    "2048",
+    "--modes",
+    "fwd+bwd",
+    "--causal",
+    "yes",
+    "--repeats",
+    "3",
+]
+ATTN_FULL: list[
+    str
+] = []  # benchmarks/attention.py's defaults: L in {1k, 4k, 16k}, causal and not, fwd and fwd+bwd
 
 
 def run_attention(full: bool, out: str) -> dict[str, Any]:
@@ -121,8 +148,10 @@ def run_attention(full: bool, out: str) -> dict[str, Any]:
 
     platform = jax.default_backend()
     args = list(ATTN_FULL if full else ATTN_QUICK) + (["--no-torch"] if platform != "cpu" else [])
-    _header(f"attention ({'full' if full else 'quick'}; `python benchmarks/attention.py {' '.join(args)}`): "
-            "ratios are other / jbackends (>1x: jbackends is faster / smaller)")
+    _header(
+        f"attention ({'full' if full else 'quick'}; `python benchmarks/attention.py {' '.join(args)}`): "
+        "ratios are other / jbackends (>1x: jbackends is faster / smaller)"
+    )
     rows = attention.main(args)
 
     panels = sorted({(r["mode"], r["causal"]) for r in rows}, key=lambda mc: (mc[0] != "fwd", mc[1]))
@@ -132,8 +161,11 @@ def run_attention(full: bool, out: str) -> dict[str, Any]:
     for col, (mode, causal) in enumerate(panels):
         ax_t, ax_m = axes[0][col], axes[1][col]
         for name in impls:
-            pts = sorted((r["L"], r["time"], r["mem"]) for r in rows
-                         if r["impl"] == name and r["mode"] == mode and r["causal"] == causal)
+            pts = sorted(
+                (r["L"], r["time"], r["mem"])
+                for r in rows
+                if r["impl"] == name and r["mode"] == mode and r["causal"] == causal
+            )
             lengths = [p[0] for p in pts]
             ax_t.plot(lengths, [np.nan if p[1] is None else 1e3 * p[1] for p in pts], "o-", label=name)
             ax_m.plot(lengths, [np.nan if p[2] is None else p[2] / 2**20 for p in pts], "o-", label=name)
@@ -174,14 +206,21 @@ BENCHMARKS = {"attention": run_attention, "int4": run_int4}
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="the full sizes (slow on a CPU)")
-    parser.add_argument("--out", default=os.path.join("out", "benchmarks"), help="directory for the PNG plots (default ./%(default)s)")
-    parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
-                        help="run only this benchmark (repeatable)")
+    parser.add_argument(
+        "--out",
+        default=os.path.join("out", "benchmarks"),
+        help="directory for the PNG plots (default ./%(default)s)",
+    )
+    parser.add_argument(
+        "--only", choices=sorted(BENCHMARKS), action="append", help="run only this benchmark (repeatable)"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
-    print(f"jax {jax.__version__} | {dev.platform} ({dev.device_kind}) | {os.cpu_count()} CPU cores | "
-          f"{'full' if args.full else 'quick (use --full for the full tables)'}")
+    print(
+        f"jax {jax.__version__} | {dev.platform} ({dev.device_kind}) | {os.cpu_count()} CPU cores | "
+        f"{'full' if args.full else 'quick (use --full for the full tables)'}"
+    )
     results, t0 = {}, time.perf_counter()
     for name in args.only or list(BENCHMARKS):
         results[name] = BENCHMARKS[name](args.full, args.out)

@@ -99,4 +99,5 @@ def __getattr__(name: str):
 def __dir__():
     return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
+
 _mirror.install(_sys.modules[__name__])  # set_/get_float32_matmul_precision, as torch spells them

@@ -42,6 +42,7 @@ Example:
   >>> out.shape
   (2, 4, 16, 32)
 """
+
 from __future__ import annotations
 
 import inspect
@@ -59,11 +60,22 @@ from jbackends._src.sdp_backends import SDPBackend
 from jbackends._src.attention_dispatch import NoAvailableBackendError
 from jbackends._src.flag_scope import with_backends
 from jbackends._src.flag_state import current_flags, trace_flags
-from jbackends._src.attention_args import (implementation_code, jaxnn_to_args, lowering_platforms,
-                                          shapes_of, torch_to_args)
-from jbackends._src.attention_explain import (Explanation, SDPAParams, can_use_cudnn_attention,
-                                             can_use_efficient_attention, can_use_flash_attention,
-                                             is_flash_attention_available, sharding_plan)
+from jbackends._src.attention_args import (
+    implementation_code,
+    jaxnn_to_args,
+    lowering_platforms,
+    shapes_of,
+    torch_to_args,
+)
+from jbackends._src.attention_explain import (
+    Explanation,
+    SDPAParams,
+    can_use_cudnn_attention,
+    can_use_efficient_attention,
+    can_use_flash_attention,
+    is_flash_attention_available,
+    sharding_plan,
+)
 from jbackends._src.causal_bias import CausalBias, CausalVariant, causal_lower_right, causal_upper_left
 
 __all__ = [
@@ -96,221 +108,274 @@ _RUNNABLE = _sdp.RUNNABLE
 # Scopes.
 # ----------------------------------------------------------------------------------------------
 
+
 def _as_backend(b: Any) -> SDPBackend:
-  code = _sdp.lookup(b)
-  if code is None:
-    raise ValueError(f"`backends` must hold SDPBackend members {[m.name for m in _RUNNABLE]}; "
-                     f"got {b!r}")
-  return code
+    code = _sdp.lookup(b)
+    if code is None:
+        raise ValueError(f"`backends` must hold SDPBackend members {[m.name for m in _RUNNABLE]}; got {b!r}")
+    return code
 
 
 def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority: bool = False):
-  """Restricts SDPA to ``backends`` for a scope (``torch.nn.attention.sdpa_kernel``).
+    """Restricts SDPA to ``backends`` for a scope (``torch.nn.attention.sdpa_kernel``).
 
-  A ``jb.with_backends`` scope, so it is a context manager *and* a decorator, is per thread / asyncio
-  task, nests, and is honoured by ``jax.jit`` (a function traced inside it uses these backends; a
-  change retraces). ``set_priority=True`` also makes the listed order the priority order.
-  ``SDPBackend.OVERRIDEABLE`` is accepted and ignored (there is no overrideable backend in JAX).
+    A ``jb.with_backends`` scope, so it is a context manager *and* a decorator, is per thread / asyncio
+    task, nests, and is honoured by ``jax.jit`` (a function traced inside it uses these backends; a
+    change retraces). ``set_priority=True`` also makes the listed order the priority order.
+    ``SDPBackend.OVERRIDEABLE`` is accepted and ignored (there is no overrideable backend in JAX).
 
-  Args:
-    backends: one ``SDPBackend`` or a list of them.
-    set_priority: use the list order as the priority order (the others follow, still disabled).
+    Args:
+      backends: one ``SDPBackend`` or a list of them.
+      set_priority: use the list order as the priority order (the others follow, still disabled).
 
-  Raises:
-    ValueError: an unknown backend, ``SDPBackend.ERROR``, or an empty list.
+    Raises:
+      ValueError: an unknown backend, ``SDPBackend.ERROR``, or an empty list.
 
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jbackends.attention import SDPBackend, sdpa_kernel, explain
-    >>> x = jnp.ones((1, 8, 2, 16))
-    >>> with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
-    ...     explain(x, x, x).chosen
-    <SDPBackend.MATH: 0>
-  """
-  if isinstance(backends, (list, tuple)):
-    items = [_as_backend(b) for b in backends]
-  else:
-    items = [_as_backend(backends)]
-  if not items:
-    raise ValueError("`backends` must name at least one SDPBackend")
-  if SDPBackend.ERROR in items:
-    raise ValueError("SDPBackend.ERROR is not a backend that can be enabled")
-  chosen = [b for b in items if b in _RUNNABLE]
-  kw: dict[str, Any] = dict(
-      flash=SDPBackend.FLASH_ATTENTION in chosen,
-      mem_efficient=SDPBackend.EFFICIENT_ATTENTION in chosen,
-      math=SDPBackend.MATH in chosen,
-      cudnn=SDPBackend.CUDNN_ATTENTION in chosen)
-  if set_priority and chosen:
-    kw["sdpa_priority"] = tuple(int(b) for b in chosen)
-  return with_backends(**kw)
-
-
-def sdp_kernel(enable_flash: bool = True, enable_math: bool = True, enable_mem_efficient: bool = True,
-               enable_cudnn: bool = True):
-  """Deprecated (like ``torch.backends.cuda.sdp_kernel``): use :func:`sdpa_kernel`.
-
-  Example:
-    >>> import warnings
-    >>> from jbackends.attention import sdp_kernel
-    >>> with warnings.catch_warnings(record=True):
-    ...     with sdp_kernel(enable_math=False):
-    ...         pass
-  """
-  warnings.warn("jb.cuda.sdp_kernel() is deprecated; use jb.attention.sdpa_kernel(backends) "
-                "(torch.nn.attention.sdpa_kernel) instead.", FutureWarning, stacklevel=2)
-  return with_backends(flash=bool(enable_flash), math=bool(enable_math),
-                       mem_efficient=bool(enable_mem_efficient), cudnn=bool(enable_cudnn))
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jbackends.attention import SDPBackend, sdpa_kernel, explain
+      >>> x = jnp.ones((1, 8, 2, 16))
+      >>> with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
+      ...     explain(x, x, x).chosen
+      <SDPBackend.MATH: 0>
+    """
+    if isinstance(backends, (list, tuple)):
+        items = [_as_backend(b) for b in backends]
+    else:
+        items = [_as_backend(backends)]
+    if not items:
+        raise ValueError("`backends` must name at least one SDPBackend")
+    if SDPBackend.ERROR in items:
+        raise ValueError("SDPBackend.ERROR is not a backend that can be enabled")
+    chosen = [b for b in items if b in _RUNNABLE]
+    kw: dict[str, Any] = dict(
+        flash=SDPBackend.FLASH_ATTENTION in chosen,
+        mem_efficient=SDPBackend.EFFICIENT_ATTENTION in chosen,
+        math=SDPBackend.MATH in chosen,
+        cudnn=SDPBackend.CUDNN_ATTENTION in chosen,
+    )
+    if set_priority and chosen:
+        kw["sdpa_priority"] = tuple(int(b) for b in chosen)
+    return with_backends(**kw)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                                 is_causal: bool = False, scale: Optional[float] = None,
-                                 enable_gqa: bool = False, *, dropout_rng=None, platforms=None):
-  """``torch.nn.functional.scaled_dot_product_attention`` for JAX (layout ``(..., H, L, E)``).
+def sdp_kernel(
+    enable_flash: bool = True,
+    enable_math: bool = True,
+    enable_mem_efficient: bool = True,
+    enable_cudnn: bool = True,
+):
+    """Deprecated (like ``torch.backends.cuda.sdp_kernel``): use :func:`sdpa_kernel`.
 
-  Args:
-    query: ``(..., Hq, L, E)``.
-    key: ``(..., H, S, E)``.
-    value: ``(..., H, S, Ev)``.
-    attn_mask: None; a bool array (True = attend) or a float array (added to the logits),
-      broadcastable to ``(..., Hq, L, S)``; or a :class:`CausalBias`.
-    dropout_p: dropout probability on the attention weights, in ``[0, 1)``.
-    is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
-      (anything else is a ``TypeError``, as in torch).
-    scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too).
-    enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
-    dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``);
-      required when ``dropout_p > 0``.
-    platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
-      under ``jax.export`` the other of cpu / cuda too).
-
-  Returns:
-    ``(..., Hq, L, Ev)`` in the query's dtype. A query row whose every key is masked gives 0 (and
-    zero gradients) on every backend, torch's answer since 2.5 (torch < 2.5's math path gave NaN).
-    Empty dimensions give torch's result (``S = 0``: zeros; head dim 0: uniform weights).
-
-  Raises:
-    NoAvailableBackendError: no enabled backend can run the call (every reason listed).
-    ValueError / TypeError: bad arguments (the message names the argument).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jbackends.attention import scaled_dot_product_attention
-    >>> q = jax.random.normal(jax.random.key(0), (2, 8, 64, 32))
-    >>> kv = q[:, :2]
-    >>> scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True).shape
-    (2, 8, 64, 32)
-  """
-  flags = trace_flags()
-  args, batch_shape = torch_to_args(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                     enable_gqa, dropout_rng)
-  out, _, _ = _dispatch.run(args, flags, *lowering_platforms(platforms, (query,)),
-                            shapes=shapes_of(query, key, value))
-  out = jnp.swapaxes(out, 1, 2)
-  return out.reshape(batch_shape + tuple(out.shape[1:]))
+    Example:
+      >>> import warnings
+      >>> from jbackends.attention import sdp_kernel
+      >>> with warnings.catch_warnings(record=True):
+      ...     with sdp_kernel(enable_math=False):
+      ...         pass
+    """
+    warnings.warn(
+        "jb.cuda.sdp_kernel() is deprecated; use jb.attention.sdpa_kernel(backends) "
+        "(torch.nn.attention.sdpa_kernel) instead.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return with_backends(
+        flash=bool(enable_flash),
+        math=bool(enable_math),
+        mem_efficient=bool(enable_mem_efficient),
+        cudnn=bool(enable_cudnn),
+    )
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
-                          is_causal: bool = False, query_seq_lengths=None,
-                          key_value_seq_lengths=None, local_window_size=None, implementation=None,
-                          logits_soft_cap: Optional[float] = None, dropout_rate: float = 0.0,
-                          dropout_rng=None, segment_ids=None, return_residual: bool = False,
-                          platforms=None, fully_masked_rows: str = "jax",
-                          residual_gradient: bool = False, residual_dtype=None):
-  """Drop-in for ``jax.nn.dot_product_attention`` (layout BTNH) with a backend choice.
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    dropout_rng=None,
+    platforms=None,
+):
+    """``torch.nn.functional.scaled_dot_product_attention`` for JAX (layout ``(..., H, L, E)``).
 
-  Args:
-    query: ``[B, T, N, H]`` (or ``[T, N, H]``).
-    key: ``[B, S, K, H]`` with ``N % K == 0`` (GQA / MQA).
-    value: ``[B, S, K, Hv]``.
-    bias: additive float bias broadcastable to ``[B, N, T, S]``.
-    mask: bool mask broadcastable to ``[B, N, T, S]`` (True = attend), or a :class:`CausalBias`.
-    scale: logits scale, default ``1 / sqrt(H)``.
-    is_causal: top-left causal mask.
-    query_seq_lengths: int ``[B]``: query rows at index ``>= length`` are masked (output 0).
-    key_value_seq_lengths: int ``[B]``: keys at index ``>= length`` are masked.
-    local_window_size: ``(left, right)`` or an int (symmetric): key ``j`` allowed iff
-      ``i - left <= j <= i + right``.
-    implementation: ``None`` (the flags decide), jax.nn's ``"xla"`` (= math) / ``"cudnn"``, ours
-      (``"math"``, ``"flash"``, ``"mem_efficient"``) or an ``SDPBackend``: that backend only.
-    logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, before bias and masks.
-    dropout_rate: dropout on the attention weights, in ``[0, 1)``; needs ``dropout_rng``.
-    dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``).
-    segment_ids: packed sequences: one int ``[B, T]`` array (self-attention) or a pair
-      ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; attend iff equal.
-    return_residual: also return the natural-log LSE of the logits, ``[B, T, N]`` in the query's
-      dtype and without a gradient (``stop_gradient``), exactly as jax.nn returns it.
-    platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
-      under ``jax.export`` the other of cpu / cuda too).
-    fully_masked_rows: what a query row whose every key is masked gets. ``"jax"`` (default, the
-      jax.nn answer): jax.nn masks with a large negative number instead of ``-inf``, so such a row
-      attends uniformly to all ``S`` keys: the output is the mean of ``V`` over the keys (the
-      gradient w.r.t. ``V`` is ``1 / S`` per key, zero w.r.t. q, k and bias) and the LSE residual
-      is ``-0.7 * finfo(float32).max`` in the query's dtype (``-inf`` in float16). ``"zero"``: the
-      output is 0 with zero gradients and the LSE is ``-inf`` (torch's answer, and what
-      :func:`scaled_dot_product_attention` always gives). We think ``"zero"`` is the better
-      answer for padding (a padded query reads nothing instead of an average of real tokens), but
-      the default stays jax.nn's so this function is a drop-in. Rows beyond
-      ``query_seq_lengths`` are 0 either way (jax.nn zeroes them too); with ``S == 0`` every row
-      is 0 with LSE ``-inf`` (jax.nn's empty sum).
-    residual_gradient: differentiate the LSE residual (its true gradient) instead of jax.nn's
-      ``stop_gradient``. Only meaningful with ``return_residual=True``.
-    residual_dtype: dtype of the LSE residual (default: the query's, like jax.nn); e.g.
-      ``jnp.float32`` for the full-precision LSE of bfloat16 inputs (the kernels compute it in
-      float32).
+    Args:
+      query: ``(..., Hq, L, E)``.
+      key: ``(..., H, S, E)``.
+      value: ``(..., H, S, Ev)``.
+      attn_mask: None; a bool array (True = attend) or a float array (added to the logits),
+        broadcastable to ``(..., Hq, L, S)``; or a :class:`CausalBias`.
+      dropout_p: dropout probability on the attention weights, in ``[0, 1)``.
+      is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
+        (anything else is a ``TypeError``, as in torch).
+      scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too).
+      enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
+      dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``);
+        required when ``dropout_p > 0``.
+      platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
+        under ``jax.export`` the other of cpu / cuda too).
 
-  Returns:
-    ``[B, T, N, Hv]`` in the query's dtype (and the LSE when ``return_residual``).
+    Returns:
+      ``(..., Hq, L, Ev)`` in the query's dtype. A query row whose every key is masked gives 0 (and
+      zero gradients) on every backend, torch's answer since 2.5 (torch < 2.5's math path gave NaN).
+      Empty dimensions give torch's result (``S = 0``: zeros; head dim 0: uniform weights).
 
-  Semantics against jax.nn: the output, the residual (dtype, value, ``stop_gradient``) and the
-  gradients are jax.nn's, fully masked rows included, on every backend and platform (the kernels
-  return output 0 / LSE ``-inf`` for such rows and this function substitutes jax.nn's answer, with
-  its gradients). Two corners of jax.nn that follow from its large negative number are kept too: a
-  row with no mask at all whose every logit is ``-inf`` through ``bias`` gives NaN (jax.nn's
-  softmax of all ``-inf``); a row whose unmasked keys all get a ``-inf`` bias is treated as
-  fully masked (jax.nn averages V over the *masked* keys there: this function averages over all).
-  ``logits_soft_cap``, ``dropout_rate`` and ``segment_ids`` are extensions (jax.nn has none);
-  segment ids mask like a boolean mask, and a fully masked row's mean of V is not dropped out.
+    Raises:
+      NoAvailableBackendError: no enabled backend can run the call (every reason listed).
+      ValueError / TypeError: bad arguments (the message names the argument).
 
-  Differentiation: reverse mode (``grad`` / ``vjp``) on every backend, and second order (grad of
-  grad, Hessian-vector products by reverse over reverse) on every backend but cuDNN (jax's cuDNN
-  backward is a custom call with no derivative: a second derivative there raises
-  ``NotImplementedError`` naming the way out). The flash and memory-efficient
-  backends (C++, blockwise XLA, Pallas) are ``custom_vjp`` functions whose backward recomputes per
-  block; their backward is itself differentiable, with the math formulation as its derivative, so
-  the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
-  (``jax.jvp``, ``jacfwd``, forward-over-reverse HVPs) raises JAX's custom_vjp error on those
-  backends; use ``implementation="math"`` (or ``sdpa_kernel(SDPBackend.MATH)``) there. cuDNN's LSE
-  residual carries no gradient (``residual_gradient=True`` gives zeros there).
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jbackends.attention import scaled_dot_product_attention
+      >>> q = jax.random.normal(jax.random.key(0), (2, 8, 64, 32))
+      >>> kv = q[:, :2]
+      >>> scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True).shape
+      (2, 8, 64, 32)
+    """
+    flags = trace_flags()
+    args, batch_shape = torch_to_args(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_rng
+    )
+    out, _, _ = _dispatch.run(
+        args, flags, *lowering_platforms(platforms, (query,)), shapes=shapes_of(query, key, value)
+    )
+    out = jnp.swapaxes(out, 1, 2)
+    return out.reshape(batch_shape + tuple(out.shape[1:]))
 
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jbackends.attention import dot_product_attention
-    >>> x = jax.random.normal(jax.random.key(0), (2, 128, 4, 32))
-    >>> out, lse = dot_product_attention(x, x, x, is_causal=True, local_window_size=(16, 0),
-    ...                                  return_residual=True)
-    >>> out.shape, lse.shape
-    ((2, 128, 4, 32), (2, 128, 4))
-  """
-  flags = trace_flags()
-  only = implementation_code(implementation)
-  _check_fully_masked_rows(fully_masked_rows)
-  args, unbatched = jaxnn_to_args(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng, segment_ids=segment_ids)
-  out, lse, _ = _dispatch.run(args, flags, *lowering_platforms(platforms, (query,)), only=only,
-                              shapes=shapes_of(query, key, value))
-  out, lse = _fully_masked_rows(args, out, lse, fully_masked_rows)
-  if unbatched:
-    out, lse = out[0], lse[0]
-  if not return_residual:
-    return out
-  lse = jnp.swapaxes(lse, -1, -2)
-  if not residual_gradient:
-    lse = jax.lax.stop_gradient(lse)
-  return out, lse.astype(query.dtype if residual_dtype is None else residual_dtype)
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    implementation=None,
+    logits_soft_cap: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    segment_ids=None,
+    return_residual: bool = False,
+    platforms=None,
+    fully_masked_rows: str = "jax",
+    residual_gradient: bool = False,
+    residual_dtype=None,
+):
+    """Drop-in for ``jax.nn.dot_product_attention`` (layout BTNH) with a backend choice.
+
+    Args:
+      query: ``[B, T, N, H]`` (or ``[T, N, H]``).
+      key: ``[B, S, K, H]`` with ``N % K == 0`` (GQA / MQA).
+      value: ``[B, S, K, Hv]``.
+      bias: additive float bias broadcastable to ``[B, N, T, S]``.
+      mask: bool mask broadcastable to ``[B, N, T, S]`` (True = attend), or a :class:`CausalBias`.
+      scale: logits scale, default ``1 / sqrt(H)``.
+      is_causal: top-left causal mask.
+      query_seq_lengths: int ``[B]``: query rows at index ``>= length`` are masked (output 0).
+      key_value_seq_lengths: int ``[B]``: keys at index ``>= length`` are masked.
+      local_window_size: ``(left, right)`` or an int (symmetric): key ``j`` allowed iff
+        ``i - left <= j <= i + right``.
+      implementation: ``None`` (the flags decide), jax.nn's ``"xla"`` (= math) / ``"cudnn"``, ours
+        (``"math"``, ``"flash"``, ``"mem_efficient"``) or an ``SDPBackend``: that backend only.
+      logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling, before bias and masks.
+      dropout_rate: dropout on the attention weights, in ``[0, 1)``; needs ``dropout_rng``.
+      dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``).
+      segment_ids: packed sequences: one int ``[B, T]`` array (self-attention) or a pair
+        ``(q_segment_ids [B, T], kv_segment_ids [B, S])``; attend iff equal.
+      return_residual: also return the natural-log LSE of the logits, ``[B, T, N]`` in the query's
+        dtype and without a gradient (``stop_gradient``), exactly as jax.nn returns it.
+      platforms: lowering platforms to choose for (default: the inputs' / the default backend's;
+        under ``jax.export`` the other of cpu / cuda too).
+      fully_masked_rows: what a query row whose every key is masked gets. ``"jax"`` (default, the
+        jax.nn answer): jax.nn masks with a large negative number instead of ``-inf``, so such a row
+        attends uniformly to all ``S`` keys: the output is the mean of ``V`` over the keys (the
+        gradient w.r.t. ``V`` is ``1 / S`` per key, zero w.r.t. q, k and bias) and the LSE residual
+        is ``-0.7 * finfo(float32).max`` in the query's dtype (``-inf`` in float16). ``"zero"``: the
+        output is 0 with zero gradients and the LSE is ``-inf`` (torch's answer, and what
+        :func:`scaled_dot_product_attention` always gives). We think ``"zero"`` is the better
+        answer for padding (a padded query reads nothing instead of an average of real tokens), but
+        the default stays jax.nn's so this function is a drop-in. Rows beyond
+        ``query_seq_lengths`` are 0 either way (jax.nn zeroes them too); with ``S == 0`` every row
+        is 0 with LSE ``-inf`` (jax.nn's empty sum).
+      residual_gradient: differentiate the LSE residual (its true gradient) instead of jax.nn's
+        ``stop_gradient``. Only meaningful with ``return_residual=True``.
+      residual_dtype: dtype of the LSE residual (default: the query's, like jax.nn); e.g.
+        ``jnp.float32`` for the full-precision LSE of bfloat16 inputs (the kernels compute it in
+        float32).
+
+    Returns:
+      ``[B, T, N, Hv]`` in the query's dtype (and the LSE when ``return_residual``).
+
+    Semantics against jax.nn: the output, the residual (dtype, value, ``stop_gradient``) and the
+    gradients are jax.nn's, fully masked rows included, on every backend and platform (the kernels
+    return output 0 / LSE ``-inf`` for such rows and this function substitutes jax.nn's answer, with
+    its gradients). Two corners of jax.nn that follow from its large negative number are kept too: a
+    row with no mask at all whose every logit is ``-inf`` through ``bias`` gives NaN (jax.nn's
+    softmax of all ``-inf``); a row whose unmasked keys all get a ``-inf`` bias is treated as
+    fully masked (jax.nn averages V over the *masked* keys there: this function averages over all).
+    ``logits_soft_cap``, ``dropout_rate`` and ``segment_ids`` are extensions (jax.nn has none);
+    segment ids mask like a boolean mask, and a fully masked row's mean of V is not dropped out.
+
+    Differentiation: reverse mode (``grad`` / ``vjp``) on every backend, and second order (grad of
+    grad, Hessian-vector products by reverse over reverse) on every backend but cuDNN (jax's cuDNN
+    backward is a custom call with no derivative: a second derivative there raises
+    ``NotImplementedError`` naming the way out). The flash and memory-efficient
+    backends (C++, blockwise XLA, Pallas) are ``custom_vjp`` functions whose backward recomputes per
+    block; their backward is itself differentiable, with the math formulation as its derivative, so
+    the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
+    (``jax.jvp``, ``jacfwd``, forward-over-reverse HVPs) raises JAX's custom_vjp error on those
+    backends; use ``implementation="math"`` (or ``sdpa_kernel(SDPBackend.MATH)``) there. cuDNN's LSE
+    residual carries no gradient (``residual_gradient=True`` gives zeros there).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jbackends.attention import dot_product_attention
+      >>> x = jax.random.normal(jax.random.key(0), (2, 128, 4, 32))
+      >>> out, lse = dot_product_attention(x, x, x, is_causal=True, local_window_size=(16, 0),
+      ...                                  return_residual=True)
+      >>> out.shape, lse.shape
+      ((2, 128, 4, 32), (2, 128, 4))
+    """
+    flags = trace_flags()
+    only = implementation_code(implementation)
+    _check_fully_masked_rows(fully_masked_rows)
+    args, unbatched = jaxnn_to_args(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        segment_ids=segment_ids,
+    )
+    out, lse, _ = _dispatch.run(
+        args, flags, *lowering_platforms(platforms, (query,)), only=only, shapes=shapes_of(query, key, value)
+    )
+    out, lse = _fully_masked_rows(args, out, lse, fully_masked_rows)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    if not return_residual:
+        return out
+    lse = jnp.swapaxes(lse, -1, -2)
+    if not residual_gradient:
+        lse = jax.lax.stop_gradient(lse)
+    return out, lse.astype(query.dtype if residual_dtype is None else residual_dtype)
 
 
 #: jax.nn's masking value (``_get_large_negative``: capped at the float32 range): the LSE residual of
@@ -319,36 +384,37 @@ _JAXNN_LARGE_NEGATIVE = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.flo
 
 
 def _check_fully_masked_rows(mode) -> str:
-  if mode not in ("jax", "zero"):
-    raise ValueError(f"`fully_masked_rows` must be 'jax' (jax.nn's answer: the mean of V) or 'zero'; "
-                     f"got {mode!r}")
-  return mode
+    if mode not in ("jax", "zero"):
+        raise ValueError(
+            f"`fully_masked_rows` must be 'jax' (jax.nn's answer: the mean of V) or 'zero'; got {mode!r}"
+        )
+    return mode
 
 
 def _fully_masked_rows(args, out, lse, mode):
-  """jax.nn's answer for rows without a key (the kernels give output 0 and LSE -inf there).
+    """jax.nn's answer for rows without a key (the kernels give output 0 and LSE -inf there).
 
-  The rows are found from the kernels' LSE (``-inf`` iff no key is left), so this costs
-  ``O(B * N * T)`` on top of the kernel and needs nothing from the kernels themselves. The
-  substituted mean of V carries jax.nn's gradient (1 / S per key) through ``jnp.where``; the
-  kernels' zero output there carries none.
-  """
-  if _check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
-    return out, lse
-  masked = args.mask is not None or args.has_index_masks
-  if not masked and args.bias is None:
-    return out, lse  # every row has a finite logit
-  empty = lse == -jnp.inf  # [B, N, T]
-  rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, N, 1]
-  if not masked:  # only a -inf bias removed the keys: jax.nn's softmax of all -inf is NaN
-    return jnp.where(rows, jnp.asarray(jnp.nan, out.dtype), out), lse
-  if args.q_seq_lengths is not None:  # jax.nn zeroes the rows beyond the query length
-    valid = jnp.arange(args.q_len, dtype=jnp.int32)[None, :] < args.q_seq_lengths[:, None]
-    rows = rows & valid[:, :, None, None]
-  vmean = jnp.mean(args.v.astype(jnp.promote_types(args.v.dtype, jnp.float32)), axis=1)
-  vmean = jnp.repeat(vmean, args.groups, axis=1)  # [B, N, Hv]: query head n reads kv head n // G
-  out = jnp.where(rows, vmean[:, None].astype(out.dtype), out)
-  return out, jnp.where(empty, jnp.asarray(_JAXNN_LARGE_NEGATIVE, lse.dtype), lse)
+    The rows are found from the kernels' LSE (``-inf`` iff no key is left), so this costs
+    ``O(B * N * T)`` on top of the kernel and needs nothing from the kernels themselves. The
+    substituted mean of V carries jax.nn's gradient (1 / S per key) through ``jnp.where``; the
+    kernels' zero output there carries none.
+    """
+    if _check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
+        return out, lse
+    masked = args.mask is not None or args.has_index_masks
+    if not masked and args.bias is None:
+        return out, lse  # every row has a finite logit
+    empty = lse == -jnp.inf  # [B, N, T]
+    rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, N, 1]
+    if not masked:  # only a -inf bias removed the keys: jax.nn's softmax of all -inf is NaN
+        return jnp.where(rows, jnp.asarray(jnp.nan, out.dtype), out), lse
+    if args.q_seq_lengths is not None:  # jax.nn zeroes the rows beyond the query length
+        valid = jnp.arange(args.q_len, dtype=jnp.int32)[None, :] < args.q_seq_lengths[:, None]
+        rows = rows & valid[:, :, None, None]
+    vmean = jnp.mean(args.v.astype(jnp.promote_types(args.v.dtype, jnp.float32)), axis=1)
+    vmean = jnp.repeat(vmean, args.groups, axis=1)  # [B, N, Hv]: query head n reads kv head n // G
+    out = jnp.where(rows, vmean[:, None].astype(out.dtype), out)
+    return out, jnp.where(empty, jnp.asarray(_JAXNN_LARGE_NEGATIVE, lse.dtype), lse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,95 +424,110 @@ def _fully_masked_rows(args, out, lse, mode):
 _EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
 
 
-def explain(query, key, value, *, api: str = "dot_product_attention", platform: Optional[str] = None,
-            compute_capability: Optional[float] = None, cudnn_version: Optional[int] = None,
-            **kwargs) -> Explanation:
-  """Says which backend would run a call here (or on ``platform``) and why each other would not.
+def explain(
+    query,
+    key,
+    value,
+    *,
+    api: str = "dot_product_attention",
+    platform: Optional[str] = None,
+    compute_capability: Optional[float] = None,
+    cudnn_version: Optional[int] = None,
+    **kwargs,
+) -> Explanation:
+    """Says which backend would run a call here (or on ``platform``) and why each other would not.
 
-  Nothing is computed: inputs may be arrays or ``jax.ShapeDtypeStruct`` (so GPU calls can be
-  explained on a CPU-only machine with ``platform="cuda", compute_capability=9.0``). Uses the flags
-  in force now.
+    Nothing is computed: inputs may be arrays or ``jax.ShapeDtypeStruct`` (so GPU calls can be
+    explained on a CPU-only machine with ``platform="cuda", compute_capability=9.0``). Uses the flags
+    in force now.
 
-  Args:
-    query, key, value: as for the API named by ``api``.
-    api: ``"dot_product_attention"`` (BTNH, jax.nn keywords) or ``"sdpa"`` (torch layout/keywords).
-    platform: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default: the default backend's.
-    compute_capability: GPU compute capability to assume (cuDNN head-dim limits).
-    cudnn_version: cuDNN version to assume (e.g. ``91000``).
-    **kwargs: the keyword arguments of that API (``is_causal=True``, ``bias=...``, ...).
+    Args:
+      query, key, value: as for the API named by ``api``.
+      api: ``"dot_product_attention"`` (BTNH, jax.nn keywords) or ``"sdpa"`` (torch layout/keywords).
+      platform: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; default: the default backend's.
+      compute_capability: GPU compute capability to assume (cuDNN head-dim limits).
+      cudnn_version: cuDNN version to assume (e.g. ``91000``).
+      **kwargs: the keyword arguments of that API (``is_causal=True``, ``bias=...``, ...).
 
-  Returns:
-    An :class:`Explanation` (``str()`` of it is a readable report).
+    Returns:
+      An :class:`Explanation` (``str()`` of it is a readable report).
 
-  Raises:
-    ValueError: an unknown ``platform`` or ``api`` (the message lists the valid ones).
-    TypeError: a keyword the API named by ``api`` does not take (the message lists its keywords).
+    Raises:
+      ValueError: an unknown ``platform`` or ``api`` (the message lists the valid ones).
+      TypeError: a keyword the API named by ``api`` does not take (the message lists its keywords).
 
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jbackends.attention import explain, SDPBackend
-    >>> q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
-    >>> e = explain(q, q, q, bias=jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.float32))
-    >>> e.chosen, e.reasons[SDPBackend.FLASH_ATTENTION][:31]
-    (<SDPBackend.EFFICIENT_ATTENTION: 2>, 'FLASH takes no additive bias / ')
-  """
-  flags = current_flags()
-  if api not in ("dot_product_attention", "sdpa"):
-    raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
-  if platform is not None and (not isinstance(platform, str)
-                               or platform.lower() not in _EXPLAIN_PLATFORMS):
-    raise ValueError(f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
-                     f"backend's); got {platform!r}")
-  api_fn = dot_product_attention if api == "dot_product_attention" else scaled_dot_product_attention
-  valid = [n for n in inspect.signature(api_fn).parameters if n not in ("query", "key", "value")]
-  unknown = sorted(set(kwargs) - set(valid))
-  if unknown:
-    raise TypeError(f"explain(api={api!r}) got unexpected keyword argument(s) {unknown}; the "
-                    f"keywords of {api_fn.__name__} are {valid}")
-  plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
-  implementation = kwargs.pop("implementation", None)
-  only = implementation_code(implementation)
-  device_info = {}
-  if compute_capability is not None:
-    device_info["compute_capability"] = float(compute_capability)
-  if cudnn_version is not None:
-    device_info["cudnn_version"] = int(cudnn_version)
-  for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient",
-               "residual_dtype"):
-    kwargs.pop(name, None)
-  result = {}
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jbackends.attention import explain, SDPBackend
+      >>> q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
+      >>> e = explain(q, q, q, bias=jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.float32))
+      >>> e.chosen, e.reasons[SDPBackend.FLASH_ATTENTION][:31]
+      (<SDPBackend.EFFICIENT_ATTENTION: 2>, 'FLASH takes no additive bias / ')
+    """
+    flags = current_flags()
+    if api not in ("dot_product_attention", "sdpa"):
+        raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
+    if platform is not None and (not isinstance(platform, str) or platform.lower() not in _EXPLAIN_PLATFORMS):
+        raise ValueError(
+            f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
+            f"backend's); got {platform!r}"
+        )
+    api_fn = dot_product_attention if api == "dot_product_attention" else scaled_dot_product_attention
+    valid = [n for n in inspect.signature(api_fn).parameters if n not in ("query", "key", "value")]
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"explain(api={api!r}) got unexpected keyword argument(s) {unknown}; the "
+            f"keywords of {api_fn.__name__} are {valid}"
+        )
+    plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
+    implementation = kwargs.pop("implementation", None)
+    only = implementation_code(implementation)
+    device_info = {}
+    if compute_capability is not None:
+        device_info["compute_capability"] = float(compute_capability)
+    if cudnn_version is not None:
+        device_info["cudnn_version"] = int(cudnn_version)
+    for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient", "residual_dtype"):
+        kwargs.pop(name, None)
+    result = {}
 
-  def probe(q, k, v, kw):
-    if api == "sdpa":
-      args, _ = torch_to_args(q, k, v, **kw)
-    else:
-      args, _ = jaxnn_to_args(q, k, v, **kw)
-    result["d"] = _dispatch.decide(args, flags, plat, only=only, device_info=device_info or None)
-    result["args"] = args
-    return 0
+    def probe(q, k, v, kw):
+        if api == "sdpa":
+            args, _ = torch_to_args(q, k, v, **kw)
+        else:
+            args, _ = jaxnn_to_args(q, k, v, **kw)
+        result["d"] = _dispatch.decide(args, flags, plat, only=only, device_info=device_info or None)
+        result["args"] = args
+        return 0
 
-  arrays, static = {}, {}
-  for name, val in kwargs.items():
-    if isinstance(val, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or (
-        isinstance(val, (tuple, list)) and val and all(
-            isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in val)):
-      arrays[name] = val
-    else:
-      static[name] = val
-  jax.eval_shape(lambda q, k, v, arr: probe(q, k, v, {**static, **arr}), query, key, value, arrays)
-  d = result["d"]
-  impl = d.implementation
-  kernel = None
-  if impl is not None:
-    kernel = f"{impl.name}: {impl.technology}" + (f", {impl.description}" if impl.description else "")
-    if impl.name == "cpp_flash":
-      from pallas_kernels.attention import cpp_flash  # noqa: PLC0415 - optional extension
-      kernel += f" (up to {cpp_flash.threads()} threads)"
-    kernel += "".join(f"\n    not {n}: {r}" for n, r in d.implementation_reasons.items())
-  return Explanation(platform=plat, chosen=None if d.chosen is None else SDPBackend(d.chosen),
-                     order=tuple(SDPBackend(b) for b in d.order),
-                     reasons={SDPBackend(b): r for b, r in d.reasons.items()},
-                     implementation=None if impl is None else impl.name,
-                     kernel=kernel, sharding=sharding_plan(query, key, api, result["args"], d.chosen))
+    arrays, static = {}, {}
+    for name, val in kwargs.items():
+        if isinstance(val, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or (
+            isinstance(val, (tuple, list))
+            and val
+            and all(isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in val)
+        ):
+            arrays[name] = val
+        else:
+            static[name] = val
+    jax.eval_shape(lambda q, k, v, arr: probe(q, k, v, {**static, **arr}), query, key, value, arrays)
+    d = result["d"]
+    impl = d.implementation
+    kernel = None
+    if impl is not None:
+        kernel = f"{impl.name}: {impl.technology}" + (f", {impl.description}" if impl.description else "")
+        if impl.name == "cpp_flash":
+            from pallas_kernels.attention import cpp_flash  # noqa: PLC0415 - optional extension
 
-
+            kernel += f" (up to {cpp_flash.threads()} threads)"
+        kernel += "".join(f"\n    not {n}: {r}" for n, r in d.implementation_reasons.items())
+    return Explanation(
+        platform=plat,
+        chosen=None if d.chosen is None else SDPBackend(d.chosen),
+        order=tuple(SDPBackend(b) for b in d.order),
+        reasons={SDPBackend(b): r for b, r in d.reasons.items()},
+        implementation=None if impl is None else impl.name,
+        kernel=kernel,
+        sharding=sharding_plan(query, key, api, result["args"], d.chosen),
+    )

@@ -62,12 +62,12 @@ def preferred_rocm_fa_library(backend: str | None = None) -> str:
       'default'
     """
     if backend is not None and (not isinstance(backend, str) or backend.lower() != "default"):
-        raise ValueError(f"preferred_rocm_fa_library: {backend!r} is not available in JAX (no AOTriton/CK "
-                         "flash-attention binding); only 'default' is accepted. Pick SDPA backends with "
-                         "jb.attention.sdpa_kernel or jb.cuda.enable_flash_sdp")
+        raise ValueError(
+            f"preferred_rocm_fa_library: {backend!r} is not available in JAX (no AOTriton/CK "
+            "flash-attention binding); only 'default' is accepted. Pick SDPA backends with "
+            "jb.attention.sdpa_kernel or jb.cuda.enable_flash_sdp"
+        )
     return "default"
-
-
 
 
 def is_ck_sdpa_available() -> bool:
@@ -121,4 +121,3 @@ from jbackends.attention import sdp_kernel as sdp_kernel  # noqa: E402
 # --- end SDPA helpers ---
 
 _mirror.install(_sys.modules[__name__])
-

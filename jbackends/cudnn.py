@@ -21,8 +21,13 @@ def flags(enabled=None, benchmark=None, benchmark_limit=None, deterministic=None
       ...     jb.cudnn.deterministic
       True
     """
-    given = {"cudnn_enabled": enabled, "benchmark": benchmark, "benchmark_limit": benchmark_limit,
-             "deterministic": deterministic, "cudnn_allow_tf32": allow_tf32}
+    given = {
+        "cudnn_enabled": enabled,
+        "benchmark": benchmark,
+        "benchmark_limit": benchmark_limit,
+        "deterministic": deterministic,
+        "cudnn_allow_tf32": allow_tf32,
+    }
     return _with_backends(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -72,7 +77,6 @@ def is_acceptable(tensor) -> bool:
     except AttributeError:
         return False
     return is_available() and all(d.platform == "gpu" for d in devices)
-
 
 
 _mirror.install(_sys.modules[__name__])

@@ -15,7 +15,6 @@ VERBOSE_OFF = 0
 VERBOSE_ON = 1
 
 
-
 def verbose(level: int) -> _with_backends:
     """Scoped verbosity: `with jb.mkl.verbose(jb.mkl.VERBOSE_ON): ...` (also a decorator).
 

@@ -17,7 +17,14 @@ import subprocess as _subprocess
 
 from jbackends._src import platforms as _platforms
 
-__all__ = ["get_core_count", "get_name", "is_available", "is_built", "is_macos_or_newer", "is_macos13_or_newer"]
+__all__ = [
+    "get_core_count",
+    "get_name",
+    "is_available",
+    "is_built",
+    "is_macos_or_newer",
+    "is_macos13_or_newer",
+]
 
 
 def is_built() -> bool:
@@ -65,8 +72,10 @@ def is_macos13_or_newer(minor: int = 0) -> bool:
     return is_macos_or_newer(13, minor)
 
 
-_NOT_AVAILABLE = ("MPS is not available: JAX reaches Apple GPUs through the jax-metal plugin "
-                  "(pip install jax-metal on Apple silicon macOS); jb.mps.is_available() is False here")
+_NOT_AVAILABLE = (
+    "MPS is not available: JAX reaches Apple GPUs through the jax-metal plugin "
+    "(pip install jax-metal on Apple silicon macOS); jb.mps.is_available() is False here"
+)
 
 
 def get_name() -> str:
@@ -94,7 +103,9 @@ def get_core_count() -> int:
     if not is_available():
         raise RuntimeError(_NOT_AVAILABLE)
     try:
-        out = _subprocess.run(["ioreg", "-rc", "AGXAccelerator"], capture_output=True, text=True, timeout=10).stdout
+        out = _subprocess.run(
+            ["ioreg", "-rc", "AGXAccelerator"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, _subprocess.SubprocessError) as e:
         raise RuntimeError(f"cannot read the GPU core count from ioreg: {e}") from None
     match = _re.search(r'"gpu-core-count"\s*=\s*(\d+)', out)

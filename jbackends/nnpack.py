@@ -17,8 +17,10 @@ import contextlib
 
 __all__ = ["flags", "is_available", "set_flags"]
 
-_WHY = ("NNPACK is not part of JAX/XLA (XLA:CPU lowers convolutions itself), so it cannot be enabled; "
-        "use jb.conv.conv_general_dilated or jax.lax.conv_general_dilated")
+_WHY = (
+    "NNPACK is not part of JAX/XLA (XLA:CPU lowers convolutions itself), so it cannot be enabled; "
+    "use jb.conv.conv_general_dilated or jax.lax.conv_general_dilated"
+)
 
 
 def is_available() -> bool:

@@ -49,8 +49,6 @@ def get_opt_einsum():
     return opt_einsum
 
 
-
-
 def set_flags(_enabled=None, _strategy=None) -> tuple:
     """Set the process defaults of `enabled` / `strategy` (None: unchanged), like torch's.
 
@@ -87,5 +85,6 @@ def flags(enabled=None, strategy=None):
     """
     given = {"opt_einsum_enabled": enabled, "opt_einsum_strategy": strategy}
     return _flag_scope.with_backends(**{k: v for k, v in given.items() if v is not None})
+
 
 _mirror.install(_sys.modules[__name__])

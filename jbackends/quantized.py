@@ -33,6 +33,7 @@ Example:
   >>> jb.quantized.int4_matmul(x, p).shape
   (2, 3, 64)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -141,8 +142,9 @@ def _check_int(name: str, v: Any) -> int:
     return int(v)
 
 
-def dyn_quant_pack_4bit_weight(weights: Any, scales_zeros: Any, bias: Any, groupsize: int, in_features: int,
-                               out_features: int) -> PackedInt4Weight:
+def dyn_quant_pack_4bit_weight(
+    weights: Any, scales_zeros: Any, bias: Any, groupsize: int, in_features: int, out_features: int
+) -> PackedInt4Weight:
     """Packs int4 weights, scales and an optional bias (``torch.ops.aten._dyn_quant_pack_4bit_weight``).
 
     Unlike torch's x86 fallback (which stores every byte as a float32), the
@@ -177,16 +179,20 @@ def dyn_quant_pack_4bit_weight(weights: Any, scales_zeros: Any, bias: Any, group
     if w.dtype != jnp.uint8:
         raise TypeError(f"weights must be uint8 (two 4-bit values per byte, q + 8), got {w.dtype}")
     if w.size != N * K // 2:
-        raise ValueError(f"weights must hold out_features * in_features / 2 = {N * K // 2} bytes "
-                         f"([{N}, {K // 2}]), got shape {w.shape}")
+        raise ValueError(
+            f"weights must hold out_features * in_features / 2 = {N * K // 2} bytes "
+            f"([{N}, {K // 2}]), got shape {w.shape}"
+        )
     if w.ndim < 1 or w.shape[0] != N:
         raise ValueError(f"weights.shape[0] must be out_features={N}, got shape {w.shape}")
     s = jnp.asarray(scales_zeros)
     if s.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"scales_zeros must be float32 or bfloat16, got {s.dtype}")
     if s.shape not in ((N, K // g), (N * (K // g),)):
-        raise ValueError(f"scales_zeros must have shape (out_features, in_features // groupsize) = "
-                         f"{(N, K // g)}, got {s.shape}")
+        raise ValueError(
+            f"scales_zeros must have shape (out_features, in_features // groupsize) = "
+            f"{(N, K // g)}, got {s.shape}"
+        )
     b = None
     if bias is not None:
         b = jnp.asarray(bias)
@@ -203,7 +209,9 @@ def _check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: An
     given = dict(groupsize=groupsize, in_features=in_features, out_features=out_features)
     for name, v in given.items():
         if getattr(packed, name) != v:
-            raise ValueError(f"{name}={v!r} does not match the packed weight's {name}={getattr(packed, name)}")
+            raise ValueError(
+                f"{name}={v!r} does not match the packed weight's {name}={getattr(packed, name)}"
+            )
     return packed
 
 
@@ -216,12 +224,18 @@ _LOWERING = ("cpu",) + _GPU + ("other",)
 
 
 def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choice:
-    return _dispatch.choose("int4", _registry.implementations(platform), call, platform,
-                            excluded=_registry.engine_filter(engine, platform))
+    return _dispatch.choose(
+        "int4",
+        _registry.implementations(platform),
+        call,
+        platform,
+        excluded=_registry.engine_filter(engine, platform),
+    )
 
 
-def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call,
-                       run_options: dict) -> jax.Array:
+def _lowering_branches(
+    op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call, run_options: dict
+) -> jax.Array:
     """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them."""
     flags = _trace_flags()
     branches, chosen_all, rejected = {}, [], {}
@@ -230,8 +244,13 @@ def _lowering_branches(op: str, x: jax.Array, packed: PackedInt4Weight, call: _b
         chosen_all.append(f"{choice.chosen.name}@{platform}")
         rejected.update({f"{k}@{platform}": v for k, v in choice.reasons.items()})
         branches[platform] = (lambda impl: lambda a, p: impl.run(a, p, **run_options))(choice.chosen)
-    _verbose.report_dispatch(op, ",".join(chosen_all), rejected,
-                    (tuple(x.shape), tuple(packed.weight.shape)), (str(x.dtype), "uint4"))
+    _verbose.report_dispatch(
+        op,
+        ",".join(chosen_all),
+        rejected,
+        (tuple(x.shape), tuple(packed.weight.shape)),
+        (str(x.dtype), "uint4"),
+    )
     default = branches.pop("other")
     return _dispatch.by_platform(branches, default, x, packed)
 
@@ -260,8 +279,9 @@ class Explanation:
         return "\n".join([head] + [f"  not {k}: {v}" for k, v in self.reasons.items()])
 
 
-def explain(x: Any, packed: PackedInt4Weight, *, op: str = "int4_matmul",
-            platform: str | None = None) -> Explanation:
+def explain(
+    x: Any, packed: PackedInt4Weight, *, op: str = "int4_matmul", platform: str | None = None
+) -> Explanation:
     """Says which implementation would run ``op`` on ``x`` and ``packed`` here (or when lowered for
     ``platform``), under the flags in force now, and why each other one would not. Nothing is computed;
     ``x`` may be a ``jax.ShapeDtypeStruct``.
@@ -289,13 +309,18 @@ def explain(x: Any, packed: PackedInt4Weight, *, op: str = "int4_matmul",
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"`x` must be an array or a jax.ShapeDtypeStruct; got {type(x).__name__}")
     if not x.shape or x.shape[-1] != packed.in_features:
-        raise ValueError(f"`x` must have in_features={packed.in_features} as its last dim; got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"`x` must have in_features={packed.in_features} as its last dim; got shape {tuple(x.shape)}"
+        )
     plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
-    choice = _choose(_current_flags().quantized_engine, _base.Int4Call.of(ops[op], x, packed),
-                     plat)
-    return Explanation(op=op, platform=plat, implementation=choice.chosen.name,
-                       technology=choice.chosen.technology, reasons=dict(choice.reasons))
+    choice = _choose(_current_flags().quantized_engine, _base.Int4Call.of(ops[op], x, packed), plat)
+    return Explanation(
+        op=op,
+        platform=plat,
+        implementation=choice.chosen.name,
+        technology=choice.chosen.technology,
+        reasons=dict(choice.reasons),
+    )
 
 
 def _check_impl(implementation: Any) -> str | None:
@@ -304,8 +329,15 @@ def _check_impl(implementation: Any) -> str | None:
     return implementation
 
 
-def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, in_features: int,
-                          out_features: int, *, implementation: str | None = None) -> jax.Array:
+def dyn_quant_matmul_4bit(
+    input: Any,
+    packed: PackedInt4Weight,
+    groupsize: int,
+    in_features: int,
+    out_features: int,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
     """``torch.ops.aten._dyn_quant_matmul_4bit`` with torch's numerics, for any batch dims and layout.
 
     Each input row is quantized to int8 asymmetrically over K (KleidiAI
@@ -365,8 +397,9 @@ def dyn_quant_matmul_4bit(input: Any, packed: PackedInt4Weight, groupsize: int, 
     return _straight_through_vjp(fwd, x, packed)
 
 
-def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
-                implementation: str | None = None) -> jax.Array:
+def int4_matmul(
+    x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None, implementation: str | None = None
+) -> jax.Array:
     """Weight-only int4 matmul (W4A16 / W4A32): ``x @ dequantize(w).T + bias``.
 
     No activation quantization: more accurate than `dyn_quant_matmul_4bit`.
@@ -394,7 +427,10 @@ def int4_matmul(x: Any, packed: PackedInt4Weight, *, compute_dtype: Any = None,
     _base.check_packed(packed)
     x = _base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
     if compute_dtype is not None and jnp.dtype(compute_dtype) not in (
-            jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    ):
         raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, got {compute_dtype!r}")
     impl = _check_impl(implementation)
 
@@ -432,8 +468,9 @@ def _split_rows_and_features(fwd, x, packed):
         p = PackedInt4Weight(w, s, b[0] if b else None, packed.groupsize, packed.in_features, w.shape[0])
         return (fwd(a, p),)
 
-    return _partition.sharded(local, in_factors=factors, out_factors=(rows + ("n",),),
-                              parallel=rows + ("n",), name="int4 matmul")(x, *leaves)[0]
+    return _partition.sharded(
+        local, in_factors=factors, out_factors=(rows + ("n",),), parallel=rows + ("n",), name="int4 matmul"
+    )(x, *leaves)[0]
 
 
 def _weight_only_bwd(fwd, res, g):

@@ -7,6 +7,7 @@ and its plain C functions given their ctypes signatures. ``None`` (and the XLA f
 any of that is not possible: ``JBACKENDS_NO_CPP`` set, the extension not built, a library that
 does not load or lacks a symbol, or a CPU the kernels cannot run on.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,43 +24,47 @@ DISABLE_ENV = "JBACKENDS_NO_CPP"
 
 
 def disabled() -> bool:
-  """Whether the C++ kernels are switched off (``JBACKENDS_NO_CPP`` is set)."""
-  return bool(os.environ.get(DISABLE_ENV))
+    """Whether the C++ kernels are switched off (``JBACKENDS_NO_CPP`` is set)."""
+    return bool(os.environ.get(DISABLE_ENV))
 
 
-def load_library(module: str, *, targets: Mapping[str, str], check: Optional[str] = None,
-                 restypes: Optional[Mapping[str, object]] = None,
-                 argtypes: Optional[Mapping[str, Sequence[object]]] = None
-                 ) -> Optional[ctypes.CDLL]:
-  """Opens the extension ``module`` (a dotted module name) and registers its FFI handlers.
+def load_library(
+    module: str,
+    *,
+    targets: Mapping[str, str],
+    check: Optional[str] = None,
+    restypes: Optional[Mapping[str, object]] = None,
+    argtypes: Optional[Mapping[str, Sequence[object]]] = None,
+) -> Optional[ctypes.CDLL]:
+    """Opens the extension ``module`` (a dotted module name) and registers its FFI handlers.
 
-  Args:
-    module: the extension's module name, e.g. ``"pallas_kernels.int4_matmul._int4_cpu"``.
-    targets: custom-call target name -> the exported handler symbol
-      (``XLA_FFI_DEFINE_HANDLER_SYMBOL``), each registered for ``platform="cpu"``.
-    check: an exported ``int f(void)`` that returns 0 when this CPU cannot run the kernels;
-      then nothing is registered and the result is ``None``.
-    restypes, argtypes: ctypes ``restype`` / ``argtypes`` of exported C functions.
+    Args:
+      module: the extension's module name, e.g. ``"pallas_kernels.int4_matmul._int4_cpu"``.
+      targets: custom-call target name -> the exported handler symbol
+        (``XLA_FFI_DEFINE_HANDLER_SYMBOL``), each registered for ``platform="cpu"``.
+      check: an exported ``int f(void)`` that returns 0 when this CPU cannot run the kernels;
+        then nothing is registered and the result is ``None``.
+      restypes, argtypes: ctypes ``restype`` / ``argtypes`` of exported C functions.
 
-  Returns:
-    The library, or ``None`` when the kernels are disabled, not built or do not load. Callers
-    cache it (``functools.cache``): registering a target twice is not needed.
-  """
-  if disabled():
-    return None
-  spec = importlib.util.find_spec(module)
-  if spec is None or not spec.origin or not os.path.exists(spec.origin):
-    return None
-  try:
-    lib = ctypes.CDLL(spec.origin)
-    if check is not None and not getattr(lib, check)():
-      return None
-    for target, symbol in targets.items():
-      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    for name, restype in (restypes or {}).items():
-      getattr(lib, name).restype = restype
-    for name, types in (argtypes or {}).items():
-      getattr(lib, name).argtypes = list(types)
-  except (OSError, AttributeError):
-    return None
-  return lib
+    Returns:
+      The library, or ``None`` when the kernels are disabled, not built or do not load. Callers
+      cache it (``functools.cache``): registering a target twice is not needed.
+    """
+    if disabled():
+        return None
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not os.path.exists(spec.origin):
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        if check is not None and not getattr(lib, check)():
+            return None
+        for target, symbol in targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        for name, restype in (restypes or {}).items():
+            getattr(lib, name).restype = restype
+        for name, types in (argtypes or {}).items():
+            getattr(lib, name).argtypes = list(types)
+    except (OSError, AttributeError):
+        return None
+    return lib

@@ -15,6 +15,7 @@ Example:
   >>> triton_backend.CompilerParams(num_warps=4, num_stages=2).num_warps
   4
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,39 +30,41 @@ _DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 @functools.cache
 def available() -> bool:
-  """Whether the installed JAX has the Pallas Triton backend (``jax.experimental.pallas.triton``)."""
-  try:
-    return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
-  except ImportError:
-    return False
+    """Whether the installed JAX has the Pallas Triton backend (``jax.experimental.pallas.triton``)."""
+    try:
+        return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+    except ImportError:
+        return False
 
 
 def _quiet_params_class():
-  """A CompilerParams subclass whose GPU lowering is JAX's Triton rule with the deprecation silenced.
+    """A CompilerParams subclass whose GPU lowering is JAX's Triton rule with the deprecation silenced.
 
-  JAX picks a pallas_call's GPU lowering by the type of its compiler params (a registry keyed by the
-  params class, in JAX's private ``pallas.core``). Where that registry is not found (another JAX
-  layout), this returns JAX's own class, so kernels still lower, with JAX's warning.
-  """
-  from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
-  try:
-    from jax._src.pallas import core as pallas_core  # noqa: PLC0415
-    from jax._src.pallas.triton import pallas_call_registration as triton_reg  # noqa: PLC0415
-    register, rule = pallas_core.register_lowering_rule, triton_reg.pallas_call_lowering
-  except (ImportError, AttributeError):
-    return plgpu.CompilerParams
+    JAX picks a pallas_call's GPU lowering by the type of its compiler params (a registry keyed by the
+    params class, in JAX's private ``pallas.core``). Where that registry is not found (another JAX
+    layout), this returns JAX's own class, so kernels still lower, with JAX's warning.
+    """
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
 
-  @dataclasses.dataclass(frozen=True)
-  class CompilerParams(plgpu.CompilerParams):
-    """``jax.experimental.pallas.triton.CompilerParams`` for this package's kernels (see the module)."""
+    try:
+        from jax._src.pallas import core as pallas_core  # noqa: PLC0415
+        from jax._src.pallas.triton import pallas_call_registration as triton_reg  # noqa: PLC0415
 
-  def quiet_rule(ctx, *args, **params):
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", message=_DEPRECATION, category=DeprecationWarning)
-      return rule(ctx, *args, **params)
+        register, rule = pallas_core.register_lowering_rule, triton_reg.pallas_call_lowering
+    except (ImportError, AttributeError):
+        return plgpu.CompilerParams
 
-  register(CompilerParams, quiet_rule, "gpu")
-  return CompilerParams
+    @dataclasses.dataclass(frozen=True)
+    class CompilerParams(plgpu.CompilerParams):
+        """``jax.experimental.pallas.triton.CompilerParams`` for this package's kernels (see the module)."""
+
+    def quiet_rule(ctx, *args, **params):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEPRECATION, category=DeprecationWarning)
+            return rule(ctx, *args, **params)
+
+    register(CompilerParams, quiet_rule, "gpu")
+    return CompilerParams
 
 
 CompilerParams = _quiet_params_class() if available() else None

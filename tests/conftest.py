@@ -7,6 +7,7 @@ The ``gpu`` lane: tests marked ``@pytest.mark.gpu`` run compiled kernels on a CU
 skipped where JAX sees none. On a GPU machine run them with
 ``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu`` (the default here is ``cpu``).
 """
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -38,7 +39,9 @@ def pytest_terminal_summary(terminalreporter):
 
     pkgs = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "flax", "chex", "opt_einsum"))
     devices = ", ".join(sorted({d.platform for d in jax.devices()}))
-    terminalreporter.write_line(f"environment: Python {platform.python_version()}, {pkgs}; devices: {devices}")
+    terminalreporter.write_line(
+        f"environment: Python {platform.python_version()}, {pkgs}; devices: {devices}"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@
 * the flash and the math train steps agree over the first steps (losses and parameters), and the
   dispatch log shows which backend each one traced.
 """
+
 import logging
 import os
 
@@ -39,7 +40,7 @@ def test_demo_main_short_run(tmp_path, capsys):
     seq_len = tg.GPTConfig().seq_len
     for prompt, text in zip(tg.PROMPTS, result["int4_texts"]):
         assert len(text) == seq_len and text.startswith(prompt)
-        generated = text[len(prompt):]
+        generated = text[len(prompt) :]
         assert all(c.isprintable() or c == "\n" for c in generated), repr(generated)
         assert sum(c.isalpha() for c in generated) > len(generated) // 3, repr(generated)
     # int4 with groups of 32 costs little accuracy on this model.
@@ -64,8 +65,9 @@ def test_flash_and_math_first_steps_agree(caplog):
 
     np.testing.assert_allclose(h_flash.losses, h_math.losses, rtol=2e-5)
     assert h_flash.losses[-1] < h_flash.losses[0]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5),
-                 _params(m_flash), _params(m_math))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5), _params(m_flash), _params(m_math)
+    )
     assert h_flash.val_loss == pytest.approx(h_math.val_loss, rel=1e-4)
 
 
@@ -85,7 +87,9 @@ def test_kv_cache_decode_matches_full_forward():
     tokens = jax.numpy.asarray(tg.encode(tg.TEXT[: cfg.seq_len])[None])
     full = np.asarray(model(tokens))[0]
     step = nnx.jit(lambda m, token, pos, caches: m.decode_step(token, pos, caches))
-    caches = [(jax.numpy.zeros((1, cfg.seq_len, cfg.n_heads, cfg.head_dim)),) * 2 for _ in range(cfg.n_layers)]
+    caches = [
+        (jax.numpy.zeros((1, cfg.seq_len, cfg.n_heads, cfg.head_dim)),) * 2 for _ in range(cfg.n_layers)
+    ]
     for pos in range(cfg.seq_len):
         logits, caches = step(model, tokens[:, pos], pos, caches)
         np.testing.assert_allclose(np.asarray(logits)[0], full[pos], atol=1e-4, rtol=1e-4, err_msg=f"{pos=}")

@@ -1,4 +1,5 @@
 """The one dispatcher and its two registries (SDPA, int4): order, filters, the ranking hook, explain."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,167 +13,185 @@ from pallas_kernels.attention import base
 
 
 def _impl(name, reasons=(), platforms=None):
-  return dispatch.Implementation(name, "test", platforms, lambda c, p, d: list(reasons),
-                                 lambda c, **o: name)
+    return dispatch.Implementation(
+        name, "test", platforms, lambda c, p, d: list(reasons), lambda c, **o: name
+    )
 
 
 def test_choose_takes_the_first_that_can_and_says_why_not_the_others():
-  a, b, c = _impl("a", ["too big"]), _impl("b"), _impl("c")
-  ch = dispatch.choose("test", (a, b, c), None, "cpu")
-  assert ch.chosen is b
-  assert ch.reasons == {"a": "too big", "c": "lower priority than b"}
-  ch = dispatch.choose("test", (a, b, c), None, "cpu", excluded={"b": "flag says no"})
-  assert ch.chosen is c and ch.reasons == {"a": "too big", "b": "flag says no"}
-  gpu_only = _impl("g", platforms=("cuda",))
-  ch = dispatch.choose("test", (gpu_only,), None, "cpu")
-  assert ch.chosen is None and "cuda only (lowering for cpu)" in ch.reasons["g"]
+    a, b, c = _impl("a", ["too big"]), _impl("b"), _impl("c")
+    ch = dispatch.choose("test", (a, b, c), None, "cpu")
+    assert ch.chosen is b
+    assert ch.reasons == {"a": "too big", "c": "lower priority than b"}
+    ch = dispatch.choose("test", (a, b, c), None, "cpu", excluded={"b": "flag says no"})
+    assert ch.chosen is c and ch.reasons == {"a": "too big", "b": "flag says no"}
+    gpu_only = _impl("g", platforms=("cuda",))
+    ch = dispatch.choose("test", (gpu_only,), None, "cpu")
+    assert ch.chosen is None and "cuda only (lowering for cpu)" in ch.reasons["g"]
 
 
 def test_a_ranker_reorders_only_runnable_candidates_and_must_permute_them():
-  a, b, c = _impl("a"), _impl("b", ["no"]), _impl("c")
-  previous = dispatch.set_ranker("test", lambda impls, call, platform, device: tuple(reversed(impls)))
-  try:
-    ch = dispatch.choose("test", (a, b, c), None, "cpu")
-    assert ch.chosen is c and ch.reasons == {"b": "no", "a": "lower priority than c"}
-    dispatch.set_ranker("test", lambda impls, call, platform, device: impls[:1])
-    with pytest.raises(ValueError, match="permutation"):
-      dispatch.choose("test", (a, b, c), None, "cpu")
-    with pytest.raises(TypeError, match="callable"):
-      dispatch.set_ranker("test", 3)
-  finally:
-    dispatch.set_ranker("test", previous)
-  assert dispatch.ranker("test") is previous
+    a, b, c = _impl("a"), _impl("b", ["no"]), _impl("c")
+    previous = dispatch.set_ranker("test", lambda impls, call, platform, device: tuple(reversed(impls)))
+    try:
+        ch = dispatch.choose("test", (a, b, c), None, "cpu")
+        assert ch.chosen is c and ch.reasons == {"b": "no", "a": "lower priority than c"}
+        dispatch.set_ranker("test", lambda impls, call, platform, device: impls[:1])
+        with pytest.raises(ValueError, match="permutation"):
+            dispatch.choose("test", (a, b, c), None, "cpu")
+        with pytest.raises(TypeError, match="callable"):
+            dispatch.set_ranker("test", 3)
+    finally:
+        dispatch.set_ranker("test", previous)
+    assert dispatch.ranker("test") is previous
 
 
 def test_sdpa_ranker_changes_what_runs_and_the_result_still_matches():
-  """The cost-model hook: a ranker preferring the XLA flash on CPU makes it run (and it is correct)."""
-  q = jax.random.normal(jax.random.key(0), (1, 32, 2, 16))
-  args = base.make_args(q, q, q, is_causal=True)
-  prefer_xla = lambda impls, call, platform, device: sorted(impls, key=lambda i: i.name != "xla_flash")
-  previous = dispatch.set_ranker("sdpa", prefer_xla)
-  try:
-    d = D.decide(args, jb.current_flags(), "cpu")
-    assert d.implementation.name == "xla_flash"
-    assert d.implementation_reasons.get("cpp_flash", "lower priority than xla_flash").startswith(
-        ("lower priority", "the C++"))
-    out = jb.dot_product_attention(q, q, q, is_causal=True)
-  finally:
-    dispatch.set_ranker("sdpa", previous)
-  ref = base.reference(args)[0]
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+    """The cost-model hook: a ranker preferring the XLA flash on CPU makes it run (and it is correct)."""
+    q = jax.random.normal(jax.random.key(0), (1, 32, 2, 16))
+    args = base.make_args(q, q, q, is_causal=True)
+    prefer_xla = lambda impls, call, platform, device: sorted(impls, key=lambda i: i.name != "xla_flash")
+    previous = dispatch.set_ranker("sdpa", prefer_xla)
+    try:
+        d = D.decide(args, jb.current_flags(), "cpu")
+        assert d.implementation.name == "xla_flash"
+        assert d.implementation_reasons.get("cpp_flash", "lower priority than xla_flash").startswith(
+            ("lower priority", "the C++")
+        )
+        out = jb.dot_product_attention(q, q, q, is_causal=True)
+    finally:
+        dispatch.set_ranker("sdpa", previous)
+    ref = base.reference(args)[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
 
 def test_every_backend_has_an_implementation_list_and_names_are_unique():
-  names = [i.name for table in sdpa_registry.IMPLEMENTATIONS.values() for impls in table.values()
-           for i in impls]
-  assert set(names) == set(sdpa_registry.BY_NAME)
-  assert set(sdpa_registry.IMPLEMENTATIONS) == {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION,
-                                                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION}
-  assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cuda")] == [
-      "triton_decode", "triton_flash"]
-  assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cpu")] == [
-      "cpp_flash", "xla_flash"]
-  assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "tpu")] == [
-      "xla_flash"]
-  assert sdpa_registry.implementations(SDPBackend.CUDNN_ATTENTION, "cpu") == ()
+    names = [
+        i.name for table in sdpa_registry.IMPLEMENTATIONS.values() for impls in table.values() for i in impls
+    ]
+    assert set(names) == set(sdpa_registry.BY_NAME)
+    assert set(sdpa_registry.IMPLEMENTATIONS) == {
+        SDPBackend.MATH,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+    }
+    assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cuda")] == [
+        "triton_decode",
+        "triton_flash",
+    ]
+    assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cpu")] == [
+        "cpp_flash",
+        "xla_flash",
+    ]
+    assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "tpu")] == ["xla_flash"]
+    assert sdpa_registry.implementations(SDPBackend.CUDNN_ATTENTION, "cpu") == ()
 
 
 def test_flash_cpu_kernel_filters_the_cpu_list():
-  q = jnp.ones((1, 16, 2, 16))
-  with jb.with_backends(flash_cpu_kernel="xla"):
-    e = jb.explain(q, q, q, platform="cpu")
-  assert e.implementation == "xla_flash" and "flash_cpu_kernel='xla'" in e.kernel
-  with jb.with_backends(flash_cpu_kernel="cpp"):
-    e = jb.explain(q, q, q, platform="cpu", logits_soft_cap=5.0)
-  assert e.chosen == SDPBackend.EFFICIENT_ATTENTION
-  assert "flash_cpu_kernel='cpp'" in e.reasons[SDPBackend.FLASH_ATTENTION]
-  # Other platforms are not filtered: a multi-platform export still lowers XLA there.
-  with jb.with_backends(flash_cpu_kernel="cpp"):
-    e = jb.explain(q, q, q, platform="tpu")
-  assert e.implementation == "xla_flash"
+    q = jnp.ones((1, 16, 2, 16))
+    with jb.with_backends(flash_cpu_kernel="xla"):
+        e = jb.explain(q, q, q, platform="cpu")
+    assert e.implementation == "xla_flash" and "flash_cpu_kernel='xla'" in e.kernel
+    with jb.with_backends(flash_cpu_kernel="cpp"):
+        e = jb.explain(q, q, q, platform="cpu", logits_soft_cap=5.0)
+    assert e.chosen == SDPBackend.EFFICIENT_ATTENTION
+    assert "flash_cpu_kernel='cpp'" in e.reasons[SDPBackend.FLASH_ATTENTION]
+    # Other platforms are not filtered: a multi-platform export still lowers XLA there.
+    with jb.with_backends(flash_cpu_kernel="cpp"):
+        e = jb.explain(q, q, q, platform="tpu")
+    assert e.implementation == "xla_flash"
 
 
 # ------------------------------------------------------------------------------------------- int4
 
+
 def _packed(n=64, k=128, g=32):
-  w = jax.random.normal(jax.random.key(1), (n, k))
-  q, s = jb.quantized.quantize_4bit(w, g)
-  return jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, g, k, n)
+    w = jax.random.normal(jax.random.key(1), (n, k))
+    q, s = jb.quantized.quantize_4bit(w, g)
+    return jb.quantized.dyn_quant_pack_4bit_weight(q, s, None, g, k, n)
 
 
-@pytest.mark.parametrize("engine, platform, rows, op, want", [
-    ("auto", "cuda", 1, "int4_matmul", "pallas"),
-    ("auto", "cpu", 1, "int4_matmul", "cpp"),
-    ("auto", "cpu", 64, "int4_matmul", "xla"),          # weight-only, M > 16: XLA's GEMM
-    ("auto", "cpu", 64, "dyn_quant_matmul_4bit", "cpp"),
-    ("auto", "tpu", 1, "int4_matmul", "xla"),
-    ("xla", "cuda", 1, "int4_matmul", "xla"),
-    ("xla", "cpu", 1, "dyn_quant_matmul_4bit", "cpp"),  # 'xla' = no Pallas; the C++ kernel stays
-    ("pallas", "cpu", 1, "int4_matmul", "pallas_interpret"),
-    ("pallas", "cuda", 1, "int4_matmul", "pallas"),
-])
+@pytest.mark.parametrize(
+    "engine, platform, rows, op, want",
+    [
+        ("auto", "cuda", 1, "int4_matmul", "pallas"),
+        ("auto", "cpu", 1, "int4_matmul", "cpp"),
+        ("auto", "cpu", 64, "int4_matmul", "xla"),  # weight-only, M > 16: XLA's GEMM
+        ("auto", "cpu", 64, "dyn_quant_matmul_4bit", "cpp"),
+        ("auto", "tpu", 1, "int4_matmul", "xla"),
+        ("xla", "cuda", 1, "int4_matmul", "xla"),
+        ("xla", "cpu", 1, "dyn_quant_matmul_4bit", "cpp"),  # 'xla' = no Pallas; the C++ kernel stays
+        ("pallas", "cpu", 1, "int4_matmul", "pallas_interpret"),
+        ("pallas", "cuda", 1, "int4_matmul", "pallas"),
+    ],
+)
 def test_int4_explain(engine, platform, rows, op, want):
-  from pallas_kernels.int4_matmul import cpu as cpu_int4
-  if want == "cpp" and not cpu_int4.available():
-    pytest.skip("C++ int4 kernel not built")
-  p = _packed()
-  x = jax.ShapeDtypeStruct((rows, 128), jnp.float32)
-  with jb.with_backends(quantized_engine=engine):
-    e = jb.quantized.explain(x, p, op=op, platform=platform)
-  assert e.implementation == want, str(e)
-  assert e.platform == platform and want not in e.reasons
-  assert all(isinstance(v, str) and v for v in e.reasons.values())
-  assert str(e).startswith(f"{op} on {platform}: {want}")
+    from pallas_kernels.int4_matmul import cpu as cpu_int4
+
+    if want == "cpp" and not cpu_int4.available():
+        pytest.skip("C++ int4 kernel not built")
+    p = _packed()
+    x = jax.ShapeDtypeStruct((rows, 128), jnp.float32)
+    with jb.with_backends(quantized_engine=engine):
+        e = jb.quantized.explain(x, p, op=op, platform=platform)
+    assert e.implementation == want, str(e)
+    assert e.platform == platform and want not in e.reasons
+    assert all(isinstance(v, str) and v for v in e.reasons.values())
+    assert str(e).startswith(f"{op} on {platform}: {want}")
 
 
 def test_int4_explain_matches_what_runs(caplog):
-  """explain's answer is the dispatcher's: the verbose log of a real call names the same engine."""
-  import logging
-  p = _packed()
-  x = jnp.ones((2, 128))
-  e = jb.quantized.explain(x, p)
-  with caplog.at_level(logging.INFO, logger="jbackends"), jb.verbose(1):
-    jax.jit(lambda a: jb.quantized.int4_matmul(a, p)).lower(x)
-  assert f"chosen={e.implementation}@cpu" in caplog.text
+    """explain's answer is the dispatcher's: the verbose log of a real call names the same engine."""
+    import logging
+
+    p = _packed()
+    x = jnp.ones((2, 128))
+    e = jb.quantized.explain(x, p)
+    with caplog.at_level(logging.INFO, logger="jbackends"), jb.verbose(1):
+        jax.jit(lambda a: jb.quantized.int4_matmul(a, p)).lower(x)
+    assert f"chosen={e.implementation}@cpu" in caplog.text
 
 
 def test_int4_explain_bad_inputs():
-  p = _packed()
-  x = jax.ShapeDtypeStruct((1, 128), jnp.float32)
-  with pytest.raises(ValueError, match="`op`"):
-    jb.quantized.explain(x, p, op="matmul")
-  with pytest.raises(ValueError, match="in_features=128"):
-    jb.quantized.explain(jax.ShapeDtypeStruct((1, 64), jnp.float32), p)
-  with pytest.raises(TypeError, match="`x`"):
-    jb.quantized.explain([1.0], p)
-  with pytest.raises(TypeError, match="`platform`"):
-    jb.quantized.explain(x, p, platform=3)
-  assert int4_registry.BY_NAME.keys() == set(jb.quantized.IMPLEMENTATIONS)
+    p = _packed()
+    x = jax.ShapeDtypeStruct((1, 128), jnp.float32)
+    with pytest.raises(ValueError, match="`op`"):
+        jb.quantized.explain(x, p, op="matmul")
+    with pytest.raises(ValueError, match="in_features=128"):
+        jb.quantized.explain(jax.ShapeDtypeStruct((1, 64), jnp.float32), p)
+    with pytest.raises(TypeError, match="`x`"):
+        jb.quantized.explain([1.0], p)
+    with pytest.raises(TypeError, match="`platform`"):
+        jb.quantized.explain(x, p, platform=3)
+    assert int4_registry.BY_NAME.keys() == set(jb.quantized.IMPLEMENTATIONS)
 
 
 def test_a_jax_without_pallas_triton_routes_around_the_triton_kernels(monkeypatch):
-  """The Triton backend is deprecated: once a JAX drops it, dispatch says so and picks cuDNN / XLA."""
-  from pallas_kernels import triton_backend
-  monkeypatch.setattr(triton_backend, "available", lambda: False)
-  q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
-  e = jb.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)
-  assert e.chosen == SDPBackend.CUDNN_ATTENTION
-  assert "no Pallas Triton backend" in e.reasons[SDPBackend.FLASH_ATTENTION]
-  assert "no Pallas Triton backend" in e.reasons[SDPBackend.EFFICIENT_ATTENTION]
-  with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
-    e = jb.explain(q, q, q, is_causal=True, platform="cuda")
-  assert e.chosen == SDPBackend.MATH
-  p = _packed()
-  e4 = jb.quantized.explain(jax.ShapeDtypeStruct((1, 128), jnp.bfloat16), p, platform="cuda")
-  assert e4.implementation == "xla" and "no Pallas Triton backend" in e4.reasons["pallas"]
+    """The Triton backend is deprecated: once a JAX drops it, dispatch says so and picks cuDNN / XLA."""
+    from pallas_kernels import triton_backend
+
+    monkeypatch.setattr(triton_backend, "available", lambda: False)
+    q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+    e = jb.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)
+    assert e.chosen == SDPBackend.CUDNN_ATTENTION
+    assert "no Pallas Triton backend" in e.reasons[SDPBackend.FLASH_ATTENTION]
+    assert "no Pallas Triton backend" in e.reasons[SDPBackend.EFFICIENT_ATTENTION]
+    with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        e = jb.explain(q, q, q, is_causal=True, platform="cuda")
+    assert e.chosen == SDPBackend.MATH
+    p = _packed()
+    e4 = jb.quantized.explain(jax.ShapeDtypeStruct((1, 128), jnp.bfloat16), p, platform="cuda")
+    assert e4.implementation == "xla" and "no Pallas Triton backend" in e4.reasons["pallas"]
 
 
 def test_cuda_calls_see_the_target_compute_capability():
-  """At run time the CUDA decision knows the target GPU (local, or `gpu.cuda_target`): routing by
-  compute capability (cuDNN's limits, a Mosaic GPU kernel for sm90+) uses it."""
-  from pallas_kernels import gpu
-  assert D.local_device_info("cpu") is None
-  with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
-    assert D.local_device_info("cuda") == {"compute_capability": 9.0}
-  with gpu.cuda_target("NVIDIA A100-SXM4-80GB"):
-    assert D.local_device_info("cuda") == {"compute_capability": 8.0}
+    """At run time the CUDA decision knows the target GPU (local, or `gpu.cuda_target`): routing by
+    compute capability (cuDNN's limits, a Mosaic GPU kernel for sm90+) uses it."""
+    from pallas_kernels import gpu
+
+    assert D.local_device_info("cpu") is None
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        assert D.local_device_info("cuda") == {"compute_capability": 9.0}
+    with gpu.cuda_target("NVIDIA A100-SXM4-80GB"):
+        assert D.local_device_info("cuda") == {"compute_capability": 8.0}

@@ -675,14 +675,14 @@ def test_default_changed_by_another_thread_where_the_scope_overrides_it(defaults
     f = jax.jit(Probe())
     x = _x()
     results = _worker_in_scope_while_main_changes_flash(
-        {"flash": True, "math": False}, lambda r: None,
-        lambda r: r.update(after=f(x)))  # the scope pins flash: no error, and the scope's value
+        {"flash": True, "math": False}, lambda r: None, lambda r: r.update(after=f(x))
+    )  # the scope pins flash: no error, and the scope's value
     _close(results["after"], 2 * x)
 
 
 def _precision_in_jaxpr() -> str:
     text = str(jax.make_jaxpr(lambda a: a @ a)(jnp.ones((2, 2))))
-    return text[text.index("precision="):].split("\n")[0] if "precision=" in text else "default"
+    return text[text.index("precision=") :].split("\n")[0] if "precision=" in text else "default"
 
 
 def test_interleaved_asyncio_tasks_each_get_their_matmul_precision():
@@ -697,8 +697,11 @@ def test_interleaved_asyncio_tasks_each_get_their_matmul_precision():
                 seen.append((expected, _precision_in_jaxpr()))
 
     async def main():
-        await asyncio.gather(task({"allow_tf32": True}, "HIGH"), task({"flash": False}, "default"),
-                             task({"float32_matmul_precision": "highest"}, "HIGHEST"))
+        await asyncio.gather(
+            task({"allow_tf32": True}, "HIGH"),
+            task({"flash": False}, "default"),
+            task({"float32_matmul_precision": "highest"}, "HIGHEST"),
+        )
 
     asyncio.run(main())
     assert len(seen) == 9
@@ -744,8 +747,11 @@ def test_getset_mirrors_share_the_registry_parser(defaults):
     jb.reset_flags()
     with jb.with_backends(preferred_blas_library="hipblaslt"):  # same spelling, same answer
         assert jb.cuda.preferred_blas_library() == "cublaslt"
-    for bad, exc, match in [("ck", ValueError, "no XLA counterpart"), ("nope", ValueError, "cublaslt"),
-                            (3, TypeError, "expects a str")]:
+    for bad, exc, match in [
+        ("ck", ValueError, "no XLA counterpart"),
+        ("nope", ValueError, "cublaslt"),
+        (3, TypeError, "expects a str"),
+    ]:
         with pytest.raises(exc, match=match):
             jb.cuda.preferred_blas_library(bad)
         with pytest.raises(exc, match=match):
@@ -778,8 +784,13 @@ def test_reload_keeps_defaults_precision_and_snapshot_class():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-@pytest.mark.parametrize("dtype, flag", [(jnp.float16, "allow_fp16_reduced_precision_reduction"),
-                                         (jnp.bfloat16, "allow_bf16_reduced_precision_reduction")])
+@pytest.mark.parametrize(
+    "dtype, flag",
+    [
+        (jnp.float16, "allow_fp16_reduced_precision_reduction"),
+        (jnp.bfloat16, "allow_bf16_reduced_precision_reduction"),
+    ],
+)
 def test_reduced_precision_reduction_flags_drive_jb_einsum(dtype, flag):
     a = jnp.ones((4, 8), dtype)
     f = lambda a: jb.einsum("ij,jk->ik", a, a.T)  # noqa: E731
@@ -880,8 +891,11 @@ def test_jb_jit_lets_a_users_value_error_through(where):
             with pytest.raises(ValueError, match="top-level layer of my model"):
                 call(jnp.float32(1))
     # staged into jax.jit the options are lost (said up front); elsewhere nothing is said
-    assert [str(w.message) for w in caught if "top-level jit" in str(w.message)] != [] if where == "jit" \
+    assert (
+        [str(w.message) for w in caught if "top-level jit" in str(w.message)] != []
+        if where == "jit"
         else caught == []
+    )
     assert len(traces) == 1  # traced once: no silent second trace as a plain jit
 
 
@@ -954,8 +968,13 @@ def test_with_backends_holds_its_scope_across_a_generator_body():
     with pytest.raises(StopIteration) as stop:
         g.send("b")
     assert stop.value.value == "done"
-    assert seen == [("body", False), ("consumer", True), ("resumed", "a", False), ("body", False),
-                    ("resumed", "b", False)]
+    assert seen == [
+        ("body", False),
+        ("consumer", True),
+        ("resumed", "a", False),
+        ("body", False),
+        ("resumed", "b", False),
+    ]
     assert list(gen(3)) == [0, 1, 2]
     assert jb.current_flags().flash
 
@@ -1026,13 +1045,16 @@ def test_opt_einsum_is_torch_shaped(defaults):
         oe.set_flags("yes")
 
 
-@pytest.mark.parametrize("setter", [
-    lambda: jb.set_flags(flash=False),
-    lambda: jb.reset_flags(),
-    lambda: jb.cuda.enable_flash_sdp(False),
-    lambda: setattr(jb.cudnn, "deterministic", True),
-    lambda: jb.opt_einsum.set_flags(None, "greedy"),
-])
+@pytest.mark.parametrize(
+    "setter",
+    [
+        lambda: jb.set_flags(flash=False),
+        lambda: jb.reset_flags(),
+        lambda: jb.cuda.enable_flash_sdp(False),
+        lambda: setattr(jb.cudnn, "deterministic", True),
+        lambda: jb.opt_einsum.set_flags(None, "greedy"),
+    ],
+)
 def test_set_flags_under_a_trace_is_an_error_naming_with_backends(setter):
     def f(x):
         setter()

@@ -56,8 +56,11 @@ _EXPECTED = {"math": 9.0, "flash": 4.0}
 def _constant_of(traced) -> float:
     """The product of the two constants in a traced `_two_kernels` (structure only; no compile)."""
     text = str(traced.jaxpr)
-    consts = [c for c in (2.0, 3.0) for _ in range(text.count(f"mul a {c}") + text.count(f"mul b {c}")
-                                                    + text.count(f"mul c {c}"))]
+    consts = [
+        c
+        for c in (2.0, 3.0)
+        for _ in range(text.count(f"mul a {c}") + text.count(f"mul b {c}") + text.count(f"mul c {c}"))
+    ]
     assert len(consts) == 2, text
     return consts[0] * consts[1]
 
@@ -184,8 +187,9 @@ def test_asyncio_tasks_set_flags_while_others_trace(defaults):
                     await asyncio.sleep(0)
 
         flip = asyncio.ensure_future(flipper())
-        await asyncio.gather(tracer(shapes[0::3], True), tracer(shapes[1::3], True),
-                             tracer(shapes[2::3], False))
+        await asyncio.gather(
+            tracer(shapes[0::3], True), tracer(shapes[1::3], True), tracer(shapes[2::3], False)
+        )
         stop.set()
         await flip
         return published
@@ -321,8 +325,10 @@ def test_attention_twice_under_concurrent_set_flags(defaults):
     for name, mode in (("math", MATH), ("flash", FLASH)):
         jb.set_flags(**mode)
         out[name] = np.asarray(jax.jit(_attention_twice)(q))
-        sig[name] = {_primitives(jax.jit(_attention_twice).trace(jax.ShapeDtypeStruct(shape(t), jnp.float32))
-                                .jaxpr) for t in (3, 4)}
+        sig[name] = {
+            _primitives(jax.jit(_attention_twice).trace(jax.ShapeDtypeStruct(shape(t), jnp.float32)).jaxpr)
+            for t in (3, 4)
+        }
     assert not np.array_equal(out["math"], out["flash"])
     assert len(sig["math"]) == len(sig["flash"]) == 1 and sig["math"] != sig["flash"]
     sig = {k: next(iter(v)) for k, v in sig.items()}
@@ -399,6 +405,7 @@ def test_scope_equal_to_the_defaults_keeps_its_flags_when_another_thread_changes
 def test_default_matmul_precision_is_pinned_with_the_trace(defaults):
     """Process-default precision is bridged to JAX's global matmul precision; a trace keeps the one of
     the defaults it pinned, so its two matmuls agree and its entry matches its key."""
+
     def fn(a):
         trace_flags()  # the first read pins the defaults (and JAX's bridged precision)
         return (a @ a) @ a
@@ -406,7 +413,10 @@ def test_default_matmul_precision_is_pinned_with_the_trace(defaults):
     def precisions(traced) -> list:
         return [str(e.params["precision"]) for e in traced.jaxpr.eqns if e.primitive.name == "dot_general"]
 
-    expected = {"highest": str((jax.lax.Precision.HIGHEST,) * 2), "medium": str((jax.lax.Precision.DEFAULT,) * 2)}
+    expected = {
+        "highest": str((jax.lax.Precision.HIGHEST,) * 2),
+        "medium": str((jax.lax.Precision.DEFAULT,) * 2),
+    }
     traced = jax.jit(fn)
     shapes = [jax.ShapeDtypeStruct((n + 2, n + 2), jnp.float32) for n in range(max(TRACES // 2, 60))]
     mixed, errors = [], []

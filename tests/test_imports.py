@@ -33,7 +33,8 @@ def _modules() -> dict[str, pathlib.Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _top_level_imports(body: list[ast.stmt]):
@@ -70,8 +71,10 @@ def _graph() -> dict[str, set[str]]:
                 targets = [alias.name for alias in node.names]
             else:
                 source = _source(node, name, is_package)
-                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
-                           for alias in node.names]
+                targets = [
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                    for alias in node.names
+                ]
             graph[name].update(t for t in targets if t in modules and t != name)
     return graph
 
@@ -179,9 +182,14 @@ def _private_uses(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path
                 elif a.name.startswith("_") and not a.name.startswith("__"):
                     found.append(f"{name}: from {source} import {a.name}")
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in aliases and node.attr.startswith("_")
-                and not node.attr.startswith("__") and aliases[node.value.id] != name):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and aliases[node.value.id] != name
+        ):
             found.append(f"{name}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
     return found
 

@@ -4,6 +4,7 @@ Each notebook runs in a fresh kernel with the installed jbackends, from the note
 that raises (the notebooks assert their own numbers: backends agree, loss decreases, ...) fails the
 test with the cell's traceback. Notebooks are committed without outputs; this test checks that too.
 """
+
 import os
 import pathlib
 
@@ -18,7 +19,10 @@ PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 def test_the_four_notebooks_exist():
     assert [p.name for p in PATHS] == [
-        "01_quickstart.ipynb", "02_attention.ipynb", "03_int4.ipynb", "04_training_loop.ipynb",
+        "01_quickstart.ipynb",
+        "02_attention.ipynb",
+        "03_int4.ipynb",
+        "04_training_loop.ipynb",
     ]
 
 

@@ -1,4 +1,5 @@
 """The README's Python blocks run as written (the tour is what users copy first)."""
+
 import pathlib
 import re
 

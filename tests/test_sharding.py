@@ -5,6 +5,7 @@ keep the inputs' sharding, and the values match the same call on unsharded input
 over the batch gets its gradient summed across the batch shards (an all-reduce: the one collective
 it needs). Both of JAX's sharding modes: Auto (jit propagates) and Explicit (sharding in the types).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,271 +31,291 @@ BACKENDS = {
 
 
 def _mesh(axis_type="Auto"):
-  t = getattr(jax.sharding.AxisType, axis_type)
-  return jax.make_mesh((4, 2), ("b", "h"), axis_types=(t, t))
+    t = getattr(jax.sharding.AxisType, axis_type)
+    return jax.make_mesh((4, 2), ("b", "h"), axis_types=(t, t))
 
 
 def _inputs(seed=0):
-  keys = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
-  k = jax.random.normal(keys[1], (B, T, K, H), jnp.float32)
-  v = jax.random.normal(keys[2], (B, T, K, H), jnp.float32)
-  bias = jax.random.normal(keys[3], (1, N, T, T), jnp.float32)  # broadcast over the batch
-  mask = jax.random.uniform(keys[4], (B, 1, T, T)) > 0.2
-  return q, k, v, bias, mask
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+    k = jax.random.normal(keys[1], (B, T, K, H), jnp.float32)
+    v = jax.random.normal(keys[2], (B, T, K, H), jnp.float32)
+    bias = jax.random.normal(keys[3], (1, N, T, T), jnp.float32)  # broadcast over the batch
+    mask = jax.random.uniform(keys[4], (B, 1, T, T)) > 0.2
+    return q, k, v, bias, mask
 
 
 def _call(name, with_bias):
-  cfg = dict(BACKENDS[name])
-  backends = cfg.pop("backends")
+    cfg = dict(BACKENDS[name])
+    backends = cfg.pop("backends")
 
-  def loss(q, k, v, bias, mask):
-    with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
-      out = jb.dot_product_attention(q, k, v, bias=bias if with_bias else None,
-                                     mask=mask if with_bias else None, is_causal=not with_bias)
-    return out, (out.astype(jnp.float32) ** 2).sum()
+    def loss(q, k, v, bias, mask):
+        with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
+            out = jb.dot_product_attention(
+                q,
+                k,
+                v,
+                bias=bias if with_bias else None,
+                mask=mask if with_bias else None,
+                is_causal=not with_bias,
+            )
+        return out, (out.astype(jnp.float32) ** 2).sum()
 
-  def value_and_grads(q, k, v, bias, mask):
-    (l, out), g = jax.value_and_grad(lambda *a: loss(*a)[::-1], argnums=(0, 1, 2, 3),
-                                     has_aux=True)(q, k, v, bias, mask)
-    return out, l, g
-  return jax.jit(value_and_grads)
+    def value_and_grads(q, k, v, bias, mask):
+        (l, out), g = jax.value_and_grad(lambda *a: loss(*a)[::-1], argnums=(0, 1, 2, 3), has_aux=True)(
+            q, k, v, bias, mask
+        )
+        return out, l, g
+
+    return jax.jit(value_and_grads)
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-@pytest.mark.parametrize("spec", [P("b"), P("b", None, "h"), P(None, None, "h")],
-                         ids=["batch", "batch+heads", "heads"])
+@pytest.mark.parametrize(
+    "spec", [P("b"), P("b", None, "h"), P(None, None, "h")], ids=["batch", "batch+heads", "heads"]
+)
 def test_sharded_inputs_stay_sharded_with_no_all_gather(name, spec):
-  if name == "efficient" and _OLD_JAX:
-    pytest.skip("XLA compile hang on jax 0.10 (see the top of this file)")
-  with_bias = name == "efficient"
-  mesh = _mesh()
-  q, k, v, bias, mask = _inputs()
-  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
-  qs, ks, vs = put(q, spec), put(k, spec), put(v, spec)
-  bs, ms = put(bias, P()), put(mask, P(spec[0] if len(spec) else None))
-  f = _call(name, with_bias)
-  hlo = f.lower(qs, ks, vs, bs, ms).compile().as_text()
-  assert "all-gather" not in hlo, f"{name}: the compiled call gathers its inputs"
-  out, _, grads = f(qs, ks, vs, bs, ms)
-  ref_out, _, ref_grads = f(q, k, v, bias, mask)
-  want = NamedSharding(mesh, spec)
-  assert out.sharding.is_equivalent_to(want, out.ndim), (name, out.sharding)
-  for g in grads[:3]:
-    assert g.sharding.is_equivalent_to(want, g.ndim), (name, g.sharding)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-5)
-  for g, r in zip(grads, ref_grads):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
-  if with_bias and spec[0] == "b":
-    assert "all-reduce" in hlo  # dbias: each batch shard holds a partial sum
+    if name == "efficient" and _OLD_JAX:
+        pytest.skip("XLA compile hang on jax 0.10 (see the top of this file)")
+    with_bias = name == "efficient"
+    mesh = _mesh()
+    q, k, v, bias, mask = _inputs()
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    qs, ks, vs = put(q, spec), put(k, spec), put(v, spec)
+    bs, ms = put(bias, P()), put(mask, P(spec[0] if len(spec) else None))
+    f = _call(name, with_bias)
+    hlo = f.lower(qs, ks, vs, bs, ms).compile().as_text()
+    assert "all-gather" not in hlo, f"{name}: the compiled call gathers its inputs"
+    out, _, grads = f(qs, ks, vs, bs, ms)
+    ref_out, _, ref_grads = f(q, k, v, bias, mask)
+    want = NamedSharding(mesh, spec)
+    assert out.sharding.is_equivalent_to(want, out.ndim), (name, out.sharding)
+    for g in grads[:3]:
+        assert g.sharding.is_equivalent_to(want, g.ndim), (name, g.sharding)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+    if with_bias and spec[0] == "b":
+        assert "all-reduce" in hlo  # dbias: each batch shard holds a partial sum
 
 
 @pytest.mark.parametrize("name", ["flash_cpp", "flash_xla", "efficient"])
 def test_explicit_sharding_mode(name):
-  """``jax.make_mesh``'s Explicit axes (sharding in the types): the kernel runs under shard_map."""
-  if name == "efficient" and _OLD_JAX:
-    pytest.skip("XLA compile hang on jax 0.10 (see the top of this file)")
-  with_bias = name == "efficient"
-  mesh = _mesh("Explicit")
-  q, k, v, bias, mask = _inputs(1)
-  spec = P("b", None, "h")
-  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
-  f = _call(name, with_bias)
-  out, _, grads = f(put(q, spec), put(k, spec), put(v, spec), put(bias, P()), put(mask, P("b")))
-  ref_out, _, ref_grads = f(q, k, v, bias, mask)
-  assert out.sharding.spec[:3] == spec[:3] or out.sharding.spec == spec, out.sharding
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-5)
-  for g, r in zip(grads, ref_grads):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+    """``jax.make_mesh``'s Explicit axes (sharding in the types): the kernel runs under shard_map."""
+    if name == "efficient" and _OLD_JAX:
+        pytest.skip("XLA compile hang on jax 0.10 (see the top of this file)")
+    with_bias = name == "efficient"
+    mesh = _mesh("Explicit")
+    q, k, v, bias, mask = _inputs(1)
+    spec = P("b", None, "h")
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    f = _call(name, with_bias)
+    out, _, grads = f(put(q, spec), put(k, spec), put(v, spec), put(bias, P()), put(mask, P("b")))
+    ref_out, _, ref_grads = f(q, k, v, bias, mask)
+    assert out.sharding.spec[:3] == spec[:3] or out.sharding.spec == spec, out.sharding
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-5, atol=2e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
 def test_vmap_of_a_sharded_kernel_runs_unpartitioned():
-  def kern(x):
-    return (jnp.cumsum(x, axis=1),)
-  f = partition.sharded(kern, in_factors=(("b", "t"),), out_factors=(("b", "t"),), parallel=("b",))
-  x = jax.random.normal(jax.random.key(0), (3, 4, 5))
-  np.testing.assert_allclose(np.asarray(jax.vmap(lambda x: f(x)[0])(x)), np.cumsum(x, axis=2),
-                             rtol=1e-6)
+    def kern(x):
+        return (jnp.cumsum(x, axis=1),)
+
+    f = partition.sharded(kern, in_factors=(("b", "t"),), out_factors=(("b", "t"),), parallel=("b",))
+    x = jax.random.normal(jax.random.key(0), (3, 4, 5))
+    np.testing.assert_allclose(np.asarray(jax.vmap(lambda x: f(x)[0])(x)), np.cumsum(x, axis=2), rtol=1e-6)
 
 
 def test_sharded_checks_its_factors():
-  with pytest.raises(ValueError, match="parallel factors \\['k'\\] appear in no operand"):
-    partition.sharded(lambda x: (x,), in_factors=(("b",),), out_factors=(("b",),), parallel=("k",))
-  f = partition.sharded(lambda x: (x,), in_factors=(("b", "t"),), out_factors=(("b", "t"),),
-                        parallel=("b",))
-  with pytest.raises(ValueError, match="has factors"):
-    f(jnp.zeros((2, 3, 4)))
+    with pytest.raises(ValueError, match="parallel factors \\['k'\\] appear in no operand"):
+        partition.sharded(lambda x: (x,), in_factors=(("b",),), out_factors=(("b",),), parallel=("k",))
+    f = partition.sharded(
+        lambda x: (x,), in_factors=(("b", "t"),), out_factors=(("b", "t"),), parallel=("b",)
+    )
+    with pytest.raises(ValueError, match="has factors"):
+        f(jnp.zeros((2, 3, 4)))
 
 
 @pytest.mark.parametrize("kernel", ["flash", "decode"])
 def test_pallas_kernels_keep_sharding(kernel):
-  """The Pallas kernels (interpret mode here; the same rule wraps the compiled ones)."""
-  from pallas_kernels.attention import base, triton_decode, triton_flash  # noqa: PLC0415
+    """The Pallas kernels (interpret mode here; the same rule wraps the compiled ones)."""
+    from pallas_kernels.attention import base, triton_decode, triton_flash  # noqa: PLC0415
 
-  mesh = _mesh()
-  q, k, v, _, _ = _inputs(2)
-  if kernel == "decode":
-    q = q[:, :4]
-  spec = P("b", None, "h")
-  module = {"flash": triton_flash, "decode": triton_decode}[kernel]
+    mesh = _mesh()
+    q, k, v, _, _ = _inputs(2)
+    if kernel == "decode":
+        q = q[:, :4]
+    spec = P("b", None, "h")
+    module = {"flash": triton_flash, "decode": triton_decode}[kernel]
 
-  def f(q, k, v):
-    def loss(q, k, v):
-      out, _ = module.attention(base.make_args(q, k, v, is_causal=kernel == "flash"),
-                                interpret=True)
-      return (out ** 2).sum(), out
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
+    def f(q, k, v):
+        def loss(q, k, v):
+            out, _ = module.attention(base.make_args(q, k, v, is_causal=kernel == "flash"), interpret=True)
+            return (out**2).sum(), out
 
-  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
-  jf = jax.jit(f)
-  hlo = jf.lower(put(q), put(k), put(v)).compile().as_text()
-  assert "all-gather" not in hlo
-  out, grads = jf(put(q), put(k), put(v))
-  ref_out, ref_grads = jf(q, k, v)
-  assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
-  for g, r in zip(grads, ref_grads):
-    assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    jf = jax.jit(f)
+    hlo = jf.lower(put(q), put(k), put(v)).compile().as_text()
+    assert "all-gather" not in hlo
+    out, grads = jf(put(q), put(k), put(v))
+    ref_out, ref_grads = jf(q, k, v)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("engine", ["auto", "xla", "pallas_interpret"])
 @pytest.mark.parametrize("op", ["dyn_quant", "weight_only"])
 def test_int4_keeps_row_and_feature_sharding(engine, op):
-  """int4 matmuls: x's rows (M) and the weight's output features (N) stay sharded, gradients too."""
-  import jbackends.quantized as Q  # noqa: PLC0415
+    """int4 matmuls: x's rows (M) and the weight's output features (N) stay sharded, gradients too."""
+    import jbackends.quantized as Q  # noqa: PLC0415
 
-  mesh = jax.make_mesh((4, 2), ("m", "n"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  K, Nf, M, g = 256, 64, 16, 32
-  w = jax.random.normal(jax.random.key(0), (Nf, K))
-  qw, s = Q.quantize_4bit(w, g)
-  p = Q.dyn_quant_pack_4bit_weight(qw, s, jnp.arange(Nf, dtype=jnp.float32), g, K, Nf)
-  x = jax.random.normal(jax.random.key(1), (2, M, K))
-  impl = None if engine == "auto" else engine
-  if op == "dyn_quant":
-    f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, Nf, implementation=impl)  # noqa: E731
-  else:
-    f = lambda x, p: Q.int4_matmul(x, p, implementation=impl)  # noqa: E731
+    mesh = jax.make_mesh((4, 2), ("m", "n"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    K, Nf, M, g = 256, 64, 16, 32
+    w = jax.random.normal(jax.random.key(0), (Nf, K))
+    qw, s = Q.quantize_4bit(w, g)
+    p = Q.dyn_quant_pack_4bit_weight(qw, s, jnp.arange(Nf, dtype=jnp.float32), g, K, Nf)
+    x = jax.random.normal(jax.random.key(1), (2, M, K))
+    impl = None if engine == "auto" else engine
+    if op == "dyn_quant":
+        f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, Nf, implementation=impl)  # noqa: E731
+    else:
+        f = lambda x, p: Q.int4_matmul(x, p, implementation=impl)  # noqa: E731
 
-  def run(x, p):
-    return f(x, p), jax.grad(lambda x: (f(x, p) ** 2).sum())(x)
+    def run(x, p):
+        return f(x, p), jax.grad(lambda x: (f(x, p) ** 2).sum())(x)
 
-  xs = jax.device_put(x, NamedSharding(mesh, P(None, "m")))
-  ps = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("n"))), p)
-  jf = jax.jit(run)
-  assert "all-gather" not in jf.lower(xs, ps).compile().as_text()
-  y, gx = jf(xs, ps)
-  y_ref, gx_ref = jf(x, p)
-  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m", "n")), 3)
-  assert gx.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m")), 3)
-  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(gx), np.asarray(gx_ref), rtol=1e-5, atol=1e-5 * float(
-      jnp.abs(gx_ref).max()))
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "m")))
+    ps = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("n"))), p)
+    jf = jax.jit(run)
+    assert "all-gather" not in jf.lower(xs, ps).compile().as_text()
+    y, gx = jf(xs, ps)
+    y_ref, gx_ref = jf(x, p)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m", "n")), 3)
+    assert gx.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m")), 3)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(gx), np.asarray(gx_ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(gx_ref).max())
+    )
 
 
 # ---- sequence parallelism (a ring over the devices that split the sequence) ----------------------
 
-def _ring_call(name, causal):
-  cfg = dict(BACKENDS[name])
-  backends = cfg.pop("backends")
 
-  def f(q, k, v):
-    def loss(q, k, v):
-      with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
-        out = jb.dot_product_attention(q, k, v, is_causal=causal)
-      return (out ** 2).sum(), out
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
-  return jax.jit(f)
+def _ring_call(name, causal):
+    cfg = dict(BACKENDS[name])
+    backends = cfg.pop("backends")
+
+    def f(q, k, v):
+        def loss(q, k, v):
+            with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
+                out = jb.dot_product_attention(q, k, v, is_causal=causal)
+            return (out**2).sum(), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    return jax.jit(f)
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", ["flash_cpp", "flash_xla"])
 def test_sequence_split_runs_a_ring(name, causal, axis_type):
-  """q / k / v split along the sequence on 8 devices: a ring of kernel calls, no gather."""
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
-  keys = jax.random.split(jax.random.key(3), 3)
-  q = jax.random.normal(keys[0], (2, 64, 4, 16))
-  k = jax.random.normal(keys[1], (2, 64, 2, 16))  # GQA: 2 query heads per kv head
-  v = jax.random.normal(keys[2], (2, 64, 2, 16))
-  spec = NamedSharding(mesh, P(None, "d"))
-  put = lambda x: jax.device_put(x, spec)  # noqa: E731
-  f = _ring_call(name, causal)
-  hlo = f.lower(put(q), put(k), put(v)).compile().as_text()
-  assert "all-gather" not in hlo and "collective-permute" in hlo
-  out, grads = f(put(q), put(k), put(v))
-  from pallas_kernels.attention import base  # noqa: PLC0415
-  args = base.make_args(q, k, v, is_causal=causal)
+    """q / k / v split along the sequence on 8 devices: a ring of kernel calls, no gather."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 64, 4, 16))
+    k = jax.random.normal(keys[1], (2, 64, 2, 16))  # GQA: 2 query heads per kv head
+    v = jax.random.normal(keys[2], (2, 64, 2, 16))
+    spec = NamedSharding(mesh, P(None, "d"))
+    put = lambda x: jax.device_put(x, spec)  # noqa: E731
+    f = _ring_call(name, causal)
+    hlo = f.lower(put(q), put(k), put(v)).compile().as_text()
+    assert "all-gather" not in hlo and "collective-permute" in hlo
+    out, grads = f(put(q), put(k), put(v))
+    from pallas_kernels.attention import base  # noqa: PLC0415
 
-  def ref_loss(q, k, v):
-    out, _ = base.reference(args.replace(q=q, k=k, v=v))
-    return (out ** 2).sum(), out
-  (_, ref_out), ref_grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-  assert out.sharding.is_equivalent_to(spec, 4)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
-  for g, r in zip(grads, ref_grads):
-    assert g.sharding.is_equivalent_to(spec, 4)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+    args = base.make_args(q, k, v, is_causal=causal)
+
+    def ref_loss(q, k, v):
+        out, _ = base.reference(args.replace(q=q, k=k, v=v))
+        return (out**2).sum(), out
+
+    (_, ref_out), ref_grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    assert out.sharding.is_equivalent_to(spec, 4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert g.sharding.is_equivalent_to(spec, 4)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
 def test_sequence_split_memory_per_device_at_32k():
-  """The ring's per-device temporary memory at L=32k is <= 1/4 of the unsharded flash call's
-  (compiled ``memory_analysis``; the blockwise XLA engine, whose buffers XLA sees)."""
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-  L = 32768
+    """The ring's per-device temporary memory at L=32k is <= 1/4 of the unsharded flash call's
+    (compiled ``memory_analysis``; the blockwise XLA engine, whose buffers XLA sees)."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    L = 32768
 
-  def grads(q, k, v):
-    def loss(q, k, v):
-      with jb.sdpa_kernel([jb.SDPBackend.FLASH_ATTENTION]), jb.with_backends(flash_cpu_kernel="xla"):
-        return (jb.dot_product_attention(q, k, v, is_causal=True) ** 2).sum()
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    def grads(q, k, v):
+        def loss(q, k, v):
+            with jb.sdpa_kernel([jb.SDPBackend.FLASH_ATTENTION]), jb.with_backends(flash_cpu_kernel="xla"):
+                return (jb.dot_product_attention(q, k, v, is_causal=True) ** 2).sum()
 
-  def temp(spec):
-    s = jax.ShapeDtypeStruct((1, L, 8, 64), jnp.float32, sharding=NamedSharding(mesh, spec))
-    return jax.jit(grads).lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-  whole, split = temp(P()), temp(P(None, "d"))
-  assert split <= whole / 4, (split / 2**20, whole / 2**20)
+    def temp(spec):
+        s = jax.ShapeDtypeStruct((1, L, 8, 64), jnp.float32, sharding=NamedSharding(mesh, spec))
+        return jax.jit(grads).lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
+
+    whole, split = temp(P()), temp(P(None, "d"))
+    assert split <= whole / 4, (split / 2**20, whole / 2**20)
 
 
 def test_ring_is_chosen_only_where_it_applies():
-  from pallas_kernels.attention import base, sharded  # noqa: PLC0415
+    from pallas_kernels.attention import base, sharded  # noqa: PLC0415
 
-  q = jnp.zeros((1, 16, 2, 8))
-  assert sharded.ring_supported(base.make_args(q, q, q, is_causal=True))
-  assert not sharded.ring_supported(base.make_args(q, q[:, :8], q[:, :8]))  # T != S
-  assert not sharded.ring_supported(base.make_args(q, q, q, is_causal=True, diag_offset=3))
-  assert not sharded.ring_supported(base.make_args(q, q, q, window=(4, 0)))
-  assert not sharded.ring_supported(base.make_args(q, q, q, kv_seq_lengths=jnp.array([9])))
+    q = jnp.zeros((1, 16, 2, 8))
+    assert sharded.ring_supported(base.make_args(q, q, q, is_causal=True))
+    assert not sharded.ring_supported(base.make_args(q, q[:, :8], q[:, :8]))  # T != S
+    assert not sharded.ring_supported(base.make_args(q, q, q, is_causal=True, diag_offset=3))
+    assert not sharded.ring_supported(base.make_args(q, q, q, window=(4, 0)))
+    assert not sharded.ring_supported(base.make_args(q, q, q, kv_seq_lengths=jnp.array([9])))
 
 
 def test_causal_ring_with_an_odd_chunk_gathers_instead():
-  """8 devices, L=40: chunks of 5 rows cannot be cut in two for the zigzag layout."""
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-  q = jax.random.normal(jax.random.key(4), (1, 40, 2, 8))
-  x = jax.device_put(q, NamedSharding(mesh, P(None, "d")))
-  f = _ring_call("flash_xla", True)
-  assert "collective-permute" not in f.lower(x, x, x).compile().as_text()
-  out, _ = f(x, x, x)
-  ref, _ = f(q, q, q)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    """8 devices, L=40: chunks of 5 rows cannot be cut in two for the zigzag layout."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    q = jax.random.normal(jax.random.key(4), (1, 40, 2, 8))
+    x = jax.device_put(q, NamedSharding(mesh, P(None, "d")))
+    f = _ring_call("flash_xla", True)
+    assert "collective-permute" not in f.lower(x, x, x).compile().as_text()
+    out, _ = f(x, x, x)
+    ref, _ = f(q, q, q)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
 def test_explain_says_how_a_sharded_call_runs():
-  mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  q = jax.ShapeDtypeStruct((2, 4096, 8, 64), jnp.float32, sharding=NamedSharding(mesh, P("dp", "sp")))
-  e = jb.explain(q, q, q, is_causal=True)
-  assert e.sharding == ("batch split over dp (no collective); sequence split over sp: a ring of 4 "
-                        "steps (causal: load-balanced zigzag)")
-  assert "sharding: batch split over dp" in str(e)
-  e = jb.explain(q, q, q, is_causal=True, local_window_size=(64, 0))
-  assert "sequence split over sp: gathered along the sequence" in e.sharding
-  qt = jax.ShapeDtypeStruct((2, 8, 4096, 64), jnp.float32,
-                            sharding=NamedSharding(mesh, P("dp", None, "sp")))  # torch layout
-  assert jb.explain(qt, qt, qt, api="sdpa").sharding.endswith("a ring of 4 steps")
-  with jb.sdpa_kernel([jb.SDPBackend.MATH]):
-    assert "XLA" in jb.explain(q, q, q).sharding
-  x = jnp.zeros((1, 8, 2, 4))
-  assert jb.explain(x, x, x).sharding is None
+    mesh = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    q = jax.ShapeDtypeStruct((2, 4096, 8, 64), jnp.float32, sharding=NamedSharding(mesh, P("dp", "sp")))
+    e = jb.explain(q, q, q, is_causal=True)
+    assert e.sharding == (
+        "batch split over dp (no collective); sequence split over sp: a ring of 4 "
+        "steps (causal: load-balanced zigzag)"
+    )
+    assert "sharding: batch split over dp" in str(e)
+    e = jb.explain(q, q, q, is_causal=True, local_window_size=(64, 0))
+    assert "sequence split over sp: gathered along the sequence" in e.sharding
+    qt = jax.ShapeDtypeStruct(
+        (2, 8, 4096, 64), jnp.float32, sharding=NamedSharding(mesh, P("dp", None, "sp"))
+    )  # torch layout
+    assert jb.explain(qt, qt, qt, api="sdpa").sharding.endswith("a ring of 4 steps")
+    with jb.sdpa_kernel([jb.SDPBackend.MATH]):
+        assert "XLA" in jb.explain(q, q, q).sharding
+    x = jnp.zeros((1, 8, 2, 4))
+    assert jb.explain(x, x, x).sharding is None

@@ -1,5 +1,6 @@
 """SDPA argument conversion: torch layout / keywords and jax.nn layout / keywords -> canonical
 ``AttentionArgs``, with the checks that give bad input a clear error, and the lowering platforms."""
+
 from __future__ import annotations
 
 import os
@@ -15,228 +16,302 @@ from jbackends._src.causal_bias import CausalBias
 from jbackends._src.sdp_backends import RUNNABLE, SDPBackend
 from pallas_kernels.attention import base as _base
 
-__all__ = ["check_array", "check_is_causal", "torch_to_args", "jaxnn_to_args", "implementation_code",
-           "lowering_platforms", "exporting", "shapes_of"]
-
+__all__ = [
+    "check_array",
+    "check_is_causal",
+    "torch_to_args",
+    "jaxnn_to_args",
+    "implementation_code",
+    "lowering_platforms",
+    "exporting",
+    "shapes_of",
+]
 
 
 def check_array(name, x):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"`{name}` must be an array; got {type(x).__name__}")
 
 
 def check_is_causal(is_causal):
-  # torch raises TypeError for a non-bool is_causal; bool('False') would silently be causal.
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
+    # torch raises TypeError for a non-bool is_causal; bool('False') would silently be causal.
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
 
 
-def torch_to_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, dropout_rng=None):
-  """torch SDPA arguments, layout ``(..., H, L, E)`` -> (AttentionArgs, batch_shape)."""
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    check_array(name, x)
-    if x.ndim < 3:
-      raise ValueError(f"`{name}` must have shape (..., heads, seq_len, head_dim) with rank >= 3; "
-                       f"got {name}.shape={tuple(x.shape)}")
-  if not (query.ndim == key.ndim == value.ndim):
-    raise ValueError(f"query, key and value must have the same rank; got {query.shape=}, "
-                     f"{key.shape=}, {value.shape=}")
-  batch_shape = tuple(query.shape[:-3])
-  for name, x in (("key", key), ("value", value)):
-    if tuple(x.shape[:-3]) != batch_shape:
-      raise ValueError(f"`{name}` batch dims {tuple(x.shape[:-3])} differ from query's {batch_shape}")
-  Hq, L, E = query.shape[-3:]
-  Hk, S = key.shape[-3], key.shape[-2]
-  if Hq != Hk and not enable_gqa:
-    raise ValueError(f"query has {Hq} heads and key/value {Hk}: pass enable_gqa=True for "
-                     "grouped-query attention")
-  if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) < 1.0:
-    raise ValueError(f"`dropout_p` must be a float in [0, 1); got {dropout_p!r}")
-  B = int(np.prod(batch_shape)) if batch_shape else 1
+def torch_to_args(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    dropout_rng=None,
+):
+    """torch SDPA arguments, layout ``(..., H, L, E)`` -> (AttentionArgs, batch_shape)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_array(name, x)
+        if x.ndim < 3:
+            raise ValueError(
+                f"`{name}` must have shape (..., heads, seq_len, head_dim) with rank >= 3; "
+                f"got {name}.shape={tuple(x.shape)}"
+            )
+    if not (query.ndim == key.ndim == value.ndim):
+        raise ValueError(
+            f"query, key and value must have the same rank; got {query.shape=}, {key.shape=}, {value.shape=}"
+        )
+    batch_shape = tuple(query.shape[:-3])
+    for name, x in (("key", key), ("value", value)):
+        if tuple(x.shape[:-3]) != batch_shape:
+            raise ValueError(f"`{name}` batch dims {tuple(x.shape[:-3])} differ from query's {batch_shape}")
+    Hq, L, E = query.shape[-3:]
+    Hk, S = key.shape[-3], key.shape[-2]
+    if Hq != Hk and not enable_gqa:
+        raise ValueError(
+            f"query has {Hq} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention"
+        )
+    if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"`dropout_p` must be a float in [0, 1); got {dropout_p!r}")
+    B = int(np.prod(batch_shape)) if batch_shape else 1
 
-  def btnh(x):
-    return jnp.swapaxes(x.reshape((B,) + tuple(x.shape[-3:])), 1, 2)
+    def btnh(x):
+        return jnp.swapaxes(x.reshape((B,) + tuple(x.shape[-3:])), 1, 2)
 
-  check_is_causal(is_causal)
-  mask = bias = None
-  causal, diag_offset = bool(is_causal), 0
-  if isinstance(attn_mask, CausalBias):
-    if is_causal:
-      raise ValueError("pass either is_causal=True or a CausalBias attn_mask, not both")
-    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (L, S):
-      raise ValueError(f"CausalBias is ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) but the call "
-                       f"has (L, S)=({L}, {S})")
-    causal, diag_offset = True, attn_mask.diag_offset
-  elif attn_mask is not None:
-    check_array("attn_mask", attn_mask)
-    m = jnp.asarray(attn_mask)
-    full = batch_shape + (Hq, L, S)
-    if m.ndim > len(full):
-      raise ValueError(f"`attn_mask` of shape {tuple(m.shape)} has more dims than {full}")
-    m = m.reshape((1,) * (len(full) - m.ndim) + tuple(m.shape))
-    for d, (a, b) in enumerate(zip(m.shape, full)):
-      if a != 1 and a != b:
-        raise ValueError(f"`attn_mask` with shape {tuple(attn_mask.shape)} is not broadcastable to "
-                         f"(..., heads, L, S)={full} (dimension {d}: {a} vs {b})")
-    lead = m.shape[:len(batch_shape)]
-    if any(a != 1 for a in lead):
-      m = jnp.broadcast_to(m, batch_shape + tuple(m.shape[-3:])).reshape((B,) + tuple(m.shape[-3:]))
-    else:
-      m = m.reshape((1,) + tuple(m.shape[-3:]))
-    if m.dtype == jnp.bool_:
-      mask = m
-    elif jnp.issubdtype(m.dtype, jnp.floating):
-      bias = m
-    else:
-      raise TypeError(f"`attn_mask` must be bool (True = attend) or floating (added); got {m.dtype}")
-  args = _base.make_args(
-      btnh(query), btnh(key), btnh(value), bias=bias, mask=mask, scale=scale, is_causal=causal,
-      diag_offset=diag_offset, dropout_rate=float(dropout_p), dropout_rng=dropout_rng)
-  return args, batch_shape
+    check_is_causal(is_causal)
+    mask = bias = None
+    causal, diag_offset = bool(is_causal), 0
+    if isinstance(attn_mask, CausalBias):
+        if is_causal:
+            raise ValueError("pass either is_causal=True or a CausalBias attn_mask, not both")
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (L, S):
+            raise ValueError(
+                f"CausalBias is ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) but the call "
+                f"has (L, S)=({L}, {S})"
+            )
+        causal, diag_offset = True, attn_mask.diag_offset
+    elif attn_mask is not None:
+        check_array("attn_mask", attn_mask)
+        m = jnp.asarray(attn_mask)
+        full = batch_shape + (Hq, L, S)
+        if m.ndim > len(full):
+            raise ValueError(f"`attn_mask` of shape {tuple(m.shape)} has more dims than {full}")
+        m = m.reshape((1,) * (len(full) - m.ndim) + tuple(m.shape))
+        for d, (a, b) in enumerate(zip(m.shape, full)):
+            if a != 1 and a != b:
+                raise ValueError(
+                    f"`attn_mask` with shape {tuple(attn_mask.shape)} is not broadcastable to "
+                    f"(..., heads, L, S)={full} (dimension {d}: {a} vs {b})"
+                )
+        lead = m.shape[: len(batch_shape)]
+        if any(a != 1 for a in lead):
+            m = jnp.broadcast_to(m, batch_shape + tuple(m.shape[-3:])).reshape((B,) + tuple(m.shape[-3:]))
+        else:
+            m = m.reshape((1,) + tuple(m.shape[-3:]))
+        if m.dtype == jnp.bool_:
+            mask = m
+        elif jnp.issubdtype(m.dtype, jnp.floating):
+            bias = m
+        else:
+            raise TypeError(f"`attn_mask` must be bool (True = attend) or floating (added); got {m.dtype}")
+    args = _base.make_args(
+        btnh(query),
+        btnh(key),
+        btnh(value),
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        is_causal=causal,
+        diag_offset=diag_offset,
+        dropout_rate=float(dropout_p),
+        dropout_rng=dropout_rng,
+    )
+    return args, batch_shape
 
 
-def jaxnn_to_args(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                   logits_soft_cap=None, dropout_rate=0.0, dropout_rng=None, segment_ids=None):
-  """jax.nn arguments (BTNH or TNH) -> (AttentionArgs, unbatched)."""
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    check_array(name, x)
-  unbatched = query.ndim == 3
-  if unbatched:
-    if key.ndim != 3 or value.ndim != 3:
-      raise ValueError(f"query is rank 3 [T, N, H]; key and value must be too: {key.shape=}, "
-                       f"{value.shape=}")
-    query, key, value = query[None], key[None], value[None]
-  T = query.shape[1] if query.ndim == 4 else None
-  S = key.shape[1] if key.ndim == 4 else None
-
-  def four(name, x):
-    if x is None:
-      return None
-    if isinstance(x, CausalBias):
-      return x
-    check_array(name, x)
-    x = jnp.asarray(x)
-    if x.ndim > 4:
-      raise ValueError(f"`{name}` must have rank <= 4 (broadcastable to [B, N, T, S]); got "
-                       f"{name}.shape={tuple(x.shape)}")
-    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
-
-  check_is_causal(is_causal)
-  bias, mask = four("bias", bias), four("mask", mask)
-  diag_offset = 0
-  if isinstance(mask, CausalBias):
-    if is_causal:
-      raise ValueError("pass either is_causal=True or a CausalBias mask, not both")
-    if (mask.seq_len_q, mask.seq_len_kv) != (T, S):
-      raise ValueError(f"CausalBias is ({mask.seq_len_q}, {mask.seq_len_kv}) but the call has "
-                       f"(T, S)=({T}, {S})")
-    is_causal, diag_offset, mask = True, mask.diag_offset, None
-  window = local_window_size
-  if window is not None:
-    if isinstance(window, (int, np.integer)):
-      window = (int(window), int(window))
-    elif not (isinstance(window, (tuple, list)) and len(window) == 2):
-      raise ValueError(f"`local_window_size` must be an int or a (left, right) pair; got {window!r}")
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    if isinstance(segment_ids, (tuple, list)):
-      if len(segment_ids) != 2:
-        raise ValueError("`segment_ids` must be one [B, T] array (self-attention) or a pair "
-                         "(q_segment_ids [B, T], kv_segment_ids [B, S])")
-      q_seg, kv_seg = segment_ids
-    else:
-      q_seg = kv_seg = segment_ids
+def jaxnn_to_args(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    logits_soft_cap=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    segment_ids=None,
+):
+    """jax.nn arguments (BTNH or TNH) -> (AttentionArgs, unbatched)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_array(name, x)
+    unbatched = query.ndim == 3
     if unbatched:
-      q_seg, kv_seg = jnp.asarray(q_seg)[None], jnp.asarray(kv_seg)[None]
-  if unbatched:
-    if query_seq_lengths is not None:
-      query_seq_lengths = jnp.reshape(jnp.asarray(query_seq_lengths), (1,))
-    if key_value_seq_lengths is not None:
-      key_value_seq_lengths = jnp.reshape(jnp.asarray(key_value_seq_lengths), (1,))
-  args = _base.make_args(
-      query, key, value, bias=bias, mask=mask, scale=scale, is_causal=bool(is_causal),
-      diag_offset=diag_offset, window=window, q_seq_lengths=query_seq_lengths,
-      kv_seq_lengths=key_value_seq_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  return args, unbatched
+        if key.ndim != 3 or value.ndim != 3:
+            raise ValueError(
+                f"query is rank 3 [T, N, H]; key and value must be too: {key.shape=}, {value.shape=}"
+            )
+        query, key, value = query[None], key[None], value[None]
+    T = query.shape[1] if query.ndim == 4 else None
+    S = key.shape[1] if key.ndim == 4 else None
+
+    def four(name, x):
+        if x is None:
+            return None
+        if isinstance(x, CausalBias):
+            return x
+        check_array(name, x)
+        x = jnp.asarray(x)
+        if x.ndim > 4:
+            raise ValueError(
+                f"`{name}` must have rank <= 4 (broadcastable to [B, N, T, S]); got "
+                f"{name}.shape={tuple(x.shape)}"
+            )
+        return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+    check_is_causal(is_causal)
+    bias, mask = four("bias", bias), four("mask", mask)
+    diag_offset = 0
+    if isinstance(mask, CausalBias):
+        if is_causal:
+            raise ValueError("pass either is_causal=True or a CausalBias mask, not both")
+        if (mask.seq_len_q, mask.seq_len_kv) != (T, S):
+            raise ValueError(
+                f"CausalBias is ({mask.seq_len_q}, {mask.seq_len_kv}) but the call has (T, S)=({T}, {S})"
+            )
+        is_causal, diag_offset, mask = True, mask.diag_offset, None
+    window = local_window_size
+    if window is not None:
+        if isinstance(window, (int, np.integer)):
+            window = (int(window), int(window))
+        elif not (isinstance(window, (tuple, list)) and len(window) == 2):
+            raise ValueError(f"`local_window_size` must be an int or a (left, right) pair; got {window!r}")
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            if len(segment_ids) != 2:
+                raise ValueError(
+                    "`segment_ids` must be one [B, T] array (self-attention) or a pair "
+                    "(q_segment_ids [B, T], kv_segment_ids [B, S])"
+                )
+            q_seg, kv_seg = segment_ids
+        else:
+            q_seg = kv_seg = segment_ids
+        if unbatched:
+            q_seg, kv_seg = jnp.asarray(q_seg)[None], jnp.asarray(kv_seg)[None]
+    if unbatched:
+        if query_seq_lengths is not None:
+            query_seq_lengths = jnp.reshape(jnp.asarray(query_seq_lengths), (1,))
+        if key_value_seq_lengths is not None:
+            key_value_seq_lengths = jnp.reshape(jnp.asarray(key_value_seq_lengths), (1,))
+    args = _base.make_args(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        is_causal=bool(is_causal),
+        diag_offset=diag_offset,
+        window=window,
+        q_seq_lengths=query_seq_lengths,
+        kv_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+    )
+    return args, unbatched
 
 
 _IMPLEMENTATION_NAMES = {
-    "xla": SDPBackend.MATH, "math": SDPBackend.MATH, "reference": SDPBackend.MATH,
-    "flash": SDPBackend.FLASH_ATTENTION, "flash_attention": SDPBackend.FLASH_ATTENTION,
+    "xla": SDPBackend.MATH,
+    "math": SDPBackend.MATH,
+    "reference": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "flash_attention": SDPBackend.FLASH_ATTENTION,
     "xla_flash": SDPBackend.FLASH_ATTENTION,
-    "mem_efficient": SDPBackend.EFFICIENT_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "mem_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "efficient_attention": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION, "cudnn_attention": SDPBackend.CUDNN_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "cudnn_attention": SDPBackend.CUDNN_ATTENTION,
 }
 
 
 def implementation_code(implementation) -> Optional[int]:
-  if implementation is None:
-    return None
-  if isinstance(implementation, SDPBackend):
-    if implementation not in RUNNABLE:
-      raise ValueError(f"`implementation` must be one of {[b.name for b in RUNNABLE]}; "
-                       f"got {implementation!r}")
-    return int(implementation)
-  if isinstance(implementation, str) and implementation.lower() in _IMPLEMENTATION_NAMES:
-    return int(_IMPLEMENTATION_NAMES[implementation.lower()])
-  raise ValueError(f"`implementation` must be None, an SDPBackend or one of "
-                   f"{sorted(_IMPLEMENTATION_NAMES)}; got {implementation!r}")
+    if implementation is None:
+        return None
+    if isinstance(implementation, SDPBackend):
+        if implementation not in RUNNABLE:
+            raise ValueError(
+                f"`implementation` must be one of {[b.name for b in RUNNABLE]}; got {implementation!r}"
+            )
+        return int(implementation)
+    if isinstance(implementation, str) and implementation.lower() in _IMPLEMENTATION_NAMES:
+        return int(_IMPLEMENTATION_NAMES[implementation.lower()])
+    raise ValueError(
+        f"`implementation` must be None, an SDPBackend or one of "
+        f"{sorted(_IMPLEMENTATION_NAMES)}; got {implementation!r}"
+    )
 
 
 def lowering_platforms(platforms, arrays) -> Tuple[tuple, tuple]:
-  """``(required, optional)`` lowering platforms to choose for.
+    """``(required, optional)`` lowering platforms to choose for.
 
-  Explicit ``platforms`` are all required. Otherwise the platform of the inputs (or the default
-  backend) is required and, under ``jax.export`` only, the other of cpu/cuda is chosen for too when
-  it can be, so a function exported for the other platform (``jax.export(...,
-  platforms=["cuda"])``) carries that platform's kernel. A plain call traces one branch. JAX reuses
-  a jitted function's trace: exporting a ``jax.jit`` object that a call already traced gives the
-  other platform the XLA path (correct, not the Pallas kernel); export a fresh ``jax.jit(f)`` or
-  pass ``platforms=`` for the kernel.
-  """
-  if platforms is not None:
-    if isinstance(platforms, str):
-      platforms = (platforms,)
-    return tuple(_dispatch.canonical_platform(p) for p in platforms), ()
-  primary = None
-  for x in arrays:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      try:
-        devs = x.devices()
-      except Exception:  # noqa: BLE001
-        continue
-      if devs:
-        primary = _dispatch.canonical_platform(next(iter(devs)).platform)
-        break
-  primary = primary or _dispatch.default_platform()
-  if not exporting():
-    return (primary,), ()
-  return (primary,), tuple(p for p in ("cpu", "cuda") if p != primary)
+    Explicit ``platforms`` are all required. Otherwise the platform of the inputs (or the default
+    backend) is required and, under ``jax.export`` only, the other of cpu/cuda is chosen for too when
+    it can be, so a function exported for the other platform (``jax.export(...,
+    platforms=["cuda"])``) carries that platform's kernel. A plain call traces one branch. JAX reuses
+    a jitted function's trace: exporting a ``jax.jit`` object that a call already traced gives the
+    other platform the XLA path (correct, not the Pallas kernel); export a fresh ``jax.jit(f)`` or
+    pass ``platforms=`` for the kernel.
+    """
+    if platforms is not None:
+        if isinstance(platforms, str):
+            platforms = (platforms,)
+        return tuple(_dispatch.canonical_platform(p) for p in platforms), ()
+    primary = None
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            try:
+                devs = x.devices()
+            except Exception:  # noqa: BLE001
+                continue
+            if devs:
+                primary = _dispatch.canonical_platform(next(iter(devs)).platform)
+                break
+    primary = primary or _dispatch.default_platform()
+    if not exporting():
+        return (primary,), ()
+    return (primary,), tuple(p for p in ("cpu", "cuda") if p != primary)
 
 
 def exporting() -> bool:
-  """Whether this trace runs under ``jax.export`` (whose lowering platforms are not known yet).
+    """Whether this trace runs under ``jax.export`` (whose lowering platforms are not known yet).
 
-  A plain ``jit`` call lowers for the platform it runs on, so tracing another platform's branch
-  only costs time (3-4x the trace + lower time on CPU). ``jax.export.export(...)(...)`` traces from
-  inside ``jax/_src/export/_export.py``; that frame on the stack is the signal (a walk of a few
-  dozen frames, once per trace).
-  """
-  f = sys._getframe(1)
-  marker = os.path.join("jax", "_src", "export", "")
-  while f is not None:
-    if marker in f.f_code.co_filename:
-      return True
-    f = f.f_back
-  return False
+    A plain ``jit`` call lowers for the platform it runs on, so tracing another platform's branch
+    only costs time (3-4x the trace + lower time on CPU). ``jax.export.export(...)(...)`` traces from
+    inside ``jax/_src/export/_export.py``; that frame on the stack is the signal (a walk of a few
+    dozen frames, once per trace).
+    """
+    f = sys._getframe(1)
+    marker = os.path.join("jax", "_src", "export", "")
+    while f is not None:
+        if marker in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
 
 
 def shapes_of(*arrays) -> tuple:
-  return tuple(tuple(x.shape) for x in arrays)
+    return tuple(tuple(x.shape) for x in arrays)
 
 
 # ----------------------------------------------------------------------------------------------

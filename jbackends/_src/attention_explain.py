@@ -1,5 +1,6 @@
 """What `jb.explain` returns and the torch.backends.cuda-style capability queries (``SDPAParams``,
 ``can_use_*_attention``): the dispatch decision, described without computing anything."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,133 +15,146 @@ from jbackends._src import sdpa_registry as _sdpa_registry
 from jbackends._src.attention_args import torch_to_args
 from jbackends._src.sdp_backends import SDPBackend
 
-__all__ = ["Explanation", "sharding_plan", "SDPAParams", "can_use_flash_attention",
-           "can_use_efficient_attention", "can_use_cudnn_attention", "is_flash_attention_available"]
+__all__ = [
+    "Explanation",
+    "sharding_plan",
+    "SDPAParams",
+    "can_use_flash_attention",
+    "can_use_efficient_attention",
+    "can_use_cudnn_attention",
+    "is_flash_attention_available",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-  """Which backend a call would use on ``platform`` and, for every other backend, why not.
+    """Which backend a call would use on ``platform`` and, for every other backend, why not.
 
-  Attributes:
-    platform: the lowering platform explained (``"cpu"``, ``"cuda"``, ...).
-    chosen: the ``SDPBackend`` that would run, or None (the call would raise).
-    order: the backends in the priority order that was tried.
-    reasons: ``SDPBackend -> reason`` for every backend not chosen.
-    implementation: the name of the implementation that would run (``"cpp_flash"``,
-      ``"triton_flash"``, ``"xla_mem_efficient"``, ...; ``docs/architecture.md`` lists them).
-    kernel: what that implementation is (technology, one line), then why each other implementation
-      of the chosen backend on this platform was not used (e.g. ``"not cpp_flash: ... soft cap"``);
-      None when nothing can run.
-    sharding: for inputs that carry a ``NamedSharding`` (arrays or ``ShapeDtypeStruct``s): what
-      stays split and how (``docs/sharding.md``), e.g. ``"sequence split over sp: a ring of 8
-      steps"``; None for unsharded inputs.
-  """
-  platform: str
-  chosen: Optional[SDPBackend]
-  order: Tuple[SDPBackend, ...]
-  reasons: Mapping[SDPBackend, str]
-  implementation: Optional[str]
-  kernel: Optional[str] = None
-  sharding: Optional[str] = None
+    Attributes:
+      platform: the lowering platform explained (``"cpu"``, ``"cuda"``, ...).
+      chosen: the ``SDPBackend`` that would run, or None (the call would raise).
+      order: the backends in the priority order that was tried.
+      reasons: ``SDPBackend -> reason`` for every backend not chosen.
+      implementation: the name of the implementation that would run (``"cpp_flash"``,
+        ``"triton_flash"``, ``"xla_mem_efficient"``, ...; ``docs/architecture.md`` lists them).
+      kernel: what that implementation is (technology, one line), then why each other implementation
+        of the chosen backend on this platform was not used (e.g. ``"not cpp_flash: ... soft cap"``);
+        None when nothing can run.
+      sharding: for inputs that carry a ``NamedSharding`` (arrays or ``ShapeDtypeStruct``s): what
+        stays split and how (``docs/sharding.md``), e.g. ``"sequence split over sp: a ring of 8
+        steps"``; None for unsharded inputs.
+    """
 
-  def __str__(self) -> str:
-    head = (f"SDPA on {self.platform}: {self.chosen.name} ({self.implementation})"
-            if self.chosen is not None else f"SDPA on {self.platform}: no enabled backend can run")
-    if self.kernel:
-      head += f"\n  runs: {self.kernel}"
-    if self.sharding:
-      head += f"\n  sharding: {self.sharding}"
-    return "\n".join([head] + [f"  {b.name}: {self.reasons[b]}" for b in self.order
-                               if b in self.reasons])
+    platform: str
+    chosen: Optional[SDPBackend]
+    order: Tuple[SDPBackend, ...]
+    reasons: Mapping[SDPBackend, str]
+    implementation: Optional[str]
+    kernel: Optional[str] = None
+    sharding: Optional[str] = None
+
+    def __str__(self) -> str:
+        head = (
+            f"SDPA on {self.platform}: {self.chosen.name} ({self.implementation})"
+            if self.chosen is not None
+            else f"SDPA on {self.platform}: no enabled backend can run"
+        )
+        if self.kernel:
+            head += f"\n  runs: {self.kernel}"
+        if self.sharding:
+            head += f"\n  sharding: {self.sharding}"
+        return "\n".join([head] + [f"  {b.name}: {self.reasons[b]}" for b in self.order if b in self.reasons])
 
 
 def sharding_plan(query, key, api, args, chosen) -> Optional[str]:
-  """The ``sharding`` line of :func:`explain` (None when the inputs carry no NamedSharding)."""
-  specs = []
-  for x in (query, key):
-    s = getattr(x, "sharding", None)
-    if not isinstance(s, jax.sharding.NamedSharding) or getattr(x, "ndim", len(x.shape)) != 4:
-      return None
-    spec = tuple(s.spec) + (None,) * (4 - len(tuple(s.spec)))
-    specs.append(spec if api == "dot_product_attention" else (spec[0], spec[2], spec[1], spec[3]))
-  if not any(e is not None for spec in specs for e in spec):
-    return None
-  if chosen is None:
-    return None
-  if SDPBackend(chosen) in (SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION):
-    return "partitioned by XLA / JAX's own rules (plain XLA ops or JAX's cuDNN call)"
-  from pallas_kernels.attention import sharded  # noqa: PLC0415
-  return sharded.plan(args, specs[0], specs[1], dict(query.sharding.mesh.shape))
+    """The ``sharding`` line of :func:`explain` (None when the inputs carry no NamedSharding)."""
+    specs = []
+    for x in (query, key):
+        s = getattr(x, "sharding", None)
+        if not isinstance(s, jax.sharding.NamedSharding) or getattr(x, "ndim", len(x.shape)) != 4:
+            return None
+        spec = tuple(s.spec) + (None,) * (4 - len(tuple(s.spec)))
+        specs.append(spec if api == "dot_product_attention" else (spec[0], spec[2], spec[1], spec[3]))
+    if not any(e is not None for spec in specs for e in spec):
+        return None
+    if chosen is None:
+        return None
+    if SDPBackend(chosen) in (SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION):
+        return "partitioned by XLA / JAX's own rules (plain XLA ops or JAX's cuDNN call)"
+    from pallas_kernels.attention import sharded  # noqa: PLC0415
 
+    return sharded.plan(args, specs[0], specs[1], dict(query.sharding.mesh.shape))
 
 
 # ----------------------------------------------------------------------------------------------
 # torch.backends.cuda-style capability queries.
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class SDPAParams:
-  """The arguments of one SDPA call, for the ``can_use_*`` queries (``torch.backends.cuda.SDPAParams``)."""
-  query: Any
-  key: Any
-  value: Any
-  attn_mask: Any = None
-  dropout: float = 0.0
-  is_causal: bool = False
-  enable_gqa: bool = False
+    """The arguments of one SDPA call, for the ``can_use_*`` queries (``torch.backends.cuda.SDPAParams``)."""
+
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any = None
+    dropout: float = 0.0
+    is_causal: bool = False
+    enable_gqa: bool = False
 
 
 def _can_use(backend: SDPBackend, params: SDPAParams, debug: bool) -> bool:
-  if not isinstance(params, SDPAParams):
-    raise TypeError(f"`params` must be an SDPAParams; got {type(params).__name__}")
-  plat = _dispatch.default_platform()
-  reasons = []
-  q, k, v = params.query, params.key, params.value
-  dropout_rng = jax.ShapeDtypeStruct((2,), jnp.uint32) if params.dropout else None
+    if not isinstance(params, SDPAParams):
+        raise TypeError(f"`params` must be an SDPAParams; got {type(params).__name__}")
+    plat = _dispatch.default_platform()
+    reasons = []
+    q, k, v = params.query, params.key, params.value
+    dropout_rng = jax.ShapeDtypeStruct((2,), jnp.uint32) if params.dropout else None
 
-  def probe(q, k, v, m):
-    args, _ = torch_to_args(q, k, v, m, params.dropout, params.is_causal, None,
-                             params.enable_gqa, dropout_rng)
-    choice = _dispatch.backend_choice(args, int(backend), plat)  # flags not consulted, as in torch
-    reasons.extend(_dispatch.backend_reasons(choice, int(backend)))
-    return 0
+    def probe(q, k, v, m):
+        args, _ = torch_to_args(
+            q, k, v, m, params.dropout, params.is_causal, None, params.enable_gqa, dropout_rng
+        )
+        choice = _dispatch.backend_choice(args, int(backend), plat)  # flags not consulted, as in torch
+        reasons.extend(_dispatch.backend_reasons(choice, int(backend)))
+        return 0
 
-  try:
-    jax.eval_shape(probe, q, k, v, params.attn_mask)
-  except (ValueError, TypeError) as e:
-    reasons.append(f"invalid arguments: {e}")
-  if debug:
-    for r in reasons:
-      warnings.warn(f"{backend.name} cannot be used: {r}", UserWarning, stacklevel=3)
-  return not reasons
+    try:
+        jax.eval_shape(probe, q, k, v, params.attn_mask)
+    except (ValueError, TypeError) as e:
+        reasons.append(f"invalid arguments: {e}")
+    if debug:
+        for r in reasons:
+            warnings.warn(f"{backend.name} cannot be used: {r}", UserWarning, stacklevel=3)
+    return not reasons
 
 
 def can_use_flash_attention(params: SDPAParams, debug: bool = False) -> bool:
-  """Whether FLASH_ATTENTION can run ``params`` here (the XLA implementation counts on CPU).
+    """Whether FLASH_ATTENTION can run ``params`` here (the XLA implementation counts on CPU).
 
-  ``debug=True`` warns once per failed constraint. Flags are not consulted (as in torch).
+    ``debug=True`` warns once per failed constraint. Flags are not consulted (as in torch).
 
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jbackends.attention import SDPAParams, can_use_flash_attention
-    >>> x = jnp.ones((1, 2, 8, 16))
-    >>> can_use_flash_attention(SDPAParams(x, x, x, None, 0.0, True, False))
-    True
-  """
-  return _can_use(SDPBackend.FLASH_ATTENTION, params, debug)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jbackends.attention import SDPAParams, can_use_flash_attention
+      >>> x = jnp.ones((1, 2, 8, 16))
+      >>> can_use_flash_attention(SDPAParams(x, x, x, None, 0.0, True, False))
+      True
+    """
+    return _can_use(SDPBackend.FLASH_ATTENTION, params, debug)
 
 
 def can_use_efficient_attention(params: SDPAParams, debug: bool = False) -> bool:
-  """Whether EFFICIENT_ATTENTION can run ``params`` here (see :func:`can_use_flash_attention`)."""
-  return _can_use(SDPBackend.EFFICIENT_ATTENTION, params, debug)
+    """Whether EFFICIENT_ATTENTION can run ``params`` here (see :func:`can_use_flash_attention`)."""
+    return _can_use(SDPBackend.EFFICIENT_ATTENTION, params, debug)
 
 
 def can_use_cudnn_attention(params: SDPAParams, debug: bool = False) -> bool:
-  """Whether CUDNN_ATTENTION can run ``params`` here (False on CPU, with the reason under debug)."""
-  return _can_use(SDPBackend.CUDNN_ATTENTION, params, debug)
+    """Whether CUDNN_ATTENTION can run ``params`` here (False on CPU, with the reason under debug)."""
+    return _can_use(SDPBackend.CUDNN_ATTENTION, params, debug)
 
 
 def is_flash_attention_available() -> bool:
-  """Whether a FLASH_ATTENTION implementation exists for the default platform (always, via XLA)."""
-  return bool(_sdpa_registry.implementations(_dispatch.FLASH, _dispatch.default_platform()))
+    """Whether a FLASH_ATTENTION implementation exists for the default platform (always, via XLA)."""
+    return bool(_sdpa_registry.implementations(_dispatch.FLASH, _dispatch.default_platform()))

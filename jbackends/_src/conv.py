@@ -26,10 +26,20 @@ def precision_for_flags(flags: Any) -> lax.Precision:
     return lax.Precision.DEFAULT if flags.cudnn_allow_tf32 else lax.Precision.HIGHEST
 
 
-def conv_general_dilated(lhs: Any, rhs: Any, window_strides: Any, padding: Any, lhs_dilation: Any = None,
-                         rhs_dilation: Any = None, dimension_numbers: Any = None, feature_group_count: int = 1,
-                         batch_group_count: int = 1, precision: Any = None,
-                         preferred_element_type: Any = None, **kwargs: Any) -> Any:
+def conv_general_dilated(
+    lhs: Any,
+    rhs: Any,
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any = None,
+    rhs_dilation: Any = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    **kwargs: Any,
+) -> Any:
     """`lax.conv_general_dilated` whose default precision follows `jb.cudnn.allow_tf32`.
 
     Same arguments as `lax.conv_general_dilated` (extra keywords such as `out_sharding` pass through).
@@ -46,9 +56,26 @@ def conv_general_dilated(lhs: Any, rhs: Any, window_strides: Any, padding: Any, 
         chosen, reasons = f"precision={precision.name}", {"caller": "no precision= given"}
     else:
         chosen, reasons = "precision=explicit", {"flags": "precision= given by the caller"}
-    _verbose.report_dispatch("conv", chosen, reasons, (getattr(lhs, "shape", ()), getattr(rhs, "shape", ())),
-                             (getattr(lhs, "dtype", None), getattr(rhs, "dtype", None)))
-    return _verbose.call("conv", lax.conv_general_dilated, lhs, rhs, window_strides, padding,
-                         lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-                         feature_group_count=feature_group_count, batch_group_count=batch_group_count,
-                         precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+    _verbose.report_dispatch(
+        "conv",
+        chosen,
+        reasons,
+        (getattr(lhs, "shape", ()), getattr(rhs, "shape", ())),
+        (getattr(lhs, "dtype", None), getattr(rhs, "dtype", None)),
+    )
+    return _verbose.call(
+        "conv",
+        lax.conv_general_dilated,
+        lhs,
+        rhs,
+        window_strides,
+        padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        **kwargs,
+    )

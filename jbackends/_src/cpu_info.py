@@ -32,8 +32,13 @@ _XLA_ISAS: tuple[tuple[str, tuple[str, ...]], ...] = (
 XLA_CPU_ISAS: tuple[str, ...] = tuple(name for name, _ in _XLA_ISAS)
 
 # macOS sysctl machdep.cpu.* spellings -> Linux /proc/cpuinfo spellings.
-_SYSCTL_ALIASES = {"sse4.2": "sse4_2", "sse4.1": "sse4_1", "avx1.0": "avx", "avx512vnni": "avx512_vnni",
-                   "avx512bf16": "avx512_bf16"}
+_SYSCTL_ALIASES = {
+    "sse4.2": "sse4_2",
+    "sse4.1": "sse4_1",
+    "avx1.0": "avx",
+    "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16",
+}
 
 
 def _read_proc_cpuinfo(path: str = "/proc/cpuinfo") -> str | None:
@@ -120,8 +125,9 @@ def _max_isa_from_xla_flags(xla_flags: str | None) -> str | None:
     return value or None
 
 
-def xla_cpu_target(machine: str | None = None, features: frozenset[str] | None = None,
-                   xla_flags: str | None = None) -> dict[str, Any]:
+def xla_cpu_target(
+    machine: str | None = None, features: frozenset[str] | None = None, xla_flags: str | None = None
+) -> dict[str, Any]:
     """What XLA's CPU backend will generate code for on this host.
 
     Returns a dict with `machine`, `isa` (highest XLA ISA the host supports, capped by

@@ -18,6 +18,7 @@ candidates of one call (a cost model or a table measured on the device). Without
 decides. Rankers see only implementations that can run the call, so they can never pick one that
 cannot.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,18 @@ from typing import Any
 
 import jax
 
-__all__ = ["Implementation", "Choice", "lazy", "choose", "set_ranker", "ranker", "by_platform",
-           "canonical_platform", "default_platform", "GPU_LOWERING"]
+__all__ = [
+    "Implementation",
+    "Choice",
+    "lazy",
+    "choose",
+    "set_ranker",
+    "ranker",
+    "by_platform",
+    "canonical_platform",
+    "default_platform",
+    "GPU_LOWERING",
+]
 
 #: Lowering platforms that are GPUs (each gets its own ``platform_dependent`` branch). Not
 #: ``pallas_kernels.gpu.GPU_PLATFORMS``, the names under which a kernel sees an NVIDIA GPU.
@@ -118,9 +129,15 @@ def ranker(op: str) -> Ranker | None:
     return _RANKERS.get(op)
 
 
-def choose(op: str, candidates: Sequence[Implementation], call: Any, platform: str, *,
-           device: Mapping[str, Any] | None = None,
-           excluded: Mapping[str, str] | None = None) -> Choice:
+def choose(
+    op: str,
+    candidates: Sequence[Implementation],
+    call: Any,
+    platform: str,
+    *,
+    device: Mapping[str, Any] | None = None,
+    excluded: Mapping[str, str] | None = None,
+) -> Choice:
     """The first candidate (in registry order, or the ranker's) that can run ``call`` on ``platform``.
 
     ``excluded`` maps implementation names to the reason they may not be used (a flag's filter); those
@@ -143,8 +160,10 @@ def choose(op: str, candidates: Sequence[Implementation], call: Any, platform: s
     if rank is not None and len(runnable) > 1:
         ranked = list(rank(tuple(runnable), call, platform, device))
         if sorted(map(id, ranked)) != sorted(map(id, runnable)):
-            raise ValueError(f"the ranker for {op!r} must return a permutation of its candidates; got "
-                             f"{[getattr(i, 'name', i) for i in ranked]}")
+            raise ValueError(
+                f"the ranker for {op!r} must return a permutation of its candidates; got "
+                f"{[getattr(i, 'name', i) for i in ranked]}"
+            )
         runnable = ranked
     chosen = runnable[0] if runnable else None
     for impl in runnable[1:]:
@@ -152,8 +171,9 @@ def choose(op: str, candidates: Sequence[Implementation], call: Any, platform: s
     return Choice(platform=platform, chosen=chosen, candidates=tuple(candidates), reasons=reasons)
 
 
-def by_platform(branches: Mapping[str, Callable[..., Any]], default: Callable[..., Any],
-                *operands: Any) -> Any:
+def by_platform(
+    branches: Mapping[str, Callable[..., Any]], default: Callable[..., Any], *operands: Any
+) -> Any:
     """``default(*operands)`` when there is nothing to choose, else one ``jax.lax.platform_dependent``
     with a branch per lowering platform (``default`` serves every platform without one)."""
     if not branches:

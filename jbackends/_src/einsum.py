@@ -64,12 +64,18 @@ def _choose(subscripts: str, operands: Sequence[Any], optimize: Any) -> tuple[An
         path = left_to_right_path(len(operands))
         return path, "single_contraction", {}
     if not flags.opt_einsum_enabled:
-        return (left_to_right_path(len(operands)), "left_to_right",
-                {"opt_einsum": "jb.opt_einsum.enabled is False"})
+        return (
+            left_to_right_path(len(operands)),
+            "left_to_right",
+            {"opt_einsum": "jb.opt_einsum.enabled is False"},
+        )
     shapes = [np.shape(op) for op in operands]
     path, _ = _oe.contract_path(subscripts, *shapes, optimize=flags.opt_einsum_strategy, shapes=True)
-    return [tuple(p) for p in path], f"opt_einsum:{flags.opt_einsum_strategy}", {
-        "left_to_right": "jb.opt_einsum.enabled is True"}
+    return (
+        [tuple(p) for p in path],
+        f"opt_einsum:{flags.opt_einsum_strategy}",
+        {"left_to_right": "jb.opt_einsum.enabled is True"},
+    )
 
 
 def einsum_path(subscripts: Any, *operands: Any, optimize: Any = None) -> tuple[Path, Any]:
@@ -121,12 +127,18 @@ def einsum(
       ValueError: `out` is not None (JAX arrays are immutable), or the subscripts do not match.
     """
     if out is not None:
-        raise ValueError("jb.einsum: the 'out' argument is not supported (JAX arrays are immutable); "
-                         "use the return value")
+        raise ValueError(
+            "jb.einsum: the 'out' argument is not supported (JAX arrays are immutable); use the return value"
+        )
     subs, ops = _split(subscripts, operands)
     path, chosen, reasons = _choose(subs, ops, optimize)
-    _verbose.report_dispatch("einsum", chosen, reasons, tuple(tuple(np.shape(o)) for o in ops),
-                             tuple(jnp.result_type(o) for o in ops))
+    _verbose.report_dispatch(
+        "einsum",
+        chosen,
+        reasons,
+        tuple(tuple(np.shape(o)) for o in ops),
+        tuple(jnp.result_type(o) for o in ops),
+    )
     kwargs = {}
     if out_sharding is not None:
         kwargs["out_sharding"] = out_sharding
@@ -136,9 +148,19 @@ def einsum(
         # half-precision contractions in float32 and round once at the end.
         result = jnp.result_type(*ops)
         flags = _flag_state.trace_flags()
-        if ((result == jnp.float16 and not flags.allow_fp16_reduced_precision_reduction)
-                or (result == jnp.bfloat16 and not flags.allow_bf16_reduced_precision_reduction)):
+        if (result == jnp.float16 and not flags.allow_fp16_reduced_precision_reduction) or (
+            result == jnp.bfloat16 and not flags.allow_bf16_reduced_precision_reduction
+        ):
             preferred_element_type, cast_back = jnp.float32, result
-    out = _verbose.call("einsum", jnp.einsum, subs, *ops, optimize=path, precision=precision,
-                        preferred_element_type=preferred_element_type, _dot_general=_dot_general, **kwargs)
+    out = _verbose.call(
+        "einsum",
+        jnp.einsum,
+        subs,
+        *ops,
+        optimize=path,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        _dot_general=_dot_general,
+        **kwargs,
+    )
     return out if cast_back is None else out.astype(cast_back)

@@ -130,12 +130,16 @@ class PlanCacheManager:
         if isinstance(device, jax.Device):
             return self.for_device(device)
         if isinstance(device, bool) or not isinstance(device, int):
-            raise TypeError(f"cufft_plan_cache index must be an int device index or a jax.Device, "
-                            f"got {type(device).__name__} {device!r}")
+            raise TypeError(
+                f"cufft_plan_cache index must be an int device index or a jax.Device, "
+                f"got {type(device).__name__} {device!r}"
+            )
         devices = jax.devices()
         if not -len(devices) <= device < len(devices):
-            raise IndexError(f"cufft_plan_cache: device index {device} out of range for "
-                             f"{len(devices)} device(s) of jax.devices()")
+            raise IndexError(
+                f"cufft_plan_cache: device index {device} out of range for "
+                f"{len(devices)} device(s) of jax.devices()"
+            )
         return self.for_device(devices[device])
 
     def _default(self) -> PlanCache:
@@ -206,8 +210,9 @@ def _run(fn_name: str, a: Any, size_name: str, size: Any, axis_name: str, axis: 
     a = jnp.asarray(a)
     devices = a.devices()
     if len(devices) != 1:
-        _verbose.report_dispatch(f"fft.{fn_name}", "jnp", {"plan_cache": "array spans several devices"},
-                                 (a.shape,), (a.dtype,))
+        _verbose.report_dispatch(
+            f"fft.{fn_name}", "jnp", {"plan_cache": "array spans several devices"}, (a.shape,), (a.dtype,)
+        )
         return jnp_fn(a, **kwargs)
     (device,) = devices
     kwargs[size_name] = _canon_sizes(size, size_name)
@@ -220,8 +225,9 @@ def _run(fn_name: str, a: Any, size_name: str, size: Any, axis_name: str, axis: 
         return jax.jit(functools.partial(jnp_fn, **kwargs)).lower(spec).compile()
 
     exe, hit = cache.get(key, build)
-    _verbose.report_dispatch(f"fft.{fn_name}", "plan_cache:hit" if hit else "plan_cache:compiled", {},
-                             (a.shape,), (a.dtype,))
+    _verbose.report_dispatch(
+        f"fft.{fn_name}", "plan_cache:hit" if hit else "plan_cache:compiled", {}, (a.shape,), (a.dtype,)
+    )
     return _verbose.call(f"fft.{fn_name}", exe, a)
 
 
@@ -244,8 +250,12 @@ def _one_axis(fn_name: str):
 
 
 def _multi_axis(fn_name: str, default_axes: Any):
-    def f(a: Any, s: Sequence[int] | None = None, axes: Sequence[int] | None = default_axes,
-          norm: str | None = None) -> Any:
+    def f(
+        a: Any,
+        s: Sequence[int] | None = None,
+        axes: Sequence[int] | None = default_axes,
+        norm: str | None = None,
+    ) -> Any:
         return _run(fn_name, a, "s", s, "axes", axes, norm)
 
     f.__name__ = fn_name
@@ -277,5 +287,20 @@ ifftn = _multi_axis("ifftn", None)
 rfftn = _multi_axis("rfftn", None)
 irfftn = _multi_axis("irfftn", None)
 
-__all__ = ["cufft_plan_cache", "fft", "fft2", "fftn", "hfft", "ifft", "ifft2", "ifftn", "ihfft", "irfft",
-           "irfft2", "irfftn", "rfft", "rfft2", "rfftn"]
+__all__ = [
+    "cufft_plan_cache",
+    "fft",
+    "fft2",
+    "fftn",
+    "hfft",
+    "ifft",
+    "ifft2",
+    "ifftn",
+    "ihfft",
+    "irfft",
+    "irfft2",
+    "irfftn",
+    "rfft",
+    "rfft2",
+    "rfftn",
+]

@@ -68,8 +68,9 @@ def _parse_int(name: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
-def _choice(*allowed: str, aliases: Mapping[str, str] | None = None,
-            refused: Mapping[str, str] | None = None) -> Callable[[str, Any], str]:
+def _choice(
+    *allowed: str, aliases: Mapping[str, str] | None = None, refused: Mapping[str, str] | None = None
+) -> Callable[[str, Any], str]:
     """A string flag: one of `allowed`; `aliases` map other spellings; `refused` values get their message."""
     aliases = dict(aliases or {})
     refused = dict(refused or {})
@@ -212,106 +213,207 @@ _OPT_EINSUM_STRATEGIES = tuple(_opt_einsum.paths._PATH_OPTIONS)  # auto, greedy,
 
 DECLARATIONS: tuple[Flag, ...] = (
     # ---- scaled dot product attention (torch.backends.cuda.*_sdp*, torch.nn.attention.sdpa_kernel)
-    *(_bool(_sdp.FLAG[b], True, _sdp.HELP[b], torch=(f"torch.backends.cuda.enable_{_sdp.FLAG[b]}_sdp",),
-            mirrors=_sdp_mirrors(_sdp.FLAG[b]))
-      for b in _sdp.DECLARATION_ORDER),
-    Flag("flash_cpu_kernel", "auto",
-         "Which implementations may run the FLASH SDPA backend when lowered for CPU: 'auto' (the C++ "
-         "kernel through jax.ffi where it can run the call, else blockwise XLA), 'cpp' (only the C++ "
-         "kernel: FLASH is unavailable on CPU for a call it cannot run, and explain() says why), 'xla' "
-         "(only blockwise XLA: portable jax.export artifacts, no custom call).",
-         _choice("auto", "cpp", "xla")),
-    Flag("sdpa_priority", _SDP_DEFAULT_ORDER,
-         "Order in which enabled SDPA backends are tried (SDPBackend members; unlisted ones follow).",
-         _parse_sdpa_priority, torch=("torch.nn.attention.sdpa_kernel(set_priority=True)",)),
-    _bool("allow_fp16_bf16_reduction_math_sdp", False,
-          "Let the math SDPA backend reduce fp16/bf16 inputs in low precision instead of float32.",
-          torch=("torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp",),
-          mirrors=(("cuda", "setter", "allow_fp16_bf16_reduction_math_sdp"),
-                   ("cuda", "getter", "fp16_bf16_reduction_math_sdp_allowed"))),
+    *(
+        _bool(
+            _sdp.FLAG[b],
+            True,
+            _sdp.HELP[b],
+            torch=(f"torch.backends.cuda.enable_{_sdp.FLAG[b]}_sdp",),
+            mirrors=_sdp_mirrors(_sdp.FLAG[b]),
+        )
+        for b in _sdp.DECLARATION_ORDER
+    ),
+    Flag(
+        "flash_cpu_kernel",
+        "auto",
+        "Which implementations may run the FLASH SDPA backend when lowered for CPU: 'auto' (the C++ "
+        "kernel through jax.ffi where it can run the call, else blockwise XLA), 'cpp' (only the C++ "
+        "kernel: FLASH is unavailable on CPU for a call it cannot run, and explain() says why), 'xla' "
+        "(only blockwise XLA: portable jax.export artifacts, no custom call).",
+        _choice("auto", "cpp", "xla"),
+    ),
+    Flag(
+        "sdpa_priority",
+        _SDP_DEFAULT_ORDER,
+        "Order in which enabled SDPA backends are tried (SDPBackend members; unlisted ones follow).",
+        _parse_sdpa_priority,
+        torch=("torch.nn.attention.sdpa_kernel(set_priority=True)",),
+    ),
+    _bool(
+        "allow_fp16_bf16_reduction_math_sdp",
+        False,
+        "Let the math SDPA backend reduce fp16/bf16 inputs in low precision instead of float32.",
+        torch=("torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp",),
+        mirrors=(
+            ("cuda", "setter", "allow_fp16_bf16_reduction_math_sdp"),
+            ("cuda", "getter", "fp16_bf16_reduction_math_sdp_allowed"),
+        ),
+    ),
     # ---- matmul precision (torch.backends.cuda.matmul.*, torch.set_float32_matmul_precision)
-    _bool("allow_tf32", False,
-          "Allow TF32 for float32 matmuls (sets float32_matmul_precision to 'high', False to 'highest').",
-          torch=("torch.backends.cuda.matmul.allow_tf32",), mirrors=(("cuda.matmul", "attr", "allow_tf32"),),
-          implies=lambda v: {"float32_matmul_precision": "high" if v else "highest"}),
-    Flag("float32_matmul_precision", "highest",
-         "Internal precision of float32 matmuls: 'highest' (fp32), 'high' (TF32), 'medium' (bf16). "
-         "Bridged to jax.default_matmul_precision where set.",
-         _choice("highest", "high", "medium"),
-         torch=("torch.set_float32_matmul_precision", "torch.get_float32_matmul_precision"),
-         mirrors=(("", "setter", "set_float32_matmul_precision"), ("", "getter", "get_float32_matmul_precision")),
-         implies=lambda v: {"allow_tf32": v != "highest"}),
-    _bool("allow_fp16_reduced_precision_reduction", True,
-          "Allow fp16 matmuls to reduce in fp16. False makes jb.einsum request float32 accumulation "
-          "(preferred_element_type=float32, then a cast back) for fp16 operands; plain jnp matmuls are "
-          "untouched (XLA's CPU and GPU GEMMs accumulate fp16 in fp32 anyway).",
-          torch=("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",),
-          mirrors=(("cuda.matmul", "attr", "allow_fp16_reduced_precision_reduction"),)),
-    _bool("allow_bf16_reduced_precision_reduction", True,
-          "Allow bf16 matmuls to reduce in bf16. False makes jb.einsum request float32 accumulation "
-          "(preferred_element_type=float32, then a cast back) for bf16 operands; plain jnp matmuls are "
-          "untouched (XLA's CPU and GPU GEMMs accumulate bf16 in fp32 anyway).",
-          torch=("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",),
-          mirrors=(("cuda.matmul", "attr", "allow_bf16_reduced_precision_reduction"),)),
+    _bool(
+        "allow_tf32",
+        False,
+        "Allow TF32 for float32 matmuls (sets float32_matmul_precision to 'high', False to 'highest').",
+        torch=("torch.backends.cuda.matmul.allow_tf32",),
+        mirrors=(("cuda.matmul", "attr", "allow_tf32"),),
+        implies=lambda v: {"float32_matmul_precision": "high" if v else "highest"},
+    ),
+    Flag(
+        "float32_matmul_precision",
+        "highest",
+        "Internal precision of float32 matmuls: 'highest' (fp32), 'high' (TF32), 'medium' (bf16). "
+        "Bridged to jax.default_matmul_precision where set.",
+        _choice("highest", "high", "medium"),
+        torch=("torch.set_float32_matmul_precision", "torch.get_float32_matmul_precision"),
+        mirrors=(
+            ("", "setter", "set_float32_matmul_precision"),
+            ("", "getter", "get_float32_matmul_precision"),
+        ),
+        implies=lambda v: {"allow_tf32": v != "highest"},
+    ),
+    _bool(
+        "allow_fp16_reduced_precision_reduction",
+        True,
+        "Allow fp16 matmuls to reduce in fp16. False makes jb.einsum request float32 accumulation "
+        "(preferred_element_type=float32, then a cast back) for fp16 operands; plain jnp matmuls are "
+        "untouched (XLA's CPU and GPU GEMMs accumulate fp16 in fp32 anyway).",
+        torch=("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",),
+        mirrors=(("cuda.matmul", "attr", "allow_fp16_reduced_precision_reduction"),),
+    ),
+    _bool(
+        "allow_bf16_reduced_precision_reduction",
+        True,
+        "Allow bf16 matmuls to reduce in bf16. False makes jb.einsum request float32 accumulation "
+        "(preferred_element_type=float32, then a cast back) for bf16 operands; plain jnp matmuls are "
+        "untouched (XLA's CPU and GPU GEMMs accumulate bf16 in fp32 anyway).",
+        torch=("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",),
+        mirrors=(("cuda.matmul", "attr", "allow_bf16_reduced_precision_reduction"),),
+    ),
     # ---- cuDNN (torch.backends.cudnn.*)
-    _bool("cudnn_enabled", True, "Allow cuDNN-backed kernels (cuDNN SDPA, cuDNN GEMM fusions).",
-          torch=("torch.backends.cudnn.enabled",), mirrors=(("cudnn", "attr", "enabled"),),
-          compiler_options=lambda v: {} if v else {"xla_gpu_cudnn_gemm_fusion_level": 0}),
-    _bool("cudnn_allow_tf32", True, "Allow TF32 in convolutions run through jb.conv / flax convs in scope.",
-          torch=("torch.backends.cudnn.allow_tf32",), mirrors=(("cudnn", "attr", "allow_tf32"),)),
-    _bool("deterministic", False,
-          "Require deterministic kernels (XLA: xla_gpu_deterministic_ops through jb.jit; "
-          "jbackends kernels pick deterministic variants).",
-          torch=("torch.backends.cudnn.deterministic",), mirrors=(("cudnn", "attr", "deterministic"),),
-          compiler_options=lambda v: {"xla_gpu_deterministic_ops": v}),
-    _bool("benchmark", False,
-          "Search GPU kernel configurations exhaustively at compile time (xla_gpu_exhaustive_tiling_search "
-          "through jb.jit). XLA autotunes with its default search either way, unlike cuDNN's heuristics.",
-          torch=("torch.backends.cudnn.benchmark",), mirrors=(("cudnn", "attr", "benchmark"),), traced=False,
-          compiler_options=lambda v: {"xla_gpu_exhaustive_tiling_search": v}),
-    Flag("benchmark_limit", 10,
-         "Most autotuning candidates tried per kernel when benchmark=True (xla_gpu_autotune_max_solutions).",
-         functools.partial(_parse_int, minimum=0), torch=("torch.backends.cudnn.benchmark_limit",),
-         mirrors=(("cudnn", "attr", "benchmark_limit"),), traced=False,
-         compiler_options=lambda v: {"xla_gpu_autotune_max_solutions": v}),
+    _bool(
+        "cudnn_enabled",
+        True,
+        "Allow cuDNN-backed kernels (cuDNN SDPA, cuDNN GEMM fusions).",
+        torch=("torch.backends.cudnn.enabled",),
+        mirrors=(("cudnn", "attr", "enabled"),),
+        compiler_options=lambda v: {} if v else {"xla_gpu_cudnn_gemm_fusion_level": 0},
+    ),
+    _bool(
+        "cudnn_allow_tf32",
+        True,
+        "Allow TF32 in convolutions run through jb.conv / flax convs in scope.",
+        torch=("torch.backends.cudnn.allow_tf32",),
+        mirrors=(("cudnn", "attr", "allow_tf32"),),
+    ),
+    _bool(
+        "deterministic",
+        False,
+        "Require deterministic kernels (XLA: xla_gpu_deterministic_ops through jb.jit; "
+        "jbackends kernels pick deterministic variants).",
+        torch=("torch.backends.cudnn.deterministic",),
+        mirrors=(("cudnn", "attr", "deterministic"),),
+        compiler_options=lambda v: {"xla_gpu_deterministic_ops": v},
+    ),
+    _bool(
+        "benchmark",
+        False,
+        "Search GPU kernel configurations exhaustively at compile time (xla_gpu_exhaustive_tiling_search "
+        "through jb.jit). XLA autotunes with its default search either way, unlike cuDNN's heuristics.",
+        torch=("torch.backends.cudnn.benchmark",),
+        mirrors=(("cudnn", "attr", "benchmark"),),
+        traced=False,
+        compiler_options=lambda v: {"xla_gpu_exhaustive_tiling_search": v},
+    ),
+    Flag(
+        "benchmark_limit",
+        10,
+        "Most autotuning candidates tried per kernel when benchmark=True (xla_gpu_autotune_max_solutions).",
+        functools.partial(_parse_int, minimum=0),
+        torch=("torch.backends.cudnn.benchmark_limit",),
+        mirrors=(("cudnn", "attr", "benchmark_limit"),),
+        traced=False,
+        compiler_options=lambda v: {"xla_gpu_autotune_max_solutions": v},
+    ),
     # ---- linear algebra / BLAS library choice (torch.backends.cuda.preferred_*_library)
-    Flag("preferred_linalg_library", "default",
-         "GPU linear-algebra library preference: 'default', 'cusolver' or 'magma'. In JAX it selects the "
-         "GPU nonsymmetric eigensolver of jb.linalg.eig / eigvals (lax.linalg.EigImplementation); every "
-         "other JAX linalg op has one GPU implementation (cuSOLVER/cuBLAS) and CPU always uses LAPACK.",
-         _choice("default", "cusolver", "magma"), torch=("torch.backends.cuda.preferred_linalg_library",),
-         mirrors=(("cuda", "getset", "preferred_linalg_library"),)),
-    Flag("preferred_blas_library", "cublas",
-         "GPU BLAS preference: 'cublas' or 'cublaslt' (xla_gpu_enable_cublaslt through jb.jit). torch's "
-         "spellings 'default' and 'hipblas' mean 'cublas', 'hipblaslt' means 'cublaslt'.",
-         _choice("cublas", "cublaslt",
-                 aliases={"default": "cublas", "hipblas": "cublas", "hipblaslt": "cublaslt", "lt": "cublaslt"},
-                 refused={"ck": "(ROCm composable kernels) has no XLA counterpart; XLA chooses between "
-                                "cuBLAS/hipBLAS and cuBLASLt/hipBLASLt only: use 'cublas' or 'cublaslt'"}),
-         torch=("torch.backends.cuda.preferred_blas_library",), traced=False,
-         mirrors=(("cuda", "getset", "preferred_blas_library"),),
-         compiler_options=lambda v: {"xla_gpu_enable_cublaslt": v == "cublaslt"}),
+    Flag(
+        "preferred_linalg_library",
+        "default",
+        "GPU linear-algebra library preference: 'default', 'cusolver' or 'magma'. In JAX it selects the "
+        "GPU nonsymmetric eigensolver of jb.linalg.eig / eigvals (lax.linalg.EigImplementation); every "
+        "other JAX linalg op has one GPU implementation (cuSOLVER/cuBLAS) and CPU always uses LAPACK.",
+        _choice("default", "cusolver", "magma"),
+        torch=("torch.backends.cuda.preferred_linalg_library",),
+        mirrors=(("cuda", "getset", "preferred_linalg_library"),),
+    ),
+    Flag(
+        "preferred_blas_library",
+        "cublas",
+        "GPU BLAS preference: 'cublas' or 'cublaslt' (xla_gpu_enable_cublaslt through jb.jit). torch's "
+        "spellings 'default' and 'hipblas' mean 'cublas', 'hipblaslt' means 'cublaslt'.",
+        _choice(
+            "cublas",
+            "cublaslt",
+            aliases={"default": "cublas", "hipblas": "cublas", "hipblaslt": "cublaslt", "lt": "cublaslt"},
+            refused={
+                "ck": "(ROCm composable kernels) has no XLA counterpart; XLA chooses between "
+                "cuBLAS/hipBLAS and cuBLASLt/hipBLASLt only: use 'cublas' or 'cublaslt'"
+            },
+        ),
+        torch=("torch.backends.cuda.preferred_blas_library",),
+        traced=False,
+        mirrors=(("cuda", "getset", "preferred_blas_library"),),
+        compiler_options=lambda v: {"xla_gpu_enable_cublaslt": v == "cublaslt"},
+    ),
     # ---- opt_einsum (torch.backends.opt_einsum.*)
-    _bool("opt_einsum_enabled", True, "Let jb.einsum optimise contraction order with opt_einsum.",
-          torch=("torch.backends.opt_einsum.enabled",), mirrors=(("opt_einsum", "attr", "enabled"),)),
-    Flag("opt_einsum_strategy", "auto", "opt_einsum path strategy used by jb.einsum.",
-         _choice(*_OPT_EINSUM_STRATEGIES), torch=("torch.backends.opt_einsum.strategy",),
-         mirrors=(("opt_einsum", "attr", "strategy"),),
-         requires=lambda v, values: None if values["opt_einsum_enabled"] else (
-             "opt_einsum is not enabled, so setting a `strategy` will not have an effect; "
-             "set opt_einsum_enabled=True (jb.opt_einsum.enabled = True) first")),
+    _bool(
+        "opt_einsum_enabled",
+        True,
+        "Let jb.einsum optimise contraction order with opt_einsum.",
+        torch=("torch.backends.opt_einsum.enabled",),
+        mirrors=(("opt_einsum", "attr", "enabled"),),
+    ),
+    Flag(
+        "opt_einsum_strategy",
+        "auto",
+        "opt_einsum path strategy used by jb.einsum.",
+        _choice(*_OPT_EINSUM_STRATEGIES),
+        torch=("torch.backends.opt_einsum.strategy",),
+        mirrors=(("opt_einsum", "attr", "strategy"),),
+        requires=lambda v, values: (
+            None
+            if values["opt_einsum_enabled"]
+            else (
+                "opt_einsum is not enabled, so setting a `strategy` will not have an effect; "
+                "set opt_einsum_enabled=True (jb.opt_einsum.enabled = True) first"
+            )
+        ),
+    ),
     # ---- nn.MultiheadAttention fast path (torch.backends.mha.*)
-    _bool("mha_fastpath", True, "Let jb.nn.MultiHeadAttention use the fused SDPA dispatch.",
-          torch=("torch.backends.mha.set_fastpath_enabled",),
-          mirrors=(("mha", "setter", "set_fastpath_enabled"), ("mha", "getter", "get_fastpath_enabled"))),
+    _bool(
+        "mha_fastpath",
+        True,
+        "Let jb.nn.MultiHeadAttention use the fused SDPA dispatch.",
+        torch=("torch.backends.mha.set_fastpath_enabled",),
+        mirrors=(("mha", "setter", "set_fastpath_enabled"), ("mha", "getter", "get_fastpath_enabled")),
+    ),
     # ---- quantized kernels (torch.backends.quantized.engine)
-    Flag("quantized_engine", "auto", "int4 matmul engine: 'auto' (Pallas on GPU, XLA/C++ on CPU), 'pallas', 'xla'.",
-         _choice("auto", "pallas", "xla"), torch=("torch.backends.quantized.engine",),
-         mirrors=(("quantized", "attr", "engine"),)),
+    Flag(
+        "quantized_engine",
+        "auto",
+        "int4 matmul engine: 'auto' (Pallas on GPU, XLA/C++ on CPU), 'pallas', 'xla'.",
+        _choice("auto", "pallas", "xla"),
+        torch=("torch.backends.quantized.engine",),
+        mirrors=(("quantized", "attr", "engine"),),
+    ),
     # ---- verbosity (torch.backends.mkl.verbose / mkldnn.verbose): runtime only, never in the jit key
-    Flag("verbose", 0, "Report dispatch decisions and compilations to the 'jbackends' logger (0 off, 1, 2).",
-         functools.partial(_parse_int, minimum=0), torch=("torch.backends.mkl.verbose", "torch.backends.mkldnn.verbose"),
-         traced=False),
+    Flag(
+        "verbose",
+        0,
+        "Report dispatch decisions and compilations to the 'jbackends' logger (0 off, 1, 2).",
+        functools.partial(_parse_int, minimum=0),
+        torch=("torch.backends.mkl.verbose", "torch.backends.mkldnn.verbose"),
+        traced=False,
+    ),
 )
 
 FLAGS: Mapping[str, Flag] = {f.name: f for f in DECLARATIONS}
@@ -342,4 +444,3 @@ BackendFlags.__doc__ = (
     "Frozen, hashable snapshot of every backend flag (an attribute per short name).\n\n"
     "    Obtain it with `jb.current_flags()`; kernels use `trace_flags()`.\n\n    Flags:\n" + flags_doc()
 )
-

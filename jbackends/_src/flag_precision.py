@@ -54,6 +54,8 @@ def bridge_global_precision(explicit_defaults: Collection[str], defaults: Mappin
     if any(n in explicit_defaults for n in PRECISION_FLAGS):
         if not _jax_precision_before:
             _jax_precision_before.append(jax.config.jax_default_matmul_precision)
-        jax.config.update("jax_default_matmul_precision", PRECISION_TO_JAX[defaults["float32_matmul_precision"]])
+        jax.config.update(
+            "jax_default_matmul_precision", PRECISION_TO_JAX[defaults["float32_matmul_precision"]]
+        )
     elif _jax_precision_before:
         jax.config.update("jax_default_matmul_precision", _jax_precision_before.pop())

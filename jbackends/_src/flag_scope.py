@@ -49,9 +49,7 @@ _frozen = globals().get("_frozen", False)
 def _validate(updates: Mapping[str, Any], where: str, base: Mapping[str, Any]) -> dict[str, Any]:
     unknown = [k for k in updates if k not in FLAGS]
     if unknown:
-        raise TypeError(
-            f"{where}() got unknown flag(s) {unknown}; valid flags are: {sorted(FLAGS)}"
-        )
+        raise TypeError(f"{where}() got unknown flag(s) {unknown}; valid flags are: {sorted(FLAGS)}")
     parsed = {k: FLAGS[k].parse(k, v) for k, v in updates.items()}
     if "allow_tf32" in parsed and "float32_matmul_precision" in parsed:
         if parsed["allow_tf32"] != (parsed["float32_matmul_precision"] != "highest"):

@@ -36,7 +36,13 @@ import jax
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 
-from jbackends._src.flag_declarations import DECLARATIONS, PRECISION_FLAGS, PRECISION_TO_JAX, TRACED, BackendFlags
+from jbackends._src.flag_declarations import (
+    DECLARATIONS,
+    PRECISION_FLAGS,
+    PRECISION_TO_JAX,
+    TRACED,
+    BackendFlags,
+)
 from jbackends._src.flag_precision import bridge_global_precision, sync_precision
 
 __all__ = [
@@ -150,9 +156,13 @@ def _make_publication(values: Mapping[str, Any]) -> _Publication:
     previous = globals().get("_PUB")
     key = _key_of(values)
     bridged = any(n in explicit_defaults for n in PRECISION_FLAGS)
-    pub = _Publication(seq=(previous.seq + 1 if previous is not None else 0), values=dict(values),
-                       key=key, gkey=(key, _epochs.setdefault(key, 0)),
-                       jax_precision=PRECISION_TO_JAX[values["float32_matmul_precision"]] if bridged else None)
+    pub = _Publication(
+        seq=(previous.seq + 1 if previous is not None else 0),
+        values=dict(values),
+        key=key,
+        gkey=(key, _epochs.setdefault(key, 0)),
+        jax_precision=PRECISION_TO_JAX[values["float32_matmul_precision"]] if bridged else None,
+    )
     # JAX's values first, then the publication: a reader that sees `_PUB.seq == n` knows JAX's key is
     # publication n's or newer (rule 2 relies on it).
     _JIT_KEY.set_global(pub.key)
@@ -413,8 +423,12 @@ def trace_flags() -> Any:
     key = tuple(getattr(snap, n) for n in TRACED)
     scoped = isinstance(actual, tuple) and actual[:1] == (_SCOPED_TAG,)
     # A tagged key must name exactly these flags; the defaults' key must come with the pinned defaults.
-    if not scoped and key != pub.key and OVERRIDES.get() and \
-            getattr(_thread_state, "shared_for", None) == OVERRIDES.get():
+    if (
+        not scoped
+        and key != pub.key
+        and OVERRIDES.get()
+        and getattr(_thread_state, "shared_for", None) == OVERRIDES.get()
+    ):
         _adopt_scope(record, key)  # a scope equal to the old defaults, which another thread changed
     elif (actual != (_SCOPED_TAG, key)) if scoped else (key != pub.key):
         raise FlagsOutOfSyncError(

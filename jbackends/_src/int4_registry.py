@@ -13,6 +13,7 @@ cpu            pallas_interpret, cpp (C++ through jax.ffi), xla
 other          pallas_interpret, xla
 =============  =========================================================
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -21,8 +22,16 @@ import jax.numpy as jnp
 
 from jbackends._src.dispatch import GPU_LOWERING, Implementation, lazy
 
-__all__ = ["PALLAS", "PALLAS_INTERPRET", "CPP", "XLA", "REFERENCE", "BY_NAME", "implementations",
-           "engine_filter"]
+__all__ = [
+    "PALLAS",
+    "PALLAS_INTERPRET",
+    "CPP",
+    "XLA",
+    "REFERENCE",
+    "BY_NAME",
+    "implementations",
+    "engine_filter",
+]
 
 _PKG = "pallas_kernels.int4_matmul"
 
@@ -31,8 +40,10 @@ def _pallas_run(interpret: bool):
     def run(x, packed, *, op, compute_dtype=None):
         if op == "dyn_quant":
             return lazy(f"{_PKG}.pallas:dyn_quant_matmul")(x, packed, interpret=interpret)
-        return lazy(f"{_PKG}.pallas:weight_only_matmul")(x, packed, compute_dtype=compute_dtype,
-                                                         interpret=interpret)
+        return lazy(f"{_PKG}.pallas:weight_only_matmul")(
+            x, packed, compute_dtype=compute_dtype, interpret=interpret
+        )
+
     return run
 
 
@@ -58,6 +69,7 @@ def _reference_run(x, packed, *, op, compute_dtype=None):
 
 def _triton_missing() -> list:
     from pallas_kernels import triton_backend  # noqa: PLC0415 - a leaf; imports no kernel
+
     return [] if triton_backend.available() else ["the installed JAX has no Pallas Triton backend"]
 
 
@@ -76,17 +88,41 @@ def _reasons(path: str):
     return lambda call, platform, device: fn(call, platform)
 
 
-PALLAS = Implementation("pallas", "Pallas Triton", GPU_LOWERING, _pallas_reasons,
-                        _pallas_run(False), description="fused dequantize + MMA kernels")
+PALLAS = Implementation(
+    "pallas",
+    "Pallas Triton",
+    GPU_LOWERING,
+    _pallas_reasons,
+    _pallas_run(False),
+    description="fused dequantize + MMA kernels",
+)
 PALLAS_INTERPRET = Implementation(
-    "pallas_interpret", "Pallas Triton (interpreted)", None, _interpret_reasons, _pallas_run(True),
-    description="the GPU kernels in the Pallas interpreter (tests; only with quantized_engine='pallas')")
-CPP = Implementation("cpp", "C++ (jax.ffi)", ("cpu",), _reasons("cpu:unsupported"), _cpp_run,
-                     description="AVX2 / AVX-512 (VNNI) kernels")
-XLA = Implementation("xla", "XLA", None, _reasons("xla:unsupported"), _xla_run,
-                     description="int4 unpack + grouped dots in XLA")
-REFERENCE = Implementation("reference", "XLA", None, lambda call, platform, device: [], _reference_run,
-                           description="the float64-faithful reference (pinned only)")
+    "pallas_interpret",
+    "Pallas Triton (interpreted)",
+    None,
+    _interpret_reasons,
+    _pallas_run(True),
+    description="the GPU kernels in the Pallas interpreter (tests; only with quantized_engine='pallas')",
+)
+CPP = Implementation(
+    "cpp",
+    "C++ (jax.ffi)",
+    ("cpu",),
+    _reasons("cpu:unsupported"),
+    _cpp_run,
+    description="AVX2 / AVX-512 (VNNI) kernels",
+)
+XLA = Implementation(
+    "xla", "XLA", None, _reasons("xla:unsupported"), _xla_run, description="int4 unpack + grouped dots in XLA"
+)
+REFERENCE = Implementation(
+    "reference",
+    "XLA",
+    None,
+    lambda call, platform, device: [],
+    _reference_run,
+    description="the float64-faithful reference (pinned only)",
+)
 
 _LISTS = {"gpu": (PALLAS, XLA), "cpu": (PALLAS_INTERPRET, CPP, XLA), "other": (PALLAS_INTERPRET, XLA)}
 
@@ -108,5 +144,9 @@ def engine_filter(engine: str, platform: str) -> Mapping[str, str]:
     if engine == "xla":
         return {PALLAS.name: "quantized_engine='xla'", PALLAS_INTERPRET.name: "quantized_engine='xla'"}
     if engine == "pallas":
-        return {} if platform in GPU_LOWERING else {PALLAS.name: f"no GPU when lowering for {platform}: interpreted"}
+        return (
+            {}
+            if platform in GPU_LOWERING
+            else {PALLAS.name: f"no GPU when lowering for {platform}: interpreted"}
+        )
     return {PALLAS_INTERPRET.name: "the GPU kernels are interpreted only with quantized_engine='pallas'"}

@@ -84,7 +84,9 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     def _is_options_refusal(e: ValueError, f: Callable) -> bool:
         opts = _options_of.get(id(f))
-        return bool(opts) and str(e).startswith(_JAX_OPTIONS_REFUSAL) and f"compiler_options={opts!r}" in str(e)
+        return (
+            bool(opts) and str(e).startswith(_JAX_OPTIONS_REFUSAL) and f"compiler_options={opts!r}" in str(e)
+        )
 
     lock = threading.Lock()
 

@@ -49,10 +49,17 @@ def _eig(a: Any, *, vectors: bool, platform: str | None = None) -> Any:
     platform = platform or jax.default_backend()
     pref = _flag_state.trace_flags().preferred_linalg_library
     impl, reasons = eig_implementation(pref, platform)
-    _verbose.report_dispatch("linalg.eig", impl.value if impl is not None else "default", reasons,
-                             (a.shape,), (a.dtype,))
-    return _verbose.call("linalg.eig", lax.linalg.eig, a, compute_left_eigenvectors=False,
-                         compute_right_eigenvectors=vectors, implementation=impl)
+    _verbose.report_dispatch(
+        "linalg.eig", impl.value if impl is not None else "default", reasons, (a.shape,), (a.dtype,)
+    )
+    return _verbose.call(
+        "linalg.eig",
+        lax.linalg.eig,
+        a,
+        compute_left_eigenvectors=False,
+        compute_right_eigenvectors=vectors,
+        implementation=impl,
+    )
 
 
 def eig(a: Any) -> tuple[Any, Any]:

@@ -42,9 +42,11 @@ def _getset(flag: _flag_declarations.Flag):
         return getattr(_flag_state.current_flags(), flag.name)
 
     getset.__name__ = flag.name
-    getset.__doc__ = (f"Return `{flag.name}` in force here; with an argument, first set its process default "
-                      f"(torch's getter-and-setter in one). {flag.help} Scoped form: "
-                      f"`jb.with_backends({flag.name}=...)`.")
+    getset.__doc__ = (
+        f"Return `{flag.name}` in force here; with an argument, first set its process default "
+        f"(torch's getter-and-setter in one). {flag.help} Scoped form: "
+        f"`jb.with_backends({flag.name}=...)`."
+    )
     return getset
 
 
@@ -75,15 +77,20 @@ def _property(flag: _flag_declarations.Flag) -> property:
 
 
 def _namespace(path: str, props: dict[str, property]) -> Any:
-    cls = type(f"{path.replace('.', '_')}_flags", (), {"__slots__": (), **props,
-                                                       "__repr__": lambda self: _repr(path, props)})
+    cls = type(
+        f"{path.replace('.', '_')}_flags",
+        (),
+        {"__slots__": (), **props, "__repr__": lambda self: _repr(path, props)},
+    )
     return cls()
 
 
 def _repr(path: str, props: dict[str, property]) -> str:
-    return f"<jbackends.{path}: " + ", ".join(
-        f"{name}={prop.fget(None)!r}" for name, prop in props.items()
-    ) + ">"
+    return (
+        f"<jbackends.{path}: "
+        + ", ".join(f"{name}={prop.fget(None)!r}" for name, prop in props.items())
+        + ">"
+    )
 
 
 def install(module: types.ModuleType) -> None:
@@ -98,13 +105,14 @@ def install(module: types.ModuleType) -> None:
             elif kind == "attr" and where == path:
                 module_props[name] = _property(flag)
             elif kind == "attr" and path and where.startswith(path + "."):
-                nested.setdefault(where[len(path) + 1:], {})[name] = _property(flag)
+                nested.setdefault(where[len(path) + 1 :], {})[name] = _property(flag)
     for sub, props in nested.items():
         setattr(module, sub, _namespace(f"{path}.{sub}", props))
     if module_props:
         base = type(module)
-        module.__class__ = type(f"{path}_module", (base,),
-                                {**module_props, "__setattr__": _guarded_setattr(tuple(module_props))})
+        module.__class__ = type(
+            f"{path}_module", (base,), {**module_props, "__setattr__": _guarded_setattr(tuple(module_props))}
+        )
 
 
 def names(path: str) -> list[str]:

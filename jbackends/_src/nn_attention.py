@@ -28,8 +28,9 @@ from jbackends._src import flag_state as _flag_state
 from jbackends._src import verbose as _verbose
 
 
-def _fast_path_blockers(flags: Any, dropout_rate: float, deterministic: bool, module: Any,
-                        precision: Any) -> dict[str, str]:
+def _fast_path_blockers(
+    flags: Any, dropout_rate: float, deterministic: bool, module: Any, precision: Any
+) -> dict[str, str]:
     if not flags.mha_fastpath:
         return {"fastpath": "jb.mha.get_fastpath_enabled() is False"}
     if dropout_rate > 0.0 and not deterministic:
@@ -41,11 +42,37 @@ def _fast_path_blockers(flags: Any, dropout_rate: float, deterministic: bool, mo
     return {}
 
 
-def _plain(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
-           dtype, precision, module, promote_dtype, is_causal):
+def _plain(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    broadcast_dropout,
+    dropout_rng,
+    dropout_rate,
+    deterministic,
+    dtype,
+    precision,
+    module,
+    promote_dtype,
+    is_causal,
+):
     weights = _flax_attention.dot_product_attention_weights(
-        query, key, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
-        precision, module, promote_dtype, is_causal)
+        query,
+        key,
+        bias,
+        mask,
+        broadcast_dropout,
+        dropout_rng,
+        dropout_rate,
+        deterministic,
+        dtype,
+        precision,
+        module,
+        promote_dtype,
+        is_causal,
+    )
     q_heads, v_heads = weights.shape[-3], value.shape[-2]
     if q_heads != v_heads:  # grouped-query attention: each value head serves q_heads // v_heads heads
         if q_heads % v_heads:
@@ -61,6 +88,7 @@ def _fused(query, key, value, bias, mask, is_causal):
     from jbackends.attention import dot_product_attention  # the SDPA dispatch (imported lazily)
 
     batch_shape = query.shape[:-3]
+
     def to4(x):
         if x is None:
             return None
@@ -75,8 +103,9 @@ def _fused(query, key, value, bias, mask, is_causal):
 
     if mask is not None:
         mask = mask.astype(jnp.bool_)
-    out = dot_product_attention(to4(query), to4(key), to4(value), bias=mask4(bias), mask=mask4(mask),
-                                is_causal=is_causal)
+    out = dot_product_attention(
+        to4(query), to4(key), to4(value), bias=mask4(bias), mask=mask4(mask), is_causal=is_causal
+    )
     return out.reshape(batch_shape + out.shape[-3:])
 
 
@@ -110,8 +139,10 @@ def attention_fn(
     """
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
-        raise ValueError(f"query, key, value must have the same rank >= 3 ([batch..., length, heads, depth]), "
-                         f"got shapes {query.shape}, {key.shape}, {value.shape}")
+        raise ValueError(
+            f"query, key, value must have the same rank >= 3 ([batch..., length, heads, depth]), "
+            f"got shapes {query.shape}, {key.shape}, {value.shape}"
+        )
     if key.shape[-3] != value.shape[-3]:
         raise ValueError(f"key and value lengths must match, got {key.shape[-3]} and {value.shape[-3]}")
     flags = _flag_state.trace_flags()
@@ -125,9 +156,27 @@ def attention_fn(
     dtypes = (query.dtype, key.dtype, value.dtype)
     if reasons:
         _verbose.report_dispatch("mha", "plain", reasons, shapes, dtypes)
-        return _verbose.call("mha", _plain, query, key, value, bias, mask, broadcast_dropout, dropout_rng,
-                             dropout_rate, deterministic, dtype, precision, module, promote_dtype, is_causal)
-    _verbose.report_dispatch("mha", "fastpath:sdpa", {"plain": "fast path allowed and applicable"}, shapes, dtypes)
+        return _verbose.call(
+            "mha",
+            _plain,
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            broadcast_dropout,
+            dropout_rng,
+            dropout_rate,
+            deterministic,
+            dtype,
+            precision,
+            module,
+            promote_dtype,
+            is_causal,
+        )
+    _verbose.report_dispatch(
+        "mha", "fastpath:sdpa", {"plain": "fast path allowed and applicable"}, shapes, dtypes
+    )
     return _verbose.call("mha", _fused, query, key, value, bias, mask, is_causal)
 
 

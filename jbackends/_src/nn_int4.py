@@ -14,6 +14,7 @@ Two modes:
 * ``"dyn_quant"``: `jbackends.quantized.dyn_quant_matmul_4bit` (torch's
   int8 dynamic activation quantization, W4A8 numerics).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -77,8 +78,15 @@ class Int4Linear(nnx.Module):
       (2, 8)
     """
 
-    def __init__(self, packed: _q.PackedInt4Weight, *, mode: str = "weight_only", compute_dtype: Any = None,
-                 dtype: Any = None, param_dtype: Any = None):
+    def __init__(
+        self,
+        packed: _q.PackedInt4Weight,
+        *,
+        mode: str = "weight_only",
+        compute_dtype: Any = None,
+        dtype: Any = None,
+        param_dtype: Any = None,
+    ):
         if not isinstance(packed, _q.PackedInt4Weight):
             raise TypeError(f"packed must be a PackedInt4Weight, got {type(packed).__name__}")
         if mode not in _MODES:
@@ -96,8 +104,9 @@ class Int4Linear(nnx.Module):
         self.compute_dtype = compute_dtype
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, groupsize: int, *, mode: str = "weight_only",
-                    compute_dtype: Any = None) -> "Int4Linear":
+    def from_linear(
+        cls, linear: nnx.Linear, groupsize: int, *, mode: str = "weight_only", compute_dtype: Any = None
+    ) -> "Int4Linear":
         """Quantizes an `nnx.Linear` (kernel ``[in, out]``) to int4 with `quantize_4bit` rules."""
         if not isinstance(linear, nnx.Linear):
             raise TypeError(f"linear must be an nnx.Linear, got {type(linear).__name__}")
@@ -105,15 +114,21 @@ class Int4Linear(nnx.Module):
         K, N = linear.in_features, linear.out_features
         q, s = _q.quantize_4bit(w, groupsize)
         b = None if linear.bias is None else jnp.asarray(linear.bias[...])
-        return cls(_q.dyn_quant_pack_4bit_weight(q, s, b, groupsize, K, N), mode=mode, compute_dtype=compute_dtype,
-                   dtype=linear.dtype, param_dtype=linear.param_dtype)
+        return cls(
+            _q.dyn_quant_pack_4bit_weight(q, s, b, groupsize, K, N),
+            mode=mode,
+            compute_dtype=compute_dtype,
+            dtype=linear.dtype,
+            param_dtype=linear.param_dtype,
+        )
 
     @property
     def packed(self) -> _q.PackedInt4Weight:
         """The layer's weight as a `PackedInt4Weight`."""
         bias = None if self.bias is None else self.bias[...]
-        return _q.PackedInt4Weight(self.weight[...], self.scales[...], bias, self.groupsize, self.in_features,
-                                   self.out_features)
+        return _q.PackedInt4Weight(
+            self.weight[...], self.scales[...], bias, self.groupsize, self.in_features, self.out_features
+        )
 
     def _out_dtype(self, x: jax.Array):
         if self.dtype is not None:
@@ -147,8 +162,15 @@ def _set(root: Any, path: tuple, value: Any) -> None:
         setattr(parent, key, value)
 
 
-def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weight_only", compute_dtype: Any = None,
-                  filter: Any = None, channelwise_fallback: bool = True) -> nnx.Module:
+def quantize_4bit(
+    model: nnx.Module,
+    groupsize: int = 128,
+    *,
+    mode: str = "weight_only",
+    compute_dtype: Any = None,
+    filter: Any = None,
+    channelwise_fallback: bool = True,
+) -> nnx.Module:
     """Replaces ``model``'s `nnx.Linear` layers by `Int4Linear`, in place (inference).
 
     Every argument is checked, and every layer is quantized, before the model
@@ -189,7 +211,9 @@ def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weigh
       ('Int4Linear', (1, 4))
     """
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be a flax nnx.Module (a model, or an nnx.Linear), got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a flax nnx.Module (a model, or an nnx.Linear), got {type(model).__name__}"
+        )
     if isinstance(groupsize, bool) or not isinstance(groupsize, (int, np.integer)):
         raise TypeError(f"groupsize must be an int, got {groupsize!r}")
     if groupsize <= 0 or groupsize % 32:
@@ -208,16 +232,24 @@ def quantize_4bit(model: nnx.Module, groupsize: int = 128, *, mode: str = "weigh
         if lin.in_features % g:
             if not channelwise_fallback or lin.in_features % 2:
                 where = "/".join(map(str, path)) or "<root>"
-                why = ("channelwise_fallback=False" if not channelwise_fallback else
-                       "and in_features is odd, so no channel-wise fallback (two int4 weights per byte)")
-                raise ValueError(f"layer {where}: groupsize={g} does not divide in_features={lin.in_features} ({why})")
+                why = (
+                    "channelwise_fallback=False"
+                    if not channelwise_fallback
+                    else "and in_features is odd, so no channel-wise fallback (two int4 weights per byte)"
+                )
+                raise ValueError(
+                    f"layer {where}: groupsize={g} does not divide in_features={lin.in_features} ({why})"
+                )
             g = lin.in_features
         return Int4Linear.from_linear(lin, g, mode=mode, compute_dtype=compute_dtype)
 
     if isinstance(model, nnx.Linear):
         return convert((), model)
-    targets = [(path, node) for path, node in nnx.iter_graph(model)
-               if isinstance(node, nnx.Linear) and path and (filter is None or filter(path, node))]
+    targets = [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Linear) and path and (filter is None or filter(path, node))
+    ]
     converted = [(path, convert(path, lin)) for path, lin in targets]  # all or nothing
     for path, layer in converted:
         _set(model, path, layer)

@@ -28,7 +28,8 @@ def _versions() -> Iterator[tuple[str, str]]:
             yield name, "not installed"
     try:
         plugins = sorted(
-            d.metadata["Name"] for d in importlib.metadata.distributions()
+            d.metadata["Name"]
+            for d in importlib.metadata.distributions()
             if (d.metadata["Name"] or "").startswith(("jax-cuda", "jax_cuda", "jax-rocm", "jax-metal"))
         )
     except Exception:  # pragma: no cover - metadata of a broken install
@@ -77,9 +78,14 @@ def _int4_rows() -> Iterator[tuple[str, str]]:
     from pallas_kernels.int4_matmul import cpu as int4_cpu
 
     yield "engines", ", ".join(quantized.supported_engines)
-    yield "C++ CPU kernel (XLA FFI)", (
-        f"built, {int4_cpu.isa()}" if int4_cpu.available()
-        else "not built (no compiler at install time?): pure-XLA fallback in use")
+    yield (
+        "C++ CPU kernel (XLA FFI)",
+        (
+            f"built, {int4_cpu.isa()}"
+            if int4_cpu.available()
+            else "not built (no compiler at install time?): pure-XLA fallback in use"
+        ),
+    )
     yield "Pallas GPU kernels", "W4A16 and W4A8 (Triton), chosen per lowering platform"
 
 

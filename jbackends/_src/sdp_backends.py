@@ -3,6 +3,7 @@
 A leaf module (it imports nothing from jbackends): the flag declarations, the dispatcher, the
 implementation registry and the public API all read the backend identity from here.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,16 +26,28 @@ class SDPBackend(enum.IntEnum):
 
 
 #: The backends jbackends can run, in value order.
-RUNNABLE = (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.CUDNN_ATTENTION)
+RUNNABLE = (
+    SDPBackend.MATH,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+)
 
 #: The order enabled backends are tried in when the flags set none (torch's default priority).
-DEFAULT_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                 SDPBackend.MATH)
+DEFAULT_ORDER = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+)
 
 #: backend -> the short name of the flag that enables it (`jb.with_backends(flash=False)`).
-FLAG = {SDPBackend.MATH: "math", SDPBackend.FLASH_ATTENTION: "flash",
-        SDPBackend.EFFICIENT_ATTENTION: "mem_efficient", SDPBackend.CUDNN_ATTENTION: "cudnn"}
+FLAG = {
+    SDPBackend.MATH: "math",
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "mem_efficient",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+}
 
 #: backend -> the help text of its flag.
 HELP = {
@@ -44,12 +57,20 @@ HELP = {
     SDPBackend.CUDNN_ATTENTION: "Allow the cuDNN SDPA backend (GPU only, via jax.nn's cudnn implementation).",
 }
 #: The order the enable flags are declared (and documented) in.
-DECLARATION_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
-                     SDPBackend.CUDNN_ATTENTION)
+DECLARATION_ORDER = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+    SDPBackend.CUDNN_ATTENTION,
+)
 
 #: Short spellings accepted wherever a backend is named by string (case-insensitive).
-ALIASES = {"FLASH": SDPBackend.FLASH_ATTENTION, "EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
-           "MEM_EFFICIENT": SDPBackend.EFFICIENT_ATTENTION, "CUDNN": SDPBackend.CUDNN_ATTENTION}
+ALIASES = {
+    "FLASH": SDPBackend.FLASH_ATTENTION,
+    "EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
+    "MEM_EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
+    "CUDNN": SDPBackend.CUDNN_ATTENTION,
+}
 
 
 def name_of(backend: int) -> str:

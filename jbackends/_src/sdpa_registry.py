@@ -14,6 +14,7 @@ CUDNN_ATTENTION         cudnn                            (none)
 MATH                    math                             math
 ======================  ===============================  =====================================
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ def _triton_missing() -> list:
     """The Pallas Triton backend is deprecated since jax 0.11: once a JAX drops it, its kernels say so
     and dispatch moves on (cuDNN, XLA)."""
     from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
+
     return [] if triton_backend.available() else ["the installed JAX has no Pallas Triton backend"]
 
 
@@ -60,36 +62,81 @@ def _cudnn_reasons(args, platform, device):
 
 
 TRITON_DECODE = Implementation(
-    "triton_decode", "Pallas Triton", ("cuda",), _triton_reasons("triton_decode:unsupported"),
-    lazy(f"{_PKG}.triton_decode:attention"), _tf32,
-    "split-K decode kernel for short queries (T <= 16); fused flash backward")
+    "triton_decode",
+    "Pallas Triton",
+    ("cuda",),
+    _triton_reasons("triton_decode:unsupported"),
+    lazy(f"{_PKG}.triton_decode:attention"),
+    _tf32,
+    "split-K decode kernel for short queries (T <= 16); fused flash backward",
+)
 TRITON_FLASH = Implementation(
-    "triton_flash", "Pallas Triton", ("cuda",), _triton_reasons("triton_flash:unsupported"),
-    lazy(f"{_PKG}.triton_flash:attention"), _tf32,
-    "FlashAttention-2 forward and fused backward")
+    "triton_flash",
+    "Pallas Triton",
+    ("cuda",),
+    _triton_reasons("triton_flash:unsupported"),
+    lazy(f"{_PKG}.triton_flash:attention"),
+    _tf32,
+    "FlashAttention-2 forward and fused backward",
+)
 CPP_FLASH = Implementation(
-    "cpp_flash", "C++ (jax.ffi)", ("cpu",), _reasons("cpp_flash:unsupported"),
-    lazy(f"{_PKG}.cpp_flash:attention"), description="FlashAttention-2 CPU kernel, AVX2 + FMA, threaded")
+    "cpp_flash",
+    "C++ (jax.ffi)",
+    ("cpu",),
+    _reasons("cpp_flash:unsupported"),
+    lazy(f"{_PKG}.cpp_flash:attention"),
+    description="FlashAttention-2 CPU kernel, AVX2 + FMA, threaded",
+)
 XLA_FLASH = Implementation(
-    "xla_flash", "XLA", None, _reasons("xla_flash:unsupported"),
-    lazy(f"{_PKG}.xla_flash:attention"), description="blockwise FlashAttention-2 in XLA (O(L) memory)")
+    "xla_flash",
+    "XLA",
+    None,
+    _reasons("xla_flash:unsupported"),
+    lazy(f"{_PKG}.xla_flash:attention"),
+    description="blockwise FlashAttention-2 in XLA (O(L) memory)",
+)
 TRITON_MEM_EFFICIENT = Implementation(
-    "triton_mem_efficient", "Pallas Triton", ("cuda",), _triton_reasons("triton_mem_efficient:unsupported"),
-    lazy(f"{_PKG}.triton_mem_efficient:attention"), _tf32, "flash tiling with bias / mask tiles")
+    "triton_mem_efficient",
+    "Pallas Triton",
+    ("cuda",),
+    _triton_reasons("triton_mem_efficient:unsupported"),
+    lazy(f"{_PKG}.triton_mem_efficient:attention"),
+    _tf32,
+    "flash tiling with bias / mask tiles",
+)
 XLA_MEM_EFFICIENT = Implementation(
-    "xla_mem_efficient", "XLA", None, _reasons("xla_mem_efficient:unsupported"),
-    lazy(f"{_PKG}.xla_mem_efficient:attention"), description="blockwise XLA with bias / mask tiles")
+    "xla_mem_efficient",
+    "XLA",
+    None,
+    _reasons("xla_mem_efficient:unsupported"),
+    lazy(f"{_PKG}.xla_mem_efficient:attention"),
+    description="blockwise XLA with bias / mask tiles",
+)
 CUDNN = Implementation(
-    "cudnn", "cuDNN (jax.nn)", ("cuda",), _cudnn_reasons, lazy(f"{_PKG}.cudnn:attention"),
-    description="jax.nn.dot_product_attention(implementation='cudnn')")
+    "cudnn",
+    "cuDNN (jax.nn)",
+    ("cuda",),
+    _cudnn_reasons,
+    lazy(f"{_PKG}.cudnn:attention"),
+    description="jax.nn.dot_product_attention(implementation='cudnn')",
+)
 MATH = Implementation(
-    "math", "XLA", None, _reasons("base:unsupported"), lazy(f"{_PKG}.base:attention"), _math_options,
-    "the reference: materialised scores, float32 softmax")
+    "math",
+    "XLA",
+    None,
+    _reasons("base:unsupported"),
+    lazy(f"{_PKG}.base:attention"),
+    _math_options,
+    "the reference: materialised scores, float32 softmax",
+)
 
 #: backend -> {lowering platform, or "*" for every other one: implementations in the order tried}.
 IMPLEMENTATIONS: dict[SDPBackend, dict[str, tuple[Implementation, ...]]] = {
-    SDPBackend.FLASH_ATTENTION: {"cuda": (TRITON_DECODE, TRITON_FLASH), "cpu": (CPP_FLASH, XLA_FLASH),
-                                 _ANY: (XLA_FLASH,)},
+    SDPBackend.FLASH_ATTENTION: {
+        "cuda": (TRITON_DECODE, TRITON_FLASH),
+        "cpu": (CPP_FLASH, XLA_FLASH),
+        _ANY: (XLA_FLASH,),
+    },
     SDPBackend.EFFICIENT_ATTENTION: {"cuda": (TRITON_MEM_EFFICIENT,), _ANY: (XLA_MEM_EFFICIENT,)},
     SDPBackend.CUDNN_ATTENTION: {"cuda": (CUDNN,)},
     SDPBackend.MATH: {_ANY: (MATH,)},
@@ -97,7 +144,8 @@ IMPLEMENTATIONS: dict[SDPBackend, dict[str, tuple[Implementation, ...]]] = {
 
 #: implementation name -> implementation.
 BY_NAME: dict[str, Implementation] = {
-    impl.name: impl for table in IMPLEMENTATIONS.values() for impls in table.values() for impl in impls}
+    impl.name: impl for table in IMPLEMENTATIONS.values() for impls in table.values() for impl in impls
+}
 
 
 def implementations(backend: int, platform: str) -> tuple[Implementation, ...]:

@@ -69,7 +69,9 @@ def level() -> int:
     return _flag_state.current_flags().verbose
 
 
-def report_dispatch(op: str, chosen: str, reasons: Mapping[str, str], shapes: tuple = (), dtypes: tuple = ()) -> None:
+def report_dispatch(
+    op: str, chosen: str, reasons: Mapping[str, str], shapes: tuple = (), dtypes: tuple = ()
+) -> None:
     """Log one dispatch decision if verbose is on (no cost beyond a flag read when off).
 
     Args:
@@ -85,8 +87,14 @@ def report_dispatch(op: str, chosen: str, reasons: Mapping[str, str], shapes: tu
     rejected = "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "-"
     shapes_s = ",".join("x".join(map(str, s)) if isinstance(s, tuple) else str(s) for s in shapes) or "-"
     dtypes_s = ",".join(str(d) for d in dtypes) or "-"
-    logger.info("jbackends dispatch op=%s chosen=%s shapes=%s dtypes=%s rejected=%s",
-                op, chosen, shapes_s, dtypes_s, rejected)
+    logger.info(
+        "jbackends dispatch op=%s chosen=%s shapes=%s dtypes=%s rejected=%s",
+        op,
+        chosen,
+        shapes_s,
+        dtypes_s,
+        rejected,
+    )
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:

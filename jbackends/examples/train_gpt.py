@@ -17,6 +17,7 @@ What it shows, end to end:
 The corpus (`corpus.py`) is about 8 KB of public-domain poems and speeches, shipped in the package; the
 vocabulary is the 128 ASCII codes, so there is no tokenizer. Defaults are the same on CPU and GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -156,7 +157,11 @@ class Block(nnx.Module):
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), pos, axis=1)
         # Keys 0..pos are visible: a length per row (an index mask, which the flash backend takes).
         lengths = jnp.full((x.shape[0],), pos + 1, jnp.int32)
-        return self._finish(x, attention(q, k_cache, v_cache, key_value_seq_lengths=lengths)), k_cache, v_cache
+        return (
+            self._finish(x, attention(q, k_cache, v_cache, key_value_seq_lengths=lengths)),
+            k_cache,
+            v_cache,
+        )
 
 
 class GPT(nnx.Module):
@@ -219,7 +224,9 @@ def make_optimizer(model: GPT, cfg: TrainConfig) -> nnx.Optimizer:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1), cfg.learning_rate / 10
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=cfg.weight_decay))
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=cfg.weight_decay)
+    )
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
@@ -377,8 +384,12 @@ PROMPTS = ("Shall I compare", "To be, or not", "Tyger Tyger, ", "Four score and"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m jbackends.examples.train_gpt", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="training steps (default %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m jbackends.examples.train_gpt", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--steps", type=int, default=TrainConfig.steps, help="training steps (default %(default)s)"
+    )
     parser.add_argument("--out", default="out", help="directory for loss_curve.png (default ./%(default)s)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed, help="parameter and data seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
@@ -409,8 +420,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     int4_val = validation_loss(qmodel)
     print(f"\ngreedy decoding, batch {len(PROMPTS)}, KV cache, {model_cfg.seq_len} positions per row:")
     print(f"  float32 weights: {float_tps:,.0f} tokens/s, validation loss {hist.val_loss:.3f}")
-    print(f"  int4 weights:    {int4_tps:,.0f} tokens/s, validation loss {int4_val:.3f} "
-          f"(int4 / float speed: {int4_tps / float_tps:.2f}x)")
+    print(
+        f"  int4 weights:    {int4_tps:,.0f} tokens/s, validation loss {int4_val:.3f} "
+        f"(int4 / float speed: {int4_tps / float_tps:.2f}x)"
+    )
     print("\nint4 samples:")
     for text in int4_texts:
         print("  | " + text.replace("\n", "\n  | "))
@@ -439,8 +452,10 @@ def _backend_summary(model_cfg: GPTConfig, batch_size: int, n_rows: int) -> str:
     cache = jax.ShapeDtypeStruct((n_rows, t, n, h), jnp.float32)
     lengths = jax.ShapeDtypeStruct((n_rows,), jnp.int32)
     dec = jb.explain(one, cache, cache, key_value_seq_lengths=lengths)
-    return (f"train step -> {train.chosen.name} ({train.implementation}); "
-            f"decode step -> {dec.chosen.name} ({dec.implementation})")
+    return (
+        f"train step -> {train.chosen.name} ({train.implementation}); "
+        f"decode step -> {dec.chosen.name} ({dec.implementation})"
+    )
 
 
 def cli() -> None:

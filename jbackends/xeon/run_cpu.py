@@ -96,23 +96,29 @@ def plan(cores: Sequence[int], ninstances: int | None, ncores_per_instance: int 
     if ncores_per_instance is None:
         ncores_per_instance = total // ninstances
         if ncores_per_instance < 1:
-            raise ValueError(f"--ninstances {ninstances} needs at least {ninstances} cores, "
-                             f"only {total} available ({list(cores)})")
+            raise ValueError(
+                f"--ninstances {ninstances} needs at least {ninstances} cores, "
+                f"only {total} available ({list(cores)})"
+            )
     if ninstances * ncores_per_instance > total:
-        raise ValueError(f"--ninstances {ninstances} x --ncores-per-instance {ncores_per_instance} needs "
-                         f"{ninstances * ncores_per_instance} cores, only {total} available ({list(cores)})")
-    return [Instance(i, tuple(cores[i * ncores_per_instance:(i + 1) * ncores_per_instance]))
-            for i in range(ninstances)]
+        raise ValueError(
+            f"--ninstances {ninstances} x --ncores-per-instance {ncores_per_instance} needs "
+            f"{ninstances * ncores_per_instance} cores, only {total} available ({list(cores)})"
+        )
+    return [
+        Instance(i, tuple(cores[i * ncores_per_instance : (i + 1) * ncores_per_instance]))
+        for i in range(ninstances)
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jbackends.xeon.run_cpu",
         description="Launch a script as N instances pinned to disjoint CPU core sets, with XLA:CPU thread "
-                    "settings per instance (torch.backends.xeon.run_cpu, for JAX).",
+        "settings per instance (torch.backends.xeon.run_cpu, for JAX).",
         epilog="Example: python -m jbackends.xeon.run_cpu --ninstances 2 --ncores-per-instance 1 bench.py "
-               "--steps 10. XLA:CPU's thread pool follows each instance's pinned cores; with one core per "
-               "instance --xla_cpu_multi_thread_eigen=false is added to XLA_FLAGS.",
+        "--steps 10. XLA:CPU's thread pool follows each instance's pinned cores; with one core per "
+        "instance --xla_cpu_multi_thread_eigen=false is added to XLA_FLAGS.",
     )
     return create_args(p)
 
@@ -127,21 +133,41 @@ def create_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       2
     """
     p = parser
-    p.add_argument("--ninstances", type=int, default=None,
-                   help="number of instances (default: all cores / --ncores-per-instance, or 1)")
-    p.add_argument("--ncores-per-instance", type=int, default=None,
-                   help="cores pinned to each instance (default: an even share of the available cores)")
-    p.add_argument("--rank", type=int, default=-1,
-                   help="launch only the instance with this index (default -1: all)")
-    p.add_argument("--use-logical-core", action="store_true",
-                   help="use hyper-thread siblings too (default: one CPU per physical core)")
+    p.add_argument(
+        "--ninstances",
+        type=int,
+        default=None,
+        help="number of instances (default: all cores / --ncores-per-instance, or 1)",
+    )
+    p.add_argument(
+        "--ncores-per-instance",
+        type=int,
+        default=None,
+        help="cores pinned to each instance (default: an even share of the available cores)",
+    )
+    p.add_argument(
+        "--rank", type=int, default=-1, help="launch only the instance with this index (default -1: all)"
+    )
+    p.add_argument(
+        "--use-logical-core",
+        action="store_true",
+        help="use hyper-thread siblings too (default: one CPU per physical core)",
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin instances to cores (still sets env)")
-    p.add_argument("--multi-thread-eigen", choices=("auto", "true", "false"), default="auto",
-                   help="XLA_FLAGS --xla_cpu_multi_thread_eigen for each instance (auto: false for 1 core)")
-    p.add_argument("--log-path", default="", help="write each instance's stdout+stderr to a file in this directory")
+    p.add_argument(
+        "--multi-thread-eigen",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="XLA_FLAGS --xla_cpu_multi_thread_eigen for each instance (auto: false for 1 core)",
+    )
+    p.add_argument(
+        "--log-path", default="", help="write each instance's stdout+stderr to a file in this directory"
+    )
     p.add_argument("--log-file-prefix", default="run", help="log file name prefix (default: run)")
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module (python -m)")
-    p.add_argument("--no-python", action="store_true", help="the program is an executable, not a Python script")
+    p.add_argument(
+        "--no-python", action="store_true", help="the program is an executable, not a Python script"
+    )
     p.add_argument("program", help="the script (or module with -m, executable with --no-python) to run")
     p.add_argument("program_args", nargs=argparse.REMAINDER, help="arguments passed to the program")
     return p
@@ -163,8 +189,10 @@ def _env_for(inst: Instance, ninstances: int, eigen: str) -> dict[str, str]:
 
 
 # Pins itself, then replaces itself with the program: no `preexec_fn` (unsafe in a threaded parent).
-_PIN_AND_EXEC = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); " \
-                "os.execvp(sys.argv[2], sys.argv[2:])"
+_PIN_AND_EXEC = (
+    "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
 def _command(args: argparse.Namespace, inst: Instance, pin: str) -> list[str]:
@@ -199,11 +227,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         selected = [instances[args.rank]]
     else:
         selected = instances
-    pin = "none" if args.no_pin else ("affinity" if hasattr(os, "sched_setaffinity")
-                                      else "taskset" if shutil.which("taskset") else "none")
+    pin = (
+        "none"
+        if args.no_pin
+        else (
+            "affinity"
+            if hasattr(os, "sched_setaffinity")
+            else "taskset"
+            if shutil.which("taskset")
+            else "none"
+        )
+    )
     if pin == "none" and not args.no_pin:
-        print("run_cpu: cannot pin on this OS (no sched_setaffinity or taskset); running unpinned",
-              file=sys.stderr)
+        print(
+            "run_cpu: cannot pin on this OS (no sched_setaffinity or taskset); running unpinned",
+            file=sys.stderr,
+        )
     if args.log_path:
         os.makedirs(args.log_path, exist_ok=True)
     procs = []
@@ -213,9 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = f"{args.log_file_prefix}_instance_{inst.index}_cores_{'-'.join(map(str, inst.cores))}.log"
             out = open(os.path.join(args.log_path, name), "w", encoding="utf-8")  # noqa: SIM115
         print(f"run_cpu: instance {inst.index} cores={list(inst.cores)} pin={pin}", file=sys.stderr)
-        proc = subprocess.Popen(_command(args, inst, pin),
-                                env=_env_for(inst, len(instances), args.multi_thread_eigen),
-                                stdout=out, stderr=subprocess.STDOUT if out else None)
+        proc = subprocess.Popen(
+            _command(args, inst, pin),
+            env=_env_for(inst, len(instances), args.multi_thread_eigen),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
         procs.append((proc, out))
     status = 0
     for proc, out in procs:

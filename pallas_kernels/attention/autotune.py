@@ -17,6 +17,7 @@ Example:
   >>> cfg in cands
   True
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,13 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import base, triton_common as common, triton_decode, triton_flash, triton_flash_vjp
+from pallas_kernels.attention import (
+    base,
+    triton_common as common,
+    triton_decode,
+    triton_flash,
+    triton_flash_vjp,
+)
 
 __all__ = ["KERNELS", "shape_class", "candidates", "autotune", "clear_cache", "cache"]
 
@@ -39,133 +46,159 @@ _lock = threading.Lock()
 
 
 def cache() -> dict:
-  """A copy of the autotune cache: ``{shape_class: config}``."""
-  with _lock:
-    return dict(_cache)
+    """A copy of the autotune cache: ``{shape_class: config}``."""
+    with _lock:
+        return dict(_cache)
 
 
 def clear_cache() -> None:
-  with _lock:
-    _cache.clear()
+    with _lock:
+        _cache.clear()
 
 
 def _bucket(n: int) -> int:
-  return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def _device_kind(interpret: bool) -> str:
-  if interpret:
-    return "interpret"
-  return jax.devices()[0].device_kind
+    if interpret:
+        return "interpret"
+    return jax.devices()[0].device_kind
 
 
 def shape_class(args: base.AttentionArgs, kernel: str, *, interpret: bool = False) -> tuple:
-  """The cache key of ``args`` for ``kernel`` (see the module docstring)."""
-  return (_device_kind(interpret), kernel, str(args.dtype), common.pad_dim(args.head_dim),
-          common.pad_dim(args.v_head_dim), _bucket(args.q_len), _bucket(args.kv_len), args.groups,
-          args.causal, args.window is not None, args.bias is not None, args.mask is not None,
-          args.has_dropout, args.logits_soft_cap is not None)
+    """The cache key of ``args`` for ``kernel`` (see the module docstring)."""
+    return (
+        _device_kind(interpret),
+        kernel,
+        str(args.dtype),
+        common.pad_dim(args.head_dim),
+        common.pad_dim(args.v_head_dim),
+        _bucket(args.q_len),
+        _bucket(args.kv_len),
+        args.groups,
+        args.causal,
+        args.window is not None,
+        args.bias is not None,
+        args.mask is not None,
+        args.has_dropout,
+        args.logits_soft_cap is not None,
+    )
 
 
 def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
-  """The default search space of ``kernel`` for a head dim / dtype."""
-  hp = common.pad_dim(head_dim)
-  wide = jnp.dtype(dtype).itemsize >= 4
-  if kernel in ("flash", "mem_efficient"):
-    out = []
-    for bq in (64, 128):
-      for bk in (32, 64, 128):
-        if hp >= 256 and (bq > 64 or bk > 64) or wide and bk > 64:
-          continue
-        for warps in (4, 8):
-          for stages in (2, 3):
-            out.append(common.Config(bq, bk, warps, stages))
-    return out
-  if kernel in ("flash_bwd", "mem_efficient_bwd"):
-    out = []
-    for bq in (32, 64):
-      for bk in (32, 64, 128):
-        if hp >= 256 and bk > 32 or wide and bk > 64:
-          continue
-        for warps in (4, 8):
-          out.append(triton_flash_vjp.Config(bq, bk, warps, 2 if hp <= 128 else 1))
-    return out
-  if kernel == "decode":
-    return [triton_decode.Config(bk, splits, warps, 2) for bk in (32, 64) for splits in (0, 4, 16, 32)
-            for warps in (4, 8)]
-  raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    """The default search space of ``kernel`` for a head dim / dtype."""
+    hp = common.pad_dim(head_dim)
+    wide = jnp.dtype(dtype).itemsize >= 4
+    if kernel in ("flash", "mem_efficient"):
+        out = []
+        for bq in (64, 128):
+            for bk in (32, 64, 128):
+                if hp >= 256 and (bq > 64 or bk > 64) or wide and bk > 64:
+                    continue
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        out.append(common.Config(bq, bk, warps, stages))
+        return out
+    if kernel in ("flash_bwd", "mem_efficient_bwd"):
+        out = []
+        for bq in (32, 64):
+            for bk in (32, 64, 128):
+                if hp >= 256 and bk > 32 or wide and bk > 64:
+                    continue
+                for warps in (4, 8):
+                    out.append(triton_flash_vjp.Config(bq, bk, warps, 2 if hp <= 128 else 1))
+        return out
+    if kernel == "decode":
+        return [
+            triton_decode.Config(bk, splits, warps, 2)
+            for bk in (32, 64)
+            for splits in (0, 4, 16, 32)
+            for warps in (4, 8)
+        ]
+    raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
 
 
 def _runner(kernel: str, args: base.AttentionArgs, config, interpret: bool) -> Callable:
-  if kernel in ("flash", "mem_efficient"):
-    return jax.jit(lambda a: triton_flash.forward(a, config=config, interpret=interpret))
-  if kernel in ("flash_bwd", "mem_efficient_bwd"):
-    def f(a):
-      out, lse = triton_flash.forward(a, interpret=interpret)
-      return triton_flash_vjp.backward(a, out, lse, jnp.ones_like(out), config=config,
-                                interpret=interpret)
-    return jax.jit(f)
-  if kernel == "decode":
-    return jax.jit(lambda a: triton_decode.forward(a, config=config, interpret=interpret))
-  raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    if kernel in ("flash", "mem_efficient"):
+        return jax.jit(lambda a: triton_flash.forward(a, config=config, interpret=interpret))
+    if kernel in ("flash_bwd", "mem_efficient_bwd"):
 
+        def f(a):
+            out, lse = triton_flash.forward(a, interpret=interpret)
+            return triton_flash_vjp.backward(
+                a, out, lse, jnp.ones_like(out), config=config, interpret=interpret
+            )
 
-def autotune(args: base.AttentionArgs, kernel: str = "flash", *,
-             candidates: Optional[Sequence[Any]] = None, interpret: bool = False,
-             repeats: int = 5, use_cache: bool = True):
-  """Times each candidate config of ``kernel`` on ``args`` and returns (and caches) the fastest.
-
-  Args:
-    args: a representative call (its arrays are used as the timing inputs).
-    kernel: one of :data:`KERNELS`.
-    candidates: configs to try (default :func:`candidates`).
-    interpret: time the Pallas interpreter instead (CPU testing of this function only: the
-      timings mean nothing).
-    repeats: timed runs per candidate after one warm-up (compile) run; the median counts.
-    use_cache: return a cached result for the same :func:`shape_class`.
-
-  Returns:
-    The fastest config (a ``common.Config``, ``triton_flash_vjp.Config`` or ``triton_decode.Config``).
-
-  Raises:
-    RuntimeError: no GPU (and not ``interpret``), or every candidate failed.
-  """
-  if kernel not in KERNELS:
+        return jax.jit(f)
+    if kernel == "decode":
+        return jax.jit(lambda a: triton_decode.forward(a, config=config, interpret=interpret))
     raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
-  if not isinstance(repeats, int) or repeats < 1:
-    raise ValueError(f"`repeats` must be an int >= 1; got {repeats=}")
-  if not interpret and jax.default_backend() != "gpu":
-    raise RuntimeError("autotune times the Triton kernels on a GPU; the default backend is "
-                       f"{jax.default_backend()!r} (pass interpret=True only to test autotune)")
-  key = shape_class(args, kernel, interpret=interpret)
-  if use_cache:
+
+
+def autotune(
+    args: base.AttentionArgs,
+    kernel: str = "flash",
+    *,
+    candidates: Optional[Sequence[Any]] = None,
+    interpret: bool = False,
+    repeats: int = 5,
+    use_cache: bool = True,
+):
+    """Times each candidate config of ``kernel`` on ``args`` and returns (and caches) the fastest.
+
+    Args:
+      args: a representative call (its arrays are used as the timing inputs).
+      kernel: one of :data:`KERNELS`.
+      candidates: configs to try (default :func:`candidates`).
+      interpret: time the Pallas interpreter instead (CPU testing of this function only: the
+        timings mean nothing).
+      repeats: timed runs per candidate after one warm-up (compile) run; the median counts.
+      use_cache: return a cached result for the same :func:`shape_class`.
+
+    Returns:
+      The fastest config (a ``common.Config``, ``triton_flash_vjp.Config`` or ``triton_decode.Config``).
+
+    Raises:
+      RuntimeError: no GPU (and not ``interpret``), or every candidate failed.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be an int >= 1; got {repeats=}")
+    if not interpret and jax.default_backend() != "gpu":
+        raise RuntimeError(
+            "autotune times the Triton kernels on a GPU; the default backend is "
+            f"{jax.default_backend()!r} (pass interpret=True only to test autotune)"
+        )
+    key = shape_class(args, kernel, interpret=interpret)
+    if use_cache:
+        with _lock:
+            if key in _cache:
+                return _cache[key]
+    cands = list(candidates) if candidates is not None else candidates_default(kernel, args)
+    best, best_t, errors = None, math.inf, []
+    for cfg in cands:
+        fn = _runner(kernel, args, cfg, interpret)
+        try:
+            jax.block_until_ready(fn(args))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(args))
+                times.append(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
+            errors.append(f"{cfg}: {type(e).__name__}: {e}"[:300])
+            continue
+        t = sorted(times)[len(times) // 2]
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError("autotune: every candidate failed:\n" + "\n".join(errors))
     with _lock:
-      if key in _cache:
-        return _cache[key]
-  cands = list(candidates) if candidates is not None else candidates_default(kernel, args)
-  best, best_t, errors = None, math.inf, []
-  for cfg in cands:
-    fn = _runner(kernel, args, cfg, interpret)
-    try:
-      jax.block_until_ready(fn(args))
-      times = []
-      for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(args))
-        times.append(time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
-      errors.append(f"{cfg}: {type(e).__name__}: {e}"[:300])
-      continue
-    t = sorted(times)[len(times) // 2]
-    if t < best_t:
-      best, best_t = cfg, t
-  if best is None:
-    raise RuntimeError("autotune: every candidate failed:\n" + "\n".join(errors))
-  with _lock:
-    _cache[key] = best
-  return best
+        _cache[key] = best
+    return best
 
 
 def candidates_default(kernel: str, args: base.AttentionArgs) -> list:
-  return candidates(kernel, max(args.head_dim, args.v_head_dim), args.dtype)
-
+    return candidates(kernel, max(args.head_dim, args.v_head_dim), args.dtype)

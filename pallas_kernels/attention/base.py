@@ -34,15 +34,30 @@ Example:
   >>> out.shape, lse.shape
   ((1, 4, 2, 8), (1, 2, 4))
 """
+
 from __future__ import annotations
 
 from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, check_prng_key, make_args
-from pallas_kernels.attention.masking import (dropout_keep_from_seed, dropout_keep_mask, dropout_seed,
-                                              dropout_threshold, index_mask, key_range,
-                                              manual_axis_type, out_struct, softcap)
-from pallas_kernels.attention.reference import (attention, differentiable_backward, full_mask,
-                                                reference, reference_vjp, rows_without_keys,
-                                                unsupported)
+from pallas_kernels.attention.masking import (
+    dropout_keep_from_seed,
+    dropout_keep_mask,
+    dropout_seed,
+    dropout_threshold,
+    index_mask,
+    key_range,
+    manual_axis_type,
+    out_struct,
+    softcap,
+)
+from pallas_kernels.attention.reference import (
+    attention,
+    differentiable_backward,
+    full_mask,
+    reference,
+    reference_vjp,
+    rows_without_keys,
+    unsupported,
+)
 
 __all__ = [
     "AttentionArgs",

@@ -33,6 +33,7 @@ Example:
   ...   ref, _ = base.reference(args)
   ...   assert jnp.allclose(out, ref, atol=1e-5)
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,8 +49,17 @@ import numpy as np
 from pallas_kernels.attention import base, sharded
 from pallas_kernels.ffi import load_library
 
-__all__ = ["Config", "FORWARD_TARGET", "BACKWARD_TARGET", "available", "threads", "set_threads",
-           "unsupported", "attention", "workspace_bytes"]
+__all__ = [
+    "Config",
+    "FORWARD_TARGET",
+    "BACKWARD_TARGET",
+    "available",
+    "threads",
+    "set_threads",
+    "unsupported",
+    "attention",
+    "workspace_bytes",
+]
 
 #: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled
 #: (``jax.export.DisabledSafetyCheck.custom_call(FORWARD_TARGET)``): an exported artifact that
@@ -61,9 +71,12 @@ BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
 
 @functools.cache
 def _library() -> Optional[ctypes.CDLL]:
-  return load_library(f"{__package__}._flash_cpu", check="JbFlashAvailable",
-                      targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
-                      argtypes={"JbFlashSetThreads": [ctypes.c_int]})
+    return load_library(
+        f"{__package__}._flash_cpu",
+        check="JbFlashAvailable",
+        targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
+        argtypes={"JbFlashSetThreads": [ctypes.c_int]},
+    )
 
 
 # Registered at import, so that a deserialized CPU export carrying the kernels runs in a fresh
@@ -72,229 +85,264 @@ _library()
 
 
 def set_threads(n: int = 0) -> None:
-  """Overrides the kernels' thread count for this process (tests, benchmarks); 0 restores the
-  default (the CPUs this process may run on). Calls below ~8 MFLOP always run on one thread."""
-  lib = _library()
-  if lib is not None:
-    lib.JbFlashSetThreads(int(n))
+    """Overrides the kernels' thread count for this process (tests, benchmarks); 0 restores the
+    default (the CPUs this process may run on). Calls below ~8 MFLOP always run on one thread."""
+    lib = _library()
+    if lib is not None:
+        lib.JbFlashSetThreads(int(n))
 
 
 def available() -> bool:
-  """Whether the C++ kernels were built and this CPU can run them (x86-64 with AVX2 + FMA)."""
-  return _library() is not None
+    """Whether the C++ kernels were built and this CPU can run them (x86-64 with AVX2 + FMA)."""
+    return _library() is not None
 
 
 def threads() -> int:
-  """Threads a large call uses (the CPUs this process may run on); 0 when unavailable."""
-  lib = _library()
-  return int(lib.JbFlashThreads()) if lib is not None else 0
+    """Threads a large call uses (the CPUs this process may run on); 0 when unavailable."""
+    lib = _library()
+    return int(lib.JbFlashThreads()) if lib is not None else 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiles of the C++ kernels (``block_k`` a multiple of 16).
+    """Tiles of the C++ kernels (``block_k`` a multiple of 16).
 
-  The defaults were measured best on a 2-core AVX2 CPU at L = 4k, head dim 64: 96 query rows x 256
-  keys forward (a multiple of the 6-row matmul tile; the score tile stays in L2, a 16-key panel of
-  k / v in L1), 64 x 256 backward (its two score-sized tiles).
-  """
-  block_q: int = 96
-  block_k: int = 256
-  block_q_bwd: int = 64
-  block_k_bwd: int = 256
+    The defaults were measured best on a 2-core AVX2 CPU at L = 4k, head dim 64: 96 query rows x 256
+    keys forward (a multiple of the 6-row matmul tile; the score tile stays in L2, a 16-key panel of
+    k / v in L1), 64 x 256 backward (its two score-sized tiles).
+    """
 
-  def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
-      val = getattr(self, name)
-      if not isinstance(val, int) or val < 1 or (name.startswith("block_k") and val % 16):
-        need = "a positive multiple of 16" if name.startswith("block_k") else "an int >= 1"
-        raise ValueError(f"cpp_flash.Config.{name} must be {need}; got {name}={val!r}")
+    block_q: int = 96
+    block_k: int = 256
+    block_q_bwd: int = 64
+    block_k_bwd: int = 256
 
-  def fit(self, args: base.AttentionArgs) -> "Config":
-    """Tiles no larger than the (16-rounded) sequence lengths."""
-    def f(n, b, m):
-      return max(m, min(b, -(-n // m) * m))
-    T, S = args.q_len, args.kv_len
-    return Config(block_q=f(T, self.block_q, 1), block_k=f(S, self.block_k, 16),
-                  block_q_bwd=f(T, self.block_q_bwd, 1), block_k_bwd=f(S, self.block_k_bwd, 16))
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1 or (name.startswith("block_k") and val % 16):
+                need = "a positive multiple of 16" if name.startswith("block_k") else "an int >= 1"
+                raise ValueError(f"cpp_flash.Config.{name} must be {need}; got {name}={val!r}")
+
+    def fit(self, args: base.AttentionArgs) -> "Config":
+        """Tiles no larger than the (16-rounded) sequence lengths."""
+
+        def f(n, b, m):
+            return max(m, min(b, -(-n // m) * m))
+
+        T, S = args.q_len, args.kv_len
+        return Config(
+            block_q=f(T, self.block_q, 1),
+            block_k=f(S, self.block_k, 16),
+            block_q_bwd=f(T, self.block_q_bwd, 1),
+            block_k_bwd=f(S, self.block_k_bwd, 16),
+        )
 
 
-def workspace_bytes(q_shape, k_shape, v_shape, *, backward: bool, config: Optional[Config] = None,
-                    num_threads: Optional[int] = None) -> int:
-  """Bytes the kernel allocates outside XLA's buffers during one call (``memory_analysis`` of the
-  executable cannot see them): packed copies of k and v (backward: of q and dO too), the per-thread
-  tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``
-  for ``num_threads`` threads (default: all, as a large call uses) and the unshrunk tiles, so it is
-  exact for long sequences and an upper bound for short ones.
-  """
-  B, T, N, H = q_shape
-  S, K, Hv = k_shape[1], k_shape[2], v_shape[3]
-  cfg = config or Config()
-  r16 = lambda n: -(-n // 16) * 16  # noqa: E731
-  Hp, Hvp, Sp = r16(H), r16(Hv), r16(S)
-  nt = num_threads or max(threads(), 1)
-  if not backward:
-    bq, bk = cfg.block_q, cfg.block_k
-    packs = B * K * (H + Hvp) * Sp
-    tiles = nt * (bq * H + bq * bk + bq * Hvp + 2 * bq + 4 * bq)
-    return 4 * (packs + tiles)
-  bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
-  packs = B * K * (H * Sp + Sp * Hp + Hv * Sp) + B * N * T * (Hp + Hvp + 2)
-  groups = B * K
-  whole = nt == 1 or groups >= 4 * nt or groups % nt == 0
-  dq = (1 if whole else nt) * B * T * N * Hp
-  tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq)
-  return 4 * (packs + dq + tiles)
+def workspace_bytes(
+    q_shape,
+    k_shape,
+    v_shape,
+    *,
+    backward: bool,
+    config: Optional[Config] = None,
+    num_threads: Optional[int] = None,
+) -> int:
+    """Bytes the kernel allocates outside XLA's buffers during one call (``memory_analysis`` of the
+    executable cannot see them): packed copies of k and v (backward: of q and dO too), the per-thread
+    tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``
+    for ``num_threads`` threads (default: all, as a large call uses) and the unshrunk tiles, so it is
+    exact for long sequences and an upper bound for short ones.
+    """
+    B, T, N, H = q_shape
+    S, K, Hv = k_shape[1], k_shape[2], v_shape[3]
+    cfg = config or Config()
+    r16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    Hp, Hvp, Sp = r16(H), r16(Hv), r16(S)
+    nt = num_threads or max(threads(), 1)
+    if not backward:
+        bq, bk = cfg.block_q, cfg.block_k
+        packs = B * K * (H + Hvp) * Sp
+        tiles = nt * (bq * H + bq * bk + bq * Hvp + 2 * bq + 4 * bq)
+        return 4 * (packs + tiles)
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    packs = B * K * (H * Sp + Sp * Hp + Hv * Sp) + B * N * T * (Hp + Hvp + 2)
+    groups = B * K
+    whole = nt == 1 or groups >= 4 * nt or groups % nt == 0
+    dq = (1 if whole else nt) * B * T * N * Hp
+    tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq)
+    return 4 * (packs + dq + tiles)
 
 
 def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
-  """Reasons the C++ kernels cannot run ``args`` on ``platform`` (empty if they can)."""
-  reasons = []
-  if platform != "cpu":
-    reasons.append(f"the C++ flash kernel is CPU only (lowering for {platform})")
-  if not available():
-    if os.environ.get("JBACKENDS_NO_CPP"):
-      reasons.append("the C++ flash kernel is switched off (JBACKENDS_NO_CPP is set)")
-    else:
-      reasons.append("the C++ flash kernel is not built or this CPU lacks AVX2 + FMA "
-                     "(pip install -e . with a C++ compiler)")
-  if args.bias is not None or args.mask is not None:
-    reasons.append("the C++ flash kernel takes no bias / boolean mask")
-  if args.logits_soft_cap is not None:
-    reasons.append("the C++ flash kernel has no logits soft cap")
-  if args.dropout_rate > 0:
-    reasons.append("the C++ flash kernel has no dropout")
-  if args.head_dim == 0 or args.v_head_dim == 0:
-    reasons.append("the C++ flash kernel needs head dims >= 1 (the XLA code handles 0)")
-  if not jnp.issubdtype(args.q.dtype, jnp.floating):
-    reasons.append(f"the C++ flash kernel needs float inputs; got {args.q.dtype}")
-  return reasons
+    """Reasons the C++ kernels cannot run ``args`` on ``platform`` (empty if they can)."""
+    reasons = []
+    if platform != "cpu":
+        reasons.append(f"the C++ flash kernel is CPU only (lowering for {platform})")
+    if not available():
+        if os.environ.get("JBACKENDS_NO_CPP"):
+            reasons.append("the C++ flash kernel is switched off (JBACKENDS_NO_CPP is set)")
+        else:
+            reasons.append(
+                "the C++ flash kernel is not built or this CPU lacks AVX2 + FMA "
+                "(pip install -e . with a C++ compiler)"
+            )
+    if args.bias is not None or args.mask is not None:
+        reasons.append("the C++ flash kernel takes no bias / boolean mask")
+    if args.logits_soft_cap is not None:
+        reasons.append("the C++ flash kernel has no logits soft cap")
+    if args.dropout_rate > 0:
+        reasons.append("the C++ flash kernel has no dropout")
+    if args.head_dim == 0 or args.v_head_dim == 0:
+        reasons.append("the C++ flash kernel needs head dims >= 1 (the XLA code handles 0)")
+    if not jnp.issubdtype(args.q.dtype, jnp.floating):
+        reasons.append(f"the C++ flash kernel needs float inputs; got {args.q.dtype}")
+    return reasons
 
 
 def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **opts):
-  """C++ CPU flash attention: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
+    """C++ CPU flash attention: ``(out [B, T, N, Hv] q.dtype, lse [B, N, T] float32)``.
 
-  Differentiable (``jax.vjp``) w.r.t. q, k, v. Raises ``NotImplementedError`` naming the reasons
-  when :func:`unsupported` is not empty (CPU lowering is assumed; the dispatcher lowers
-  :mod:`xla_flash` for other platforms).
-  """
-  del opts
-  reasons = unsupported(args, "cpu")
-  if reasons:
-    raise NotImplementedError("; ".join(reasons))
-  cfg = (config or Config()).fit(args)
-  if 0 in (args.batch, args.q_len, args.kv_len, args.num_heads):
-    B, T, N, _ = args.q.shape
-    return (jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
-            jnp.full((B, N, T), -jnp.inf, jnp.float32))
+    Differentiable (``jax.vjp``) w.r.t. q, k, v. Raises ``NotImplementedError`` naming the reasons
+    when :func:`unsupported` is not empty (CPU lowering is assumed; the dispatcher lowers
+    :mod:`xla_flash` for other platforms).
+    """
+    del opts
+    reasons = unsupported(args, "cpu")
+    if reasons:
+        raise NotImplementedError("; ".join(reasons))
+    cfg = (config or Config()).fit(args)
+    if 0 in (args.batch, args.q_len, args.kv_len, args.num_heads):
+        B, T, N, _ = args.q.shape
+        return (
+            jnp.zeros((B, T, N, args.v.shape[3]), args.q.dtype),
+            jnp.full((B, N, T), -jnp.inf, jnp.float32),
+        )
 
-  def forward(a):
-    st, aux = _prepare(a, cfg)
-    return _forward(st, a.q, a.k, a.v, aux)
+    def forward(a):
+        st, aux = _prepare(a, cfg)
+        return _forward(st, a.q, a.k, a.v, aux)
 
-  def backward(a, out, lse, g_out, g_lse):
-    st, aux = _prepare(a, cfg)
-    return _flash_bwd(st, (a.q, a.k, a.v, aux, out, lse), (g_out, g_lse))[:3] + (None,)
+    def backward(a, out, lse, g_out, g_lse):
+        st, aux = _prepare(a, cfg)
+        return _flash_bwd(st, (a.q, a.k, a.v, aux, out, lse), (g_out, g_lse))[:3] + (None,)
 
-  return sharded.attention_vjp(args, forward, backward, name="cpu flash (C++)")
+    return sharded.attention_vjp(args, forward, backward, name="cpu flash (C++)")
 
 
 def _prepare(args, cfg):
-  """The kernel's attributes and its integer operands (lengths, segment ids; (0,) when absent)."""
-  window = args.window
-  st = _Static(scale=float(args.scale), causal=bool(args.causal), diag_offset=int(args.diag_offset),
-               window=None if window is None else (int(window[0]), int(window[1])),
-               has_q_len=args.q_seq_lengths is not None,
-               has_kv_len=args.kv_seq_lengths is not None,
-               has_seg=args.q_segment_ids is not None, cfg=cfg)
-  B = args.q.shape[0]
-  z = jnp.zeros((0,), jnp.int32)
-  ql = z if args.q_seq_lengths is None else jnp.broadcast_to(args.q_seq_lengths, (B,)).astype(jnp.int32)
-  kl = z if args.kv_seq_lengths is None else jnp.broadcast_to(args.kv_seq_lengths, (B,)).astype(jnp.int32)
-  qs = z if args.q_segment_ids is None else args.q_segment_ids.astype(jnp.int32)
-  ks = z if args.kv_segment_ids is None else args.kv_segment_ids.astype(jnp.int32)
-  return st, (ql, kl, qs, ks)
+    """The kernel's attributes and its integer operands (lengths, segment ids; (0,) when absent)."""
+    window = args.window
+    st = _Static(
+        scale=float(args.scale),
+        causal=bool(args.causal),
+        diag_offset=int(args.diag_offset),
+        window=None if window is None else (int(window[0]), int(window[1])),
+        has_q_len=args.q_seq_lengths is not None,
+        has_kv_len=args.kv_seq_lengths is not None,
+        has_seg=args.q_segment_ids is not None,
+        cfg=cfg,
+    )
+    B = args.q.shape[0]
+    z = jnp.zeros((0,), jnp.int32)
+    ql = z if args.q_seq_lengths is None else jnp.broadcast_to(args.q_seq_lengths, (B,)).astype(jnp.int32)
+    kl = z if args.kv_seq_lengths is None else jnp.broadcast_to(args.kv_seq_lengths, (B,)).astype(jnp.int32)
+    qs = z if args.q_segment_ids is None else args.q_segment_ids.astype(jnp.int32)
+    ks = z if args.kv_segment_ids is None else args.kv_segment_ids.astype(jnp.int32)
+    return st, (ql, kl, qs, ks)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  scale: float
-  causal: bool
-  diag_offset: int
-  window: Optional[tuple]
-  has_q_len: bool
-  has_kv_len: bool
-  has_seg: bool
-  cfg: Config
+    scale: float
+    causal: bool
+    diag_offset: int
+    window: Optional[tuple]
+    has_q_len: bool
+    has_kv_len: bool
+    has_seg: bool
+    cfg: Config
 
-  def attrs(self, backward: bool):
-    left, right = self.window or (0, 0)
-    bq, bk = ((self.cfg.block_q_bwd, self.cfg.block_k_bwd) if backward
-              else (self.cfg.block_q, self.cfg.block_k))
-    return dict(scale=np.float32(self.scale), causal=self.causal,
-                diag_offset=np.int64(self.diag_offset), window=self.window is not None,
-                left=np.int64(left), right=np.int64(right), has_q_len=self.has_q_len,
-                has_kv_len=self.has_kv_len, has_seg=self.has_seg, block_q=np.int64(bq),
-                block_k=np.int64(bk))
+    def attrs(self, backward: bool):
+        left, right = self.window or (0, 0)
+        bq, bk = (
+            (self.cfg.block_q_bwd, self.cfg.block_k_bwd) if backward else (self.cfg.block_q, self.cfg.block_k)
+        )
+        return dict(
+            scale=np.float32(self.scale),
+            causal=self.causal,
+            diag_offset=np.int64(self.diag_offset),
+            window=self.window is not None,
+            left=np.int64(left),
+            right=np.int64(right),
+            has_q_len=self.has_q_len,
+            has_kv_len=self.has_kv_len,
+            has_seg=self.has_seg,
+            block_q=np.int64(bq),
+            block_k=np.int64(bk),
+        )
 
 
 def _f32(x):
-  return x.astype(jnp.float32)
+    return x.astype(jnp.float32)
 
 
 def _struct(shape):
-  return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
 
 
 def _varying(outs, like):
-  """Types the FFI outputs as varying over the ``shard_map`` axes ``like`` varies over.
+    """Types the FFI outputs as varying over the ``shard_map`` axes ``like`` varies over.
 
-  ``ffi_call`` types its results as replicated (and refuses output types that carry axes); each
-  shard's kernel computes its own values, so they vary like the inputs do.
-  """
-  axes = set()
-  for x in like:
-    t = base.manual_axis_type(x)
-    axes |= set(getattr(t, "varying", ()) or ())
-  if not axes:
-    return outs
-  return tuple(jax.lax.pcast(o, tuple(sorted(axes)), to="varying") for o in outs)
+    ``ffi_call`` types its results as replicated (and refuses output types that carry axes); each
+    shard's kernel computes its own values, so they vary like the inputs do.
+    """
+    axes = set()
+    for x in like:
+        t = base.manual_axis_type(x)
+        axes |= set(getattr(t, "varying", ()) or ())
+    if not axes:
+        return outs
+    return tuple(jax.lax.pcast(o, tuple(sorted(axes)), to="varying") for o in outs)
 
 
 #: A name scope around the kernel's custom calls. jax.export's refusal of a custom call names the
 #: call's location, name stack included: this scope puts the way out into that message.
-EXPORT_HINT = ("jbackends C++ flash kernel: for a portable jax.export trace under "
-               "jb.with_backends(flash_cpu_kernel=xla), or opt in with disabled_checks="
-               "[DisabledSafetyCheck.custom_call(target)] for both jb_flash_attention targets")
+EXPORT_HINT = (
+    "jbackends C++ flash kernel: for a portable jax.export trace under "
+    "jb.with_backends(flash_cpu_kernel=xla), or opt in with disabled_checks="
+    "[DisabledSafetyCheck.custom_call(target)] for both jb_flash_attention targets"
+)
 
 
 def _forward(st, q, k, v, aux):
-  B, T, N, _ = q.shape
-  with jax.named_scope(EXPORT_HINT):
-    out, lse = jax.ffi.ffi_call(_FWD, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))),
-                                vmap_method="sequential")(
-        _f32(q), _f32(k), _f32(v), *aux, **st.attrs(False))
-  out, lse = _varying((out, lse), (q, k, v, *aux))
-  return out.astype(q.dtype), lse
+    B, T, N, _ = q.shape
+    with jax.named_scope(EXPORT_HINT):
+        out, lse = jax.ffi.ffi_call(
+            _FWD, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))), vmap_method="sequential"
+        )(_f32(q), _f32(k), _f32(v), *aux, **st.attrs(False))
+    out, lse = _varying((out, lse), (q, k, v, *aux))
+    return out.astype(q.dtype), lse
 
 
 def _flash_bwd(st, res, g):
-  q, k, v, aux, out, lse = res
-  g_out, g_lse = g
-  if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) or g_lse is None:
-    g_lse = None
-  dq, dk, dv, _ = _kernel_backward(st, q, k, v, None, aux, out, lse, g_out, g_lse)
-  return dq, dk, dv, None
+    q, k, v, aux, out, lse = res
+    g_out, g_lse = g
+    if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) or g_lse is None:
+        g_lse = None
+    dq, dk, dv, _ = _kernel_backward(st, q, k, v, None, aux, out, lse, g_out, g_lse)
+    return dq, dk, dv, None
 
 
 def _kernel_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
-  del bias
-  delta = jnp.einsum("btnv,btnv->bnt", _f32(g_out), _f32(out), precision=jax.lax.Precision.HIGHEST)
-  if g_lse is not None:
-    delta = delta - _f32(g_lse)
-  structs = tuple(_struct(x.shape) for x in (q, k, v))
-  with jax.named_scope(EXPORT_HINT):
-    dq, dk, dv = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
-        _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True))
-  dq, dk, dv = _varying((dq, dk, dv), (q, k, v, g_out, lse, delta, *aux))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    del bias
+    delta = jnp.einsum("btnv,btnv->bnt", _f32(g_out), _f32(out), precision=jax.lax.Precision.HIGHEST)
+    if g_lse is not None:
+        delta = delta - _f32(g_lse)
+    structs = tuple(_struct(x.shape) for x in (q, k, v))
+    with jax.named_scope(EXPORT_HINT):
+        dq, dk, dv = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
+            _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True)
+        )
+    dq, dk, dv = _varying((dq, dk, dv), (q, k, v, g_out, lse, delta, *aux))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None

@@ -27,6 +27,7 @@ Example:
   >>> cudnn.unsupported(base.make_args(x, x, x), "cpu")
   ['cuDNN attention runs only on NVIDIA GPUs (platform=cpu)']
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,94 +44,115 @@ GPU_PLATFORMS = gpu.GPU_PLATFORMS
 
 
 def _local_compute_capability() -> Optional[float]:
-  try:
-    d = jax.devices("gpu")[0]
-    return float(getattr(d, "compute_capability", "0") or 0)
-  except Exception:  # noqa: BLE001 - no GPU here: unknown
-    return None
+    try:
+        d = jax.devices("gpu")[0]
+        return float(getattr(d, "compute_capability", "0") or 0)
+    except Exception:  # noqa: BLE001 - no GPU here: unknown
+        return None
 
 
-def unsupported(args: base.AttentionArgs, platform: str, *,
-                compute_capability: Optional[float] = None,
-                cudnn_version: Optional[int] = None) -> list:
-  """Reasons jax's cuDNN attention cannot run ``args`` on ``platform`` (empty if it can).
+def unsupported(
+    args: base.AttentionArgs,
+    platform: str,
+    *,
+    compute_capability: Optional[float] = None,
+    cudnn_version: Optional[int] = None,
+) -> list:
+    """Reasons jax's cuDNN attention cannot run ``args`` on ``platform`` (empty if it can).
 
-  Args:
-    args: canonical arguments.
-    platform: lowering platform (``"cpu"``, ``"cuda"``, ...).
-    compute_capability: e.g. ``9.0``; default: the local GPU's when there is one (else sm80 limits).
-    cudnn_version: e.g. ``91000``; ``None`` skips the version check unless running on a GPU here.
-  """
-  reasons = []
-  if platform not in GPU_PLATFORMS:
-    reasons.append(f"cuDNN attention runs only on NVIDIA GPUs (platform={platform})")
-  dt = jnp.dtype(args.dtype)
-  if dt not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-    reasons.append(f"cuDNN attention needs float16/bfloat16 inputs (got {dt.name})")
-  cc = compute_capability
-  if cc is None and platform in GPU_PLATFORMS:
-    cc = _local_compute_capability()
-  h_max = 256 if (cc or 0) >= 9.0 else 128
-  if args.head_dim % 8 or args.head_dim > h_max:
-    reasons.append(f"cuDNN attention needs a head dim that is a multiple of 8 and <= {h_max} "
-                   f"(got {args.head_dim})")
-  if args.v_head_dim != args.head_dim:
-    reasons.append(f"cuDNN attention needs equal q/k and v head dims "
-                   f"(got {args.head_dim} and {args.v_head_dim})")
-  if args.has_dropout:
-    reasons.append("cuDNN attention (through jax.nn) has no dropout matching the other backends")
-  if args.logits_soft_cap is not None:
-    reasons.append("cuDNN attention has no logits soft cap (logits_soft_cap)")
-  if args.q_segment_ids is not None:
-    reasons.append("cuDNN attention (through jax.nn) takes no segment ids")
-  if args.mask is not None:
-    reasons.append("cuDNN attention takes no arbitrary boolean mask (pass an additive bias)")
-  if args.causal and (args.diag_offset != 0 or args.q_len != args.kv_len):
-    reasons.append("cuDNN causal attention needs T == S with the top-left diagonal "
-                   f"(got T={args.q_len}, S={args.kv_len}, diag_offset={args.diag_offset})")
-  if args.window is not None:
-    left, right = args.window
-    if right != 0 and not args.causal:
-      reasons.append(f"cuDNN attention supports only left windows (left, 0); got window={args.window}")
-    if args.diag_offset != 0 or args.q_len != args.kv_len:
-      reasons.append("cuDNN sliding windows need T == S with the top-left diagonal")
-  if args.bias is not None and (args.q_len % 2 or args.kv_len % 2):
-    reasons.append(f"cuDNN attention with a bias needs even T and S for the backward "
-                   f"(got T={args.q_len}, S={args.kv_len})")
-  if cudnn_version is not None and cudnn_version < 8904:
-    reasons.append(f"cuDNN attention needs cuDNN >= 8.9.4 (got {cudnn_version})")
-  return reasons
+    Args:
+      args: canonical arguments.
+      platform: lowering platform (``"cpu"``, ``"cuda"``, ...).
+      compute_capability: e.g. ``9.0``; default: the local GPU's when there is one (else sm80 limits).
+      cudnn_version: e.g. ``91000``; ``None`` skips the version check unless running on a GPU here.
+    """
+    reasons = []
+    if platform not in GPU_PLATFORMS:
+        reasons.append(f"cuDNN attention runs only on NVIDIA GPUs (platform={platform})")
+    dt = jnp.dtype(args.dtype)
+    if dt not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        reasons.append(f"cuDNN attention needs float16/bfloat16 inputs (got {dt.name})")
+    cc = compute_capability
+    if cc is None and platform in GPU_PLATFORMS:
+        cc = _local_compute_capability()
+    h_max = 256 if (cc or 0) >= 9.0 else 128
+    if args.head_dim % 8 or args.head_dim > h_max:
+        reasons.append(
+            f"cuDNN attention needs a head dim that is a multiple of 8 and <= {h_max} (got {args.head_dim})"
+        )
+    if args.v_head_dim != args.head_dim:
+        reasons.append(
+            f"cuDNN attention needs equal q/k and v head dims (got {args.head_dim} and {args.v_head_dim})"
+        )
+    if args.has_dropout:
+        reasons.append("cuDNN attention (through jax.nn) has no dropout matching the other backends")
+    if args.logits_soft_cap is not None:
+        reasons.append("cuDNN attention has no logits soft cap (logits_soft_cap)")
+    if args.q_segment_ids is not None:
+        reasons.append("cuDNN attention (through jax.nn) takes no segment ids")
+    if args.mask is not None:
+        reasons.append("cuDNN attention takes no arbitrary boolean mask (pass an additive bias)")
+    if args.causal and (args.diag_offset != 0 or args.q_len != args.kv_len):
+        reasons.append(
+            "cuDNN causal attention needs T == S with the top-left diagonal "
+            f"(got T={args.q_len}, S={args.kv_len}, diag_offset={args.diag_offset})"
+        )
+    if args.window is not None:
+        left, right = args.window
+        if right != 0 and not args.causal:
+            reasons.append(f"cuDNN attention supports only left windows (left, 0); got window={args.window}")
+        if args.diag_offset != 0 or args.q_len != args.kv_len:
+            reasons.append("cuDNN sliding windows need T == S with the top-left diagonal")
+    if args.bias is not None and (args.q_len % 2 or args.kv_len % 2):
+        reasons.append(
+            f"cuDNN attention with a bias needs even T and S for the backward "
+            f"(got T={args.q_len}, S={args.kv_len})"
+        )
+    if cudnn_version is not None and cudnn_version < 8904:
+        reasons.append(f"cuDNN attention needs cuDNN >= 8.9.4 (got {cudnn_version})")
+    return reasons
 
 
 def attention(args: base.AttentionArgs, *, config=None, **opts):
-  """Runs ``jax.nn.dot_product_attention(implementation="cudnn")`` on canonical ``args``."""
-  del config, opts
-  reasons = unsupported(args, "cuda")
-  if reasons:
-    raise NotImplementedError("; ".join(reasons))
-  window = None
-  causal = args.causal
-  if args.window is not None:
-    left, right = args.window
-    # Work around jax PR 39576: (left, 0) without is_causal leaks the future in cuDNN.
-    window = (left, 0)
-    causal = True
-  def call(q, k, v, bias, q_len, kv_len):
-    return jax.nn.dot_product_attention(
-        q, k, v, bias=bias, scale=args.scale, is_causal=causal, query_seq_lengths=q_len,
-        key_value_seq_lengths=kv_len, local_window_size=window, implementation="cudnn",
-        return_residual=True)
+    """Runs ``jax.nn.dot_product_attention(implementation="cudnn")`` on canonical ``args``."""
+    del config, opts
+    reasons = unsupported(args, "cuda")
+    if reasons:
+        raise NotImplementedError("; ".join(reasons))
+    window = None
+    causal = args.causal
+    if args.window is not None:
+        left, right = args.window
+        # Work around jax PR 39576: (left, 0) without is_causal leaks the future in cuDNN.
+        window = (left, 0)
+        causal = True
 
-  out, lse = _first_order_only(call, args.q, args.k, args.v, args.bias, args.q_seq_lengths,
-                               args.kv_seq_lengths)
-  lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
-  # The backend contract (output 0, LSE -inf, no gradient for rows without a key: the jbackends
-  # API builds jax.nn's / torch's answer on it), whatever cuDNN leaves in padded rows.
-  empty = base.rows_without_keys(args)
-  if empty is not None:
-    out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
-    lse = jnp.where(empty, -jnp.inf, lse)
-  return out, lse
+    def call(q, k, v, bias, q_len, kv_len):
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            scale=args.scale,
+            is_causal=causal,
+            query_seq_lengths=q_len,
+            key_value_seq_lengths=kv_len,
+            local_window_size=window,
+            implementation="cudnn",
+            return_residual=True,
+        )
+
+    out, lse = _first_order_only(
+        call, args.q, args.k, args.v, args.bias, args.q_seq_lengths, args.kv_seq_lengths
+    )
+    lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
+    # The backend contract (output 0, LSE -inf, no gradient for rows without a key: the jbackends
+    # API builds jax.nn's / torch's answer on it), whatever cuDNN leaves in padded rows.
+    empty = base.rows_without_keys(args)
+    if empty is not None:
+        out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
+        lse = jnp.where(empty, -jnp.inf, lse)
+    return out, lse
 
 
 #: The error a second derivative through the cuDNN bridge raises (JAX's cuDNN backward has none).
@@ -138,37 +160,39 @@ SECOND_ORDER_ERROR = (
     "CUDNN_ATTENTION has no second derivative (JAX's cuDNN attention backward is not "
     "differentiable): for grad of grad / Hessian-vector products run this call on another backend, "
     "e.g. jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]) or "
-    "jb.with_backends(cudnn=False)")
+    "jb.with_backends(cudnn=False)"
+)
 
 
 def _first_order_only(f, *xs):
-  """``f(*xs)`` with ``f``'s own gradient, whose derivative in turn raises :data:`SECOND_ORDER_ERROR`
-  (instead of JAX's internal "Differentiation rule ... not implemented")."""
-  @jax.custom_vjp
-  def g(*xs):
-    return f(*xs)
+    """``f(*xs)`` with ``f``'s own gradient, whose derivative in turn raises :data:`SECOND_ORDER_ERROR`
+    (instead of JAX's internal "Differentiation rule ... not implemented")."""
 
-  def g_fwd(*xs):
-    return jax.vjp(f, *xs)  # (outputs, the vjp function: a pytree of cuDNN's residuals)
+    @jax.custom_vjp
+    def g(*xs):
+        return f(*xs)
 
-  def g_bwd(vjp, ct):
-    return _no_derivative(vjp, ct)
+    def g_fwd(*xs):
+        return jax.vjp(f, *xs)  # (outputs, the vjp function: a pytree of cuDNN's residuals)
 
-  g.defvjp(g_fwd, g_bwd)
-  return g(*xs)
+    def g_bwd(vjp, ct):
+        return _no_derivative(vjp, ct)
+
+    g.defvjp(g_fwd, g_bwd)
+    return g(*xs)
 
 
 @jax.custom_vjp
 def _no_derivative(vjp, ct):
-  return vjp(ct)
+    return vjp(ct)
 
 
 def _no_derivative_fwd(vjp, ct):
-  return vjp(ct), None
+    return vjp(ct), None
 
 
 def _no_derivative_bwd(_, __):
-  raise NotImplementedError(SECOND_ORDER_ERROR)
+    raise NotImplementedError(SECOND_ORDER_ERROR)
 
 
 _no_derivative.defvjp(_no_derivative_fwd, _no_derivative_bwd)

@@ -1,6 +1,7 @@
 """Mask and dropout math shared by every attention backend: soft cap, the index mask (causal, window),
 the key range a query block can see, and the stateless dropout keep bits (the same in every backend).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -11,182 +12,208 @@ import numpy as np
 
 Array = Any
 
-__all__ = ["softcap", "index_mask", "key_range", "manual_axis_type", "out_struct", "dropout_seed",
-           "dropout_threshold", "dropout_keep_from_seed", "dropout_keep_mask"]
+__all__ = [
+    "softcap",
+    "index_mask",
+    "key_range",
+    "manual_axis_type",
+    "out_struct",
+    "dropout_seed",
+    "dropout_threshold",
+    "dropout_keep_from_seed",
+    "dropout_keep_mask",
+]
 
 # ----------------------------------------------------------------------------------------------
 # Shared math usable by every backend (plain jnp; also valid inside Pallas kernel bodies).
 # ----------------------------------------------------------------------------------------------
 
+
 def softcap(logits, cap: Optional[float]):
-  """``cap * tanh(logits / cap)`` (identity when ``cap`` is None)."""
-  if cap is None:
-    return logits
-  return cap * jnp.tanh(logits / cap)
+    """``cap * tanh(logits / cap)`` (identity when ``cap`` is None)."""
+    if cap is None:
+        return logits
+    return cap * jnp.tanh(logits / cap)
 
 
-def index_mask(i, j, *, causal: bool = False, diag_offset: int = 0,
-               window: Optional[Tuple[int, int]] = None, q_len=None, kv_len=None,
-               q_seg=None, kv_seg=None):
-  """Bool "attend" mask from broadcastable query indices ``i`` and key indices ``j``.
+def index_mask(
+    i,
+    j,
+    *,
+    causal: bool = False,
+    diag_offset: int = 0,
+    window: Optional[Tuple[int, int]] = None,
+    q_len=None,
+    kv_len=None,
+    q_seg=None,
+    kv_seg=None,
+):
+    """Bool "attend" mask from broadcastable query indices ``i`` and key indices ``j``.
 
-  ``i`` / ``j`` are int32 arrays (e.g. ``i[:, None]`` and ``j[None, :]``); ``q_len`` / ``kv_len``
-  are scalars (or arrays broadcastable against ``i`` / ``j``), ``q_seg`` / ``kv_seg`` the segment ids
-  at ``i`` / ``j``. Returns ``None`` when nothing masks.
-  """
-  m = None
+    ``i`` / ``j`` are int32 arrays (e.g. ``i[:, None]`` and ``j[None, :]``); ``q_len`` / ``kv_len``
+    are scalars (or arrays broadcastable against ``i`` / ``j``), ``q_seg`` / ``kv_seg`` the segment ids
+    at ``i`` / ``j``. Returns ``None`` when nothing masks.
+    """
+    m = None
 
-  def _and(a, b):
-    return b if a is None else jnp.logical_and(a, b)
+    def _and(a, b):
+        return b if a is None else jnp.logical_and(a, b)
 
-  if causal:
-    m = _and(m, j <= i + diag_offset)
-  if window is not None:
-    left, right = window
-    m = _and(m, j >= i + (diag_offset - left))
-    m = _and(m, j <= i + (diag_offset + right))
-  if q_len is not None:
-    m = _and(m, i < q_len)
-  if kv_len is not None:
-    m = _and(m, j < kv_len)
-  if q_seg is not None:
-    m = _and(m, q_seg == kv_seg)
-  return m
+    if causal:
+        m = _and(m, j <= i + diag_offset)
+    if window is not None:
+        left, right = window
+        m = _and(m, j >= i + (diag_offset - left))
+        m = _and(m, j <= i + (diag_offset + right))
+    if q_len is not None:
+        m = _and(m, i < q_len)
+    if kv_len is not None:
+        m = _and(m, j < kv_len)
+    if q_seg is not None:
+        m = _and(m, q_seg == kv_seg)
+    return m
 
 
-def key_range(q_start, q_stop, kv_len: int, *, causal: bool, diag_offset: int = 0,
-              window: Optional[Tuple[int, int]] = None):
-  """Half-open key range ``[lo, hi)`` that query rows ``[q_start, q_stop)`` can attend to.
+def key_range(
+    q_start,
+    q_stop,
+    kv_len: int,
+    *,
+    causal: bool,
+    diag_offset: int = 0,
+    window: Optional[Tuple[int, int]] = None,
+):
+    """Half-open key range ``[lo, hi)`` that query rows ``[q_start, q_stop)`` can attend to.
 
-  Uses only the static structure (causal / window); works on Python ints (returns ints) or traced
-  int32 scalars. The range may be empty (``lo == hi``).
-  """
-  static = isinstance(q_start, int) and isinstance(q_stop, int)
-  mn, mx = (min, max) if static else (jnp.minimum, jnp.maximum)
-  lo, hi = 0, kv_len
-  if causal:
-    hi = mn(hi, q_stop + diag_offset)
-  if window is not None:
-    left, right = window
-    lo = mx(lo, q_start + diag_offset - left)
-    hi = mn(hi, q_stop + diag_offset + right)
-  lo = mn(mx(lo, 0), kv_len)
-  hi = mx(hi, lo)
-  return lo, hi
+    Uses only the static structure (causal / window); works on Python ints (returns ints) or traced
+    int32 scalars. The range may be empty (``lo == hi``).
+    """
+    static = isinstance(q_start, int) and isinstance(q_stop, int)
+    mn, mx = (min, max) if static else (jnp.minimum, jnp.maximum)
+    lo, hi = 0, kv_len
+    if causal:
+        hi = mn(hi, q_stop + diag_offset)
+    if window is not None:
+        left, right = window
+        lo = mx(lo, q_start + diag_offset - left)
+        hi = mn(hi, q_stop + diag_offset + right)
+    lo = mn(mx(lo, 0), kv_len)
+    hi = mx(hi, lo)
+    return lo, hi
 
 
 def _u32(x):
-  if isinstance(x, int):  # e.g. a threshold >= 2**31, which does not fit the default int32
-    return jnp.uint32(np.uint32(x))
-  return jnp.asarray(x).astype(jnp.uint32)
+    if isinstance(x, int):  # e.g. a threshold >= 2**31, which does not fit the default int32
+        return jnp.uint32(np.uint32(x))
+    return jnp.asarray(x).astype(jnp.uint32)
 
 
 def _rotl(x, r: int):
-  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+    return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
 
 
 def _mix(h, x):
-  # One MurmurHash3 (32-bit) block round.
-  x = x * jnp.uint32(0xCC9E2D51)
-  x = _rotl(x, 15)
-  x = x * jnp.uint32(0x1B873593)
-  h = h ^ x
-  h = _rotl(h, 13)
-  return h * jnp.uint32(5) + jnp.uint32(0xE6546B64)
+    # One MurmurHash3 (32-bit) block round.
+    x = x * jnp.uint32(0xCC9E2D51)
+    x = _rotl(x, 15)
+    x = x * jnp.uint32(0x1B873593)
+    h = h ^ x
+    h = _rotl(h, 13)
+    return h * jnp.uint32(5) + jnp.uint32(0xE6546B64)
 
 
 def _fmix(h):
-  h = h ^ (h >> jnp.uint32(16))
-  h = h * jnp.uint32(0x85EBCA6B)
-  h = h ^ (h >> jnp.uint32(13))
-  h = h * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> jnp.uint32(16))
+    h = h ^ (h >> jnp.uint32(16))
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> jnp.uint32(13))
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> jnp.uint32(16))
 
 
 def manual_axis_type(x):
-  """The ``shard_map`` axis typing of ``x`` (which mesh axes it varies over); None outside JAX types."""
-  return getattr(jax.typeof(x), "manual_axis_type", None)
+    """The ``shard_map`` axis typing of ``x`` (which mesh axes it varies over); None outside JAX types."""
+    return getattr(jax.typeof(x), "manual_axis_type", None)
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
-  """A kernel output's ``ShapeDtypeStruct`` that varies over the same mesh axes as ``like``.
+    """A kernel output's ``ShapeDtypeStruct`` that varies over the same mesh axes as ``like``.
 
-  Pallas outputs declared without it would be typed as replicated under ``shard_map``.
-  """
-  return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=manual_axis_type(like))
+    Pallas outputs declared without it would be typed as replicated under ``shard_map``.
+    """
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=manual_axis_type(like))
 
 
 def dropout_seed(rng, like=None) -> Array:
-  """The two uint32 words of a jax PRNG key (typed or raw) that seed :func:`dropout_keep_mask`.
+    """The two uint32 words of a jax PRNG key (typed or raw) that seed :func:`dropout_keep_mask`.
 
-  Under ``shard_map``, pass the (sharded) operands as ``like`` (an array or a tuple of them: query,
-  key, value): the index of every mesh axis any of them varies over is mixed into the seed, so each
-  shard draws its own mask (shards see local batch / head / sequence indices, which repeat across
-  shards). Such masks are deterministic per key and mesh position but differ from the unsharded
-  call's; under plain ``jit`` with sharded inputs nothing changes. Under
-  ``shard_map(check_vma=False)`` JAX does not track which axes an array varies over, so nothing is
-  mixed in and shards repeat each other's masks: fold ``lax.axis_index`` into the key yourself there.
-  """
-  seed = _dropout_seed(rng)
-  arrays = like if isinstance(like, (tuple, list)) else (like,)
-  varying = set()
-  for x in arrays:
-    if x is not None:
-      varying |= set(getattr(manual_axis_type(x), "varying", ()) or ())
-  for name in sorted(varying):
-    seed = jnp.stack([_mix(seed[0], _u32(jax.lax.axis_index(name))), seed[1]])
-  return seed
+    Under ``shard_map``, pass the (sharded) operands as ``like`` (an array or a tuple of them: query,
+    key, value): the index of every mesh axis any of them varies over is mixed into the seed, so each
+    shard draws its own mask (shards see local batch / head / sequence indices, which repeat across
+    shards). Such masks are deterministic per key and mesh position but differ from the unsharded
+    call's; under plain ``jit`` with sharded inputs nothing changes. Under
+    ``shard_map(check_vma=False)`` JAX does not track which axes an array varies over, so nothing is
+    mixed in and shards repeat each other's masks: fold ``lax.axis_index`` into the key yourself there.
+    """
+    seed = _dropout_seed(rng)
+    arrays = like if isinstance(like, (tuple, list)) else (like,)
+    varying = set()
+    for x in arrays:
+        if x is not None:
+            varying |= set(getattr(manual_axis_type(x), "varying", ()) or ())
+    for name in sorted(varying):
+        seed = jnp.stack([_mix(seed[0], _u32(jax.lax.axis_index(name))), seed[1]])
+    return seed
 
 
 def _dropout_seed(rng) -> Array:
-  if rng is None:
-    raise ValueError("`dropout_rng` is None")
-  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    data = jax.random.key_data(rng)
-  else:
-    data = jnp.asarray(rng)
-  data = data.reshape(-1).astype(jnp.uint32)
-  if data.shape[0] == 1:
-    return jnp.concatenate([data, data])
-  if data.shape[0] > 2:
-    folded = data[0::2][: data.shape[0] // 2] ^ data[1::2][: data.shape[0] // 2]
-    return jnp.stack([folded[0], jnp.bitwise_xor.reduce(folded)])
-  return data
+    if rng is None:
+        raise ValueError("`dropout_rng` is None")
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(rng)
+    else:
+        data = jnp.asarray(rng)
+    data = data.reshape(-1).astype(jnp.uint32)
+    if data.shape[0] == 1:
+        return jnp.concatenate([data, data])
+    if data.shape[0] > 2:
+        folded = data[0::2][: data.shape[0] // 2] ^ data[1::2][: data.shape[0] // 2]
+        return jnp.stack([folded[0], jnp.bitwise_xor.reduce(folded)])
+    return data
 
 
 def dropout_threshold(rate: float) -> int:
-  """uint32 threshold: a probability is kept iff its hash ``>=`` this value."""
-  return min(int(round(float(rate) * 2.0 ** 32)), 2 ** 32 - 1)
+    """uint32 threshold: a probability is kept iff its hash ``>=`` this value."""
+    return min(int(round(float(rate) * 2.0**32)), 2**32 - 1)
 
 
 def dropout_keep_from_seed(seed0, seed1, b, n, i, j, threshold):
-  """Kernel-friendly form of :func:`dropout_keep_mask`: uint32 seed words and a uint32 threshold.
+    """Kernel-friendly form of :func:`dropout_keep_mask`: uint32 seed words and a uint32 threshold.
 
-  Only uint32 multiply / xor / shift, so it lowers inside Pallas (Triton / Mosaic GPU) kernel bodies.
-  """
-  h = _mix(_u32(seed0), _u32(seed1))
-  h = _mix(h, _u32(b))
-  h = _mix(h, _u32(n))
-  h = _mix(h, _u32(i))
-  h = _mix(h, _u32(j))
-  return _fmix(h) >= _u32(threshold)
+    Only uint32 multiply / xor / shift, so it lowers inside Pallas (Triton / Mosaic GPU) kernel bodies.
+    """
+    h = _mix(_u32(seed0), _u32(seed1))
+    h = _mix(h, _u32(b))
+    h = _mix(h, _u32(n))
+    h = _mix(h, _u32(i))
+    h = _mix(h, _u32(j))
+    return _fmix(h) >= _u32(threshold)
 
 
 def dropout_keep_mask(rng, b, n, i, j, rate: float, like=None):
-  """Stateless dropout keep-mask: True where the probability at (b, n, i, j) is kept.
+    """Stateless dropout keep-mask: True where the probability at (b, n, i, j) is kept.
 
-  ``rng`` is a jax PRNG key (typed or raw) or its :func:`dropout_seed` words; ``b, n, i, j`` are
-  broadcastable integer arrays of *global* batch / query-head / query / key indices. Pure uint32
-  hashing (MurmurHash3 rounds), so a Pallas kernel computes the same bits with
-  :func:`dropout_keep_from_seed`. ``P(keep) = 1 - rate``.
+    ``rng`` is a jax PRNG key (typed or raw) or its :func:`dropout_seed` words; ``b, n, i, j`` are
+    broadcastable integer arrays of *global* batch / query-head / query / key indices. Pure uint32
+    hashing (MurmurHash3 rounds), so a Pallas kernel computes the same bits with
+    :func:`dropout_keep_from_seed`. ``P(keep) = 1 - rate``.
 
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from pallas_kernels.attention import base
-    >>> keep = base.dropout_keep_mask(jax.random.key(0), 0, 0, jnp.arange(64)[:, None],
-    ...                               jnp.arange(64)[None, :], 0.25)
-    >>> 0.7 < float(keep.mean()) < 0.8
-    True
-  """
-  seed = dropout_seed(rng, like)  # ``like``: see dropout_seed (shard_map)
-  return dropout_keep_from_seed(seed[0], seed[1], b, n, i, j, dropout_threshold(rate))
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from pallas_kernels.attention import base
+      >>> keep = base.dropout_keep_mask(jax.random.key(0), 0, 0, jnp.arange(64)[:, None],
+      ...                               jnp.arange(64)[None, :], 0.25)
+      >>> 0.7 < float(keep.mean()) < 0.8
+      True
+    """
+    seed = dropout_seed(rng, like)  # ``like``: see dropout_seed (shard_map)
+    return dropout_keep_from_seed(seed[0], seed[1], b, n, i, j, dropout_threshold(rate))

@@ -17,6 +17,7 @@ Example:
   >>> bool(jnp.allclose(out, base.reference(args)[0]))
   True
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -41,112 +42,122 @@ _OPTIONAL = {  # AttentionArgs field -> the factors of a full (unbroadcast) oper
 
 
 def _factors(x, want, full, tag):
-  """``want``, with a factor of its own for each broadcast (size 1 < full) or unexpected dimension."""
-  if x.ndim != len(want):
-    return tuple(f"{tag}{d}" for d in range(x.ndim))
-  out = []
-  for d, (f, size) in enumerate(zip(want, x.shape)):
-    key = f if isinstance(f, str) else "n"
-    out.append(f if size == full[key] else f"{tag}{d}")
-  return tuple(out)
+    """``want``, with a factor of its own for each broadcast (size 1 < full) or unexpected dimension."""
+    if x.ndim != len(want):
+        return tuple(f"{tag}{d}" for d in range(x.ndim))
+    out = []
+    for d, (f, size) in enumerate(zip(want, x.shape)):
+        key = f if isinstance(f, str) else "n"
+        out.append(f if size == full[key] else f"{tag}{d}")
+    return tuple(out)
 
 
-def attention_vjp(args: base.AttentionArgs, forward: Callable, backward: Callable, *,
-                  name: str, skips_dbias: bool = False):
-  """``forward(args)`` as a differentiable call split along the batch and the kv heads.
+def attention_vjp(
+    args: base.AttentionArgs, forward: Callable, backward: Callable, *, name: str, skips_dbias: bool = False
+):
+    """``forward(args)`` as a differentiable call split along the batch and the kv heads.
 
-  Args:
-    args: the call's arguments.
-    forward: ``forward(args) -> (out [B, T, N, Hv], lse [B, N, T])``; reads every size from the
-      arrays of the ``args`` it is given (it runs once per shard, on local blocks).
-    backward: ``backward(args, out, lse, d_out, d_lse) -> (dq, dk, dv, dbias)``, dbias None
-      without a bias; same rule.
-    name: the kernel's name, for error messages.
-    skips_dbias: ``backward`` takes a keyword ``need_dbias`` and skips the bias gradient when the
-      bias is not differentiated (a bias used as a mask).
+    Args:
+      args: the call's arguments.
+      forward: ``forward(args) -> (out [B, T, N, Hv], lse [B, N, T])``; reads every size from the
+        arrays of the ``args`` it is given (it runs once per shard, on local blocks).
+      backward: ``backward(args, out, lse, d_out, d_lse) -> (dq, dk, dv, dbias)``, dbias None
+        without a bias; same rule.
+      name: the kernel's name, for error messages.
+      skips_dbias: ``backward`` takes a keyword ``need_dbias`` and skips the bias gradient when the
+        bias is not differentiated (a bias used as a mask).
 
-  Returns:
-    ``(out, lse)``, differentiable w.r.t. q, k, v and bias. With dropout nothing is split (the
-    keep-mask hashes global batch and head indices): the call runs on the gathered inputs.
-  """
-  if args.has_dropout:
-    return _unsplit_vjp(args, forward, backward, skips_dbias)
-  B, T, N = args.q.shape[:3]
-  full = {"b": B, "t": T, "s": args.k.shape[1], "n": N}
-  present = [f for f in _OPTIONAL if getattr(args, f) is not None]
-  operands = [args.q, args.k, args.v] + [getattr(args, f) for f in present]
-  factors = [("b", "t", _HEADS, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "e")]
-  factors += [_factors(getattr(args, f), _OPTIONAL[f], full, f + "_") for f in present]
-  has_bias = args.bias is not None
-  diff = (0, 1, 2, 3) if has_bias else (0, 1, 2)
-  partial = {}
-  if has_bias:  # the gradient of a bias broadcast over the batch / heads sums over their shards
-    bf = factors[3]
-    partial[3] = tuple(p for p, d in (("b", 0), ("k", 1)) if bf[d] != _OPTIONAL["bias"][d])
+    Returns:
+      ``(out, lse)``, differentiable w.r.t. q, k, v and bias. With dropout nothing is split (the
+      keep-mask hashes global batch and head indices): the call runs on the gathered inputs.
+    """
+    if args.has_dropout:
+        return _unsplit_vjp(args, forward, backward, skips_dbias)
+    B, T, N = args.q.shape[:3]
+    full = {"b": B, "t": T, "s": args.k.shape[1], "n": N}
+    present = [f for f in _OPTIONAL if getattr(args, f) is not None]
+    operands = [args.q, args.k, args.v] + [getattr(args, f) for f in present]
+    factors = [("b", "t", _HEADS, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "e")]
+    factors += [_factors(getattr(args, f), _OPTIONAL[f], full, f + "_") for f in present]
+    has_bias = args.bias is not None
+    diff = (0, 1, 2, 3) if has_bias else (0, 1, 2)
+    partial = {}
+    if has_bias:  # the gradient of a bias broadcast over the batch / heads sums over their shards
+        bf = factors[3]
+        partial[3] = tuple(p for p, d in (("b", 0), ("k", 1)) if bf[d] != _OPTIONAL["bias"][d])
 
-  def rebuild(xs):
-    q, k, v, *rest = xs
-    return args.replace(q=q, k=k, v=v, **dict(zip(present, rest)))
+    def rebuild(xs):
+        q, k, v, *rest = xs
+        return args.replace(q=q, k=k, v=v, **dict(zip(present, rest)))
 
-  def fwd(*xs):
-    return tuple(forward(rebuild(xs)))
+    def fwd(*xs):
+        return tuple(forward(rebuild(xs)))
 
-  def bwd(*xs, skip=()):
-    *ins, out, lse, d_out, d_lse = xs
-    kw = dict(need_dbias=3 not in skip) if skips_dbias else {}
-    dq, dk, dv, dbias = backward(rebuild(ins), out, lse, d_out, d_lse, **kw)
-    return (dq, dk, dv, dbias) if has_bias else (dq, dk, dv)
+    def bwd(*xs, skip=()):
+        *ins, out, lse, d_out, d_lse = xs
+        kw = dict(need_dbias=3 not in skip) if skips_dbias else {}
+        dq, dk, dv, dbias = backward(rebuild(ins), out, lse, d_out, d_lse, **kw)
+        return (dq, dk, dv, dbias) if has_bias else (dq, dk, dv)
 
-  def bwd_math(*xs, skip=()):
-    """The backward in the math formulation (differentiable): second order differentiates this."""
-    *ins, _, _, d_out, d_lse = xs  # out and lse are recomputed, as functions of q, k, v (and bias)
-    dq, dk, dv, dbias = base.reference_vjp(rebuild(ins), d_out, d_lse)
-    return (dq, dk, dv, dbias) if has_bias else (dq, dk, dv)
+    def bwd_math(*xs, skip=()):
+        """The backward in the math formulation (differentiable): second order differentiates this."""
+        *ins, _, _, d_out, d_lse = xs  # out and lse are recomputed, as functions of q, k, v (and bias)
+        dq, dk, dv, dbias = base.reference_vjp(rebuild(ins), d_out, d_lse)
+        return (dq, dk, dv, dbias) if has_bias else (dq, dk, dv)
 
-  ring = None
-  if ring_supported(args):
-    ring = (("t", "s"), _fwd_ring(args, forward), _bwd_ring(args, backward))
-  call = partition.sharded_vjp(
-      fwd, bwd, in_factors=factors, out_factors=(("b", "t", _HEADS, "e"), ("b", _HEADS, "t")),
-      parallel=("b", "k"), diff=diff, grad_partial_sums=partial,
-      skippable=(3,) if has_bias and skips_dbias else (), ring=ring, bwd_derivative=bwd_math,
-      name=name)
-  return call(*operands)
+    ring = None
+    if ring_supported(args):
+        ring = (("t", "s"), _fwd_ring(args, forward), _bwd_ring(args, backward))
+    call = partition.sharded_vjp(
+        fwd,
+        bwd,
+        in_factors=factors,
+        out_factors=(("b", "t", _HEADS, "e"), ("b", _HEADS, "t")),
+        parallel=("b", "k"),
+        diff=diff,
+        grad_partial_sums=partial,
+        skippable=(3,) if has_bias and skips_dbias else (),
+        ring=ring,
+        bwd_derivative=bwd_math,
+        name=name,
+    )
+    return call(*operands)
 
 
 def _unsplit_vjp(args, forward, backward, skips_dbias):
-  """The same differentiable call with nothing split (dropout)."""
-  rest_fields = [f for f in (*_OPTIONAL, "dropout_rng") if f != "bias" and getattr(args, f) is not None]
+    """The same differentiable call with nothing split (dropout)."""
+    rest_fields = [f for f in (*_OPTIONAL, "dropout_rng") if f != "bias" and getattr(args, f) is not None]
 
-  def rebuild(q, k, v, bias, rest):
-    return args.replace(q=q, k=k, v=v, bias=bias, **dict(zip(rest_fields, rest)))
+    def rebuild(q, k, v, bias, rest):
+        return args.replace(q=q, k=k, v=v, bias=bias, **dict(zip(rest_fields, rest)))
 
-  def fast_backward(_, q, k, v, bias, rest, out, lse, g_out, g_lse):
-    kw = dict(need_dbias=bias is not None) if skips_dbias else {}
-    dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, rest), out, lse, g_out, g_lse, **kw)
-    if bias is not None and dbias is None:
-      dbias = jnp.zeros(bias.shape, bias.dtype)
-    return dq, dk, dv, dbias
+    def fast_backward(_, q, k, v, bias, rest, out, lse, g_out, g_lse):
+        kw = dict(need_dbias=bias is not None) if skips_dbias else {}
+        dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, rest), out, lse, g_out, g_lse, **kw)
+        if bias is not None and dbias is None:
+            dbias = jnp.zeros(bias.shape, bias.dtype)
+        return dq, dk, dv, dbias
 
-  # The backward with the math formulation as its derivative (second order).
-  backward_op = base.differentiable_backward(
-      fast_backward, lambda _, q, k, v, bias, rest: rebuild(q, k, v, bias, rest))
+    # The backward with the math formulation as its derivative (second order).
+    backward_op = base.differentiable_backward(
+        fast_backward, lambda _, q, k, v, bias, rest: rebuild(q, k, v, bias, rest)
+    )
 
-  @jax.custom_vjp
-  def f(q, k, v, bias, rest):
-    return tuple(forward(rebuild(q, k, v, bias, rest)))
+    @jax.custom_vjp
+    def f(q, k, v, bias, rest):
+        return tuple(forward(rebuild(q, k, v, bias, rest)))
 
-  def f_fwd(q, k, v, bias, rest):
-    outs = f(q, k, v, bias, rest)  # through f, so that this rule is differentiable again
-    return outs, (q, k, v, bias, rest, outs)
+    def f_fwd(q, k, v, bias, rest):
+        outs = f(q, k, v, bias, rest)  # through f, so that this rule is differentiable again
+        return outs, (q, k, v, bias, rest, outs)
 
-  def f_bwd(res, cts):
-    q, k, v, bias, rest, (out, lse) = res
-    dq, dk, dv, dbias = backward_op(None, q, k, v, bias, rest, out, lse, *cts)
-    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, rest)
+    def f_bwd(res, cts):
+        q, k, v, bias, rest, (out, lse) = res
+        dq, dk, dv, dbias = backward_op(None, q, k, v, bias, rest, out, lse, *cts)
+        return dq, dk, dv, dbias, jax.tree.map(lambda _: None, rest)
 
-  f.defvjp(f_fwd, f_bwd)
-  return f(args.q, args.k, args.v, args.bias, tuple(getattr(args, n) for n in rest_fields))
+    f.defvjp(f_fwd, f_bwd)
+    return f(args.q, args.k, args.v, args.bias, tuple(getattr(args, n) for n in rest_fields))
 
 
 # ---- sequence parallelism: a ring over the devices that split the sequence ------------------------
@@ -163,204 +174,238 @@ def _unsplit_vjp(args, forward, backward, skips_dbias):
 # (b < a: the kernel without the mask), diagonal (b == a: the causal kernel) or fully masked (b > a:
 # skipped), picked by lax.switch, so the kernel is compiled three times, not n.
 
+
 def ring_supported(args: base.AttentionArgs) -> bool:
-  """Whether a sequence-split call can run as a ring (else it is gathered along the sequence)."""
-  optional = any(getattr(args, f) is not None for f in _OPTIONAL)
-  return (not optional and not args.has_dropout and args.window is None
-          and args.q_len == args.kv_len and (not args.causal or args.diag_offset == 0))
+    """Whether a sequence-split call can run as a ring (else it is gathered along the sequence)."""
+    optional = any(getattr(args, f) is not None for f in _OPTIONAL)
+    return (
+        not optional
+        and not args.has_dropout
+        and args.window is None
+        and args.q_len == args.kv_len
+        and (not args.causal or args.diag_offset == 0)
+    )
 
 
 def _pair(args, a, b, run, zeros):
-  """``run`` for query block a against key block b of a causal call: full, diagonal or skipped."""
-  full = args.replace(causal=False)
-  case = jnp.where(b < a, 1, jnp.where(b == a, 2, 0))
-  return jax.lax.switch(case, [lambda: zeros, lambda: run(full), lambda: run(args)])
+    """``run`` for query block a against key block b of a causal call: full, diagonal or skipped."""
+    full = args.replace(causal=False)
+    case = jnp.where(b < a, 1, jnp.where(b == a, 2, 0))
+    return jax.lax.switch(case, [lambda: zeros, lambda: run(full), lambda: run(args)])
 
 
 def _owner(s, n):
-  """The device that holds half-chunk s in the zigzag layout."""
-  return s if s < n else 2 * n - 1 - s
+    """The device that holds half-chunk s in the zigzag layout."""
+    return s if s < n else 2 * n - 1 - s
 
 
 def _to_zigzag(x, axis, axes, n):
-  """Device d's chunk (half-chunks 2d, 2d+1 along ``axis``) -> half-chunks (d, 2n-1-d)."""
-  h0, h1 = jnp.split(x, 2, axis=axis)
-  even = jax.lax.ppermute(h0, axes, [(d, _owner(2 * d, n)) for d in range(n)])
-  odd = jax.lax.ppermute(h1, axes, [(d, _owner(2 * d + 1, n)) for d in range(n)])
-  first = jax.lax.axis_index(axes) % 2 == 0
-  return jnp.concatenate([jnp.where(first, even, odd), jnp.where(first, odd, even)], axis=axis)
+    """Device d's chunk (half-chunks 2d, 2d+1 along ``axis``) -> half-chunks (d, 2n-1-d)."""
+    h0, h1 = jnp.split(x, 2, axis=axis)
+    even = jax.lax.ppermute(h0, axes, [(d, _owner(2 * d, n)) for d in range(n)])
+    odd = jax.lax.ppermute(h1, axes, [(d, _owner(2 * d + 1, n)) for d in range(n)])
+    first = jax.lax.axis_index(axes) % 2 == 0
+    return jnp.concatenate([jnp.where(first, even, odd), jnp.where(first, odd, even)], axis=axis)
 
 
 def _from_zigzag(x, axis, axes, n):
-  """The inverse of :func:`_to_zigzag`."""
-  p0, p1 = jnp.split(x, 2, axis=axis)
-  first = jax.lax.axis_index(axes) % 2 == 0
-  h0 = jax.lax.ppermute(jnp.where(first, p0, p1), axes, [(_owner(2 * d, n), d) for d in range(n)])
-  h1 = jax.lax.ppermute(jnp.where(first, p1, p0), axes, [(_owner(2 * d + 1, n), d) for d in range(n)])
-  return jnp.concatenate([h0, h1], axis=axis)
+    """The inverse of :func:`_to_zigzag`."""
+    p0, p1 = jnp.split(x, 2, axis=axis)
+    first = jax.lax.axis_index(axes) % 2 == 0
+    h0 = jax.lax.ppermute(jnp.where(first, p0, p1), axes, [(_owner(2 * d, n), d) for d in range(n)])
+    h1 = jax.lax.ppermute(jnp.where(first, p1, p0), axes, [(_owner(2 * d + 1, n), d) for d in range(n)])
+    return jnp.concatenate([h0, h1], axis=axis)
 
 
 def _merge(acc, new):
-  """Two partial attention results over disjoint keys, combined by their log-sum-exp."""
-  (out, lse), (o, l) = acc, new
-  m = jnp.maximum(lse, l)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w_old, w_new = jnp.exp(lse - m), jnp.exp(l - m)
-  tot = w_old + w_new
-  safe = jnp.where(tot > 0, tot, 1.0)
-  w = lambda x: jnp.swapaxes(x / safe, 1, 2)[..., None]  # noqa: E731 - [B,N,T] -> [B,T,N,1]
-  return (out * w(w_old) + o.astype(jnp.float32) * w(w_new),
-          jnp.where(tot > 0, m + jnp.log(safe), -jnp.inf))
+    """Two partial attention results over disjoint keys, combined by their log-sum-exp."""
+    (out, lse), (o, l) = acc, new
+    m = jnp.maximum(lse, l)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_old, w_new = jnp.exp(lse - m), jnp.exp(l - m)
+    tot = w_old + w_new
+    safe = jnp.where(tot > 0, tot, 1.0)
+    w = lambda x: jnp.swapaxes(x / safe, 1, 2)[..., None]  # noqa: E731 - [B,N,T] -> [B,T,N,1]
+    return (
+        out * w(w_old) + o.astype(jnp.float32) * w(w_new),
+        jnp.where(tot > 0, m + jnp.log(safe), -jnp.inf),
+    )
 
 
 def _fits(args, n):
-  """The zigzag layout cuts each device's chunk in two: causal calls need an even chunk."""
-  return not args.causal or (args.q_len // n) % 2 == 0
+    """The zigzag layout cuts each device's chunk in two: causal calls need an even chunk."""
+    return not args.causal or (args.q_len // n) % 2 == 0
 
 
 def _fwd_ring(args, forward):
-  def make(axes, n):
-    if not _fits(args, n):
-      return None
-    perm = [(j, (j + 1) % n) for j in range(n)]
+    def make(axes, n):
+        if not _fits(args, n):
+            return None
+        perm = [(j, (j + 1) % n) for j in range(n)]
 
-    def run(q, k, v):
-      i = jax.lax.axis_index(axes)
-      if args.causal:
-        q, k, v = (_to_zigzag(x, 1, axes, n) for x in (q, k, v))
-      B, T, N, _ = q.shape
-      h = T // 2
+        def run(q, k, v):
+            i = jax.lax.axis_index(axes)
+            if args.causal:
+                q, k, v = (_to_zigzag(x, 1, axes, n) for x in (q, k, v))
+            B, T, N, _ = q.shape
+            h = T // 2
 
-      def empty(t):
-        return (jnp.zeros((B, t, N, v.shape[3]), jnp.float32), jnp.full((B, N, t), -jnp.inf, jnp.float32))
+            def empty(t):
+                return (
+                    jnp.zeros((B, t, N, v.shape[3]), jnp.float32),
+                    jnp.full((B, N, t), -jnp.inf, jnp.float32),
+                )
 
-      def call(a):
-        return tuple(forward(a))
+            def call(a):
+                return tuple(forward(a))
 
-      def step(carry, r):
-        acc, k, v = carry
-        j = (i - r) % n
-        if args.causal:  # query halves (i, 2n-1-i) against key halves (j, 2n-1-j)
-          qa, qb = q[:, :h], q[:, h:]
-          ka, kb, va, vb = k[:, :h], k[:, h:], v[:, :h], v[:, h:]
-          acc_a, acc_b = acc
-          acc_a = _merge(acc_a, _pair(args.replace(q=qa, k=ka, v=va), i, j, call, empty(h)))
-          acc_b = _merge(acc_b, call(args.replace(q=qb, k=ka, v=va, causal=False)))
-          acc_b = _merge(acc_b, _pair(args.replace(q=qb, k=kb, v=vb), 2 * n - 1 - i,
-                                      2 * n - 1 - j, call, empty(h)))
-          acc = (acc_a, acc_b)
-        else:
-          acc = _merge(acc, call(args.replace(q=q, k=k, v=v)))
-        k, v = jax.lax.ppermute((k, v), axes, perm)
-        return (acc, k, v), None
+            def step(carry, r):
+                acc, k, v = carry
+                j = (i - r) % n
+                if args.causal:  # query halves (i, 2n-1-i) against key halves (j, 2n-1-j)
+                    qa, qb = q[:, :h], q[:, h:]
+                    ka, kb, va, vb = k[:, :h], k[:, h:], v[:, :h], v[:, h:]
+                    acc_a, acc_b = acc
+                    acc_a = _merge(acc_a, _pair(args.replace(q=qa, k=ka, v=va), i, j, call, empty(h)))
+                    acc_b = _merge(acc_b, call(args.replace(q=qb, k=ka, v=va, causal=False)))
+                    acc_b = _merge(
+                        acc_b,
+                        _pair(args.replace(q=qb, k=kb, v=vb), 2 * n - 1 - i, 2 * n - 1 - j, call, empty(h)),
+                    )
+                    acc = (acc_a, acc_b)
+                else:
+                    acc = _merge(acc, call(args.replace(q=q, k=k, v=v)))
+                k, v = jax.lax.ppermute((k, v), axes, perm)
+                return (acc, k, v), None
 
-      init = (empty(h), empty(h)) if args.causal else empty(T)
-      (acc, _, _), _ = jax.lax.scan(step, (init, k, v), jnp.arange(n))
-      if args.causal:
-        (oa, la), (ob, lb) = acc
-        out, lse = jnp.concatenate([oa, ob], axis=1), jnp.concatenate([la, lb], axis=2)
-        out, lse = _from_zigzag(out, 1, axes, n), _from_zigzag(lse, 2, axes, n)
-      else:
-        out, lse = acc
-      return out.astype(q.dtype), lse
-    return run
-  return make
+            init = (empty(h), empty(h)) if args.causal else empty(T)
+            (acc, _, _), _ = jax.lax.scan(step, (init, k, v), jnp.arange(n))
+            if args.causal:
+                (oa, la), (ob, lb) = acc
+                out, lse = jnp.concatenate([oa, ob], axis=1), jnp.concatenate([la, lb], axis=2)
+                out, lse = _from_zigzag(out, 1, axes, n), _from_zigzag(lse, 2, axes, n)
+            else:
+                out, lse = acc
+            return out.astype(q.dtype), lse
+
+        return run
+
+    return make
 
 
 def _bwd_ring(args, backward):
-  def make(axes, n):
-    if not _fits(args, n):
-      return None
-    perm = [(j, (j + 1) % n) for j in range(n)]
+    def make(axes, n):
+        if not _fits(args, n):
+            return None
+        perm = [(j, (j + 1) % n) for j in range(n)]
 
-    def run(q, k, v, out, lse, d_out, d_lse):
-      i = jax.lax.axis_index(axes)
-      dtypes = (q.dtype, k.dtype, v.dtype)
-      if args.causal:
-        q, k, v, out, d_out = (_to_zigzag(x, 1, axes, n) for x in (q, k, v, out, d_out))
-        lse, d_lse = (_to_zigzag(x, 2, axes, n) for x in (lse, d_lse))
-      h = q.shape[1] // 2
-      f32 = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+        def run(q, k, v, out, lse, d_out, d_lse):
+            i = jax.lax.axis_index(axes)
+            dtypes = (q.dtype, k.dtype, v.dtype)
+            if args.causal:
+                q, k, v, out, d_out = (_to_zigzag(x, 1, axes, n) for x in (q, k, v, out, d_out))
+                lse, d_lse = (_to_zigzag(x, 2, axes, n) for x in (lse, d_lse))
+            h = q.shape[1] // 2
+            f32 = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
 
-      def grads(a):
-        return tuple(g.astype(jnp.float32) for g in backward(a, out, lse, d_out, d_lse)[:3])
+            def grads(a):
+                return tuple(g.astype(jnp.float32) for g in backward(a, out, lse, d_out, d_lse)[:3])
 
-      def step(carry, r):
-        dq, k, v, dk, dv = carry
-        j = (i - r) % n
-        if args.causal:
-          top, bot = (slice(None), slice(None, h)), (slice(None), slice(h, None))
-          top_l, bot_l = (slice(None), slice(None), slice(None, h)), (slice(None), slice(None), slice(h, None))
-          qa, qb = q[top], q[bot]
-          ka, kb, va, vb = k[top], k[bot], v[top], v[bot]
+            def step(carry, r):
+                dq, k, v, dk, dv = carry
+                j = (i - r) % n
+                if args.causal:
+                    top, bot = (slice(None), slice(None, h)), (slice(None), slice(h, None))
+                    top_l, bot_l = (
+                        (slice(None), slice(None), slice(None, h)),
+                        (slice(None), slice(None), slice(h, None)),
+                    )
+                    qa, qb = q[top], q[bot]
+                    ka, kb, va, vb = k[top], k[bot], v[top], v[bot]
 
-          def rows(sl, sl_l):
-            return lambda a: tuple(g.astype(jnp.float32) for g in backward(
-                a, out[sl], lse[sl_l], d_out[sl], d_lse[sl_l])[:3])
-          zeros = (f32(qa), f32(ka), f32(va))
-          g_aa = _pair(args.replace(q=qa, k=ka, v=va), i, j, rows(top, top_l), zeros)
-          g_ba = rows(bot, bot_l)(args.replace(q=qb, k=ka, v=va, causal=False))
-          g_bb = _pair(args.replace(q=qb, k=kb, v=vb), 2 * n - 1 - i, 2 * n - 1 - j,
-                       rows(bot, bot_l), zeros)
-          dq = dq + jnp.concatenate([g_aa[0], g_ba[0] + g_bb[0]], axis=1)
-          dk = dk + jnp.concatenate([g_aa[1] + g_ba[1], g_bb[1]], axis=1)
-          dv = dv + jnp.concatenate([g_aa[2] + g_ba[2], g_bb[2]], axis=1)
-        else:
-          g = grads(args.replace(q=q, k=k, v=v))
-          dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
-        k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axes, perm)
-        return (dq, k, v, dk, dv), None
+                    def rows(sl, sl_l):
+                        return lambda a: tuple(
+                            g.astype(jnp.float32)
+                            for g in backward(a, out[sl], lse[sl_l], d_out[sl], d_lse[sl_l])[:3]
+                        )
 
-      (dq, _, _, dk, dv), _ = jax.lax.scan(step, (f32(q), k, v, f32(k), f32(v)), jnp.arange(n))
-      if args.causal:
-        dq, dk, dv = (_from_zigzag(x, 1, axes, n) for x in (dq, dk, dv))
-      return tuple(x.astype(t) for x, t in zip((dq, dk, dv), dtypes))
-    return run
-  return make
+                    zeros = (f32(qa), f32(ka), f32(va))
+                    g_aa = _pair(args.replace(q=qa, k=ka, v=va), i, j, rows(top, top_l), zeros)
+                    g_ba = rows(bot, bot_l)(args.replace(q=qb, k=ka, v=va, causal=False))
+                    g_bb = _pair(
+                        args.replace(q=qb, k=kb, v=vb), 2 * n - 1 - i, 2 * n - 1 - j, rows(bot, bot_l), zeros
+                    )
+                    dq = dq + jnp.concatenate([g_aa[0], g_ba[0] + g_bb[0]], axis=1)
+                    dk = dk + jnp.concatenate([g_aa[1] + g_ba[1], g_bb[1]], axis=1)
+                    dv = dv + jnp.concatenate([g_aa[2] + g_ba[2], g_bb[2]], axis=1)
+                else:
+                    g = grads(args.replace(q=q, k=k, v=v))
+                    dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+                k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axes, perm)
+                return (dq, k, v, dk, dv), None
+
+            (dq, _, _, dk, dv), _ = jax.lax.scan(step, (f32(q), k, v, f32(k), f32(v)), jnp.arange(n))
+            if args.causal:
+                dq, dk, dv = (_from_zigzag(x, 1, axes, n) for x in (dq, dk, dv))
+            return tuple(x.astype(t) for x, t in zip((dq, dk, dv), dtypes))
+
+        return run
+
+    return make
 
 
 def plan(args: base.AttentionArgs, q_spec, k_spec, mesh_shape) -> str:
-  """How a call whose q / k arrive with PartitionSpecs ``q_spec`` / ``k_spec`` (BTNH order) over a
-  mesh of ``mesh_shape`` (axis name -> size) runs: what stays split, and whether a ring runs.
+    """How a call whose q / k arrive with PartitionSpecs ``q_spec`` / ``k_spec`` (BTNH order) over a
+    mesh of ``mesh_shape`` (axis name -> size) runs: what stays split, and whether a ring runs.
 
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from pallas_kernels.attention import base, sharded
-    >>> q = jnp.zeros((2, 64, 4, 16))
-    >>> sharded.plan(base.make_args(q, q, q, is_causal=True), P("b", "s"), P("b", "s"),
-    ...              {"b": 2, "s": 4})
-    'batch split over b (no collective); sequence split over s: a ring of 4 steps (causal: load-balanced zigzag)'
-  """
-  def axes(spec, dim):
-    entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from pallas_kernels.attention import base, sharded
+      >>> q = jnp.zeros((2, 64, 4, 16))
+      >>> sharded.plan(base.make_args(q, q, q, is_causal=True), P("b", "s"), P("b", "s"),
+      ...              {"b": 2, "s": 4})
+      'batch split over b (no collective); sequence split over s: a ring of 4 steps (causal: load-balanced zigzag)'
+    """
 
-  def size(ax):
-    out = 1
-    for a in ax:
-      out *= mesh_shape[a]
-    return out
+    def axes(spec, dim):
+        entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
+        return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
-  parts = []
-  b = axes(q_spec, 0)
-  if b:
-    parts.append(f"batch split over {'+'.join(b)} (no collective)" if args.batch % size(b) == 0
-                 else f"batch split over {'+'.join(b)} does not divide {args.batch}: gathered")
-  h = axes(k_spec, 2) or axes(q_spec, 2)
-  if h:
-    parts.append(f"kv heads split over {'+'.join(h)} (no collective)"
-                 if args.num_kv_heads % size(h) == 0 else
-                 f"heads split over {'+'.join(h)} do not keep whole kv-head groups "
-                 f"({args.num_kv_heads} kv heads): gathered")
-  t = axes(q_spec, 1)
-  if t:
-    n = size(t)
-    if not ring_supported(args) or args.q_len % n or not _fits(args, n):
-      parts.append(f"sequence split over {'+'.join(t)}: gathered along the sequence (the ring needs "
-                   "T == S, no bias / mask / lengths / segment ids / window / dropout / off-diagonal "
-                   "causal offset, and equal, for causal even, chunks)")
-    else:
-      parts.append(f"sequence split over {'+'.join(t)}: a ring of {n} steps"
-                   + (" (causal: load-balanced zigzag)" if args.causal else ""))
-  return "; ".join(parts) if parts else "not split"
+    def size(ax):
+        out = 1
+        for a in ax:
+            out *= mesh_shape[a]
+        return out
+
+    parts = []
+    b = axes(q_spec, 0)
+    if b:
+        parts.append(
+            f"batch split over {'+'.join(b)} (no collective)"
+            if args.batch % size(b) == 0
+            else f"batch split over {'+'.join(b)} does not divide {args.batch}: gathered"
+        )
+    h = axes(k_spec, 2) or axes(q_spec, 2)
+    if h:
+        parts.append(
+            f"kv heads split over {'+'.join(h)} (no collective)"
+            if args.num_kv_heads % size(h) == 0
+            else f"heads split over {'+'.join(h)} do not keep whole kv-head groups "
+            f"({args.num_kv_heads} kv heads): gathered"
+        )
+    t = axes(q_spec, 1)
+    if t:
+        n = size(t)
+        if not ring_supported(args) or args.q_len % n or not _fits(args, n):
+            parts.append(
+                f"sequence split over {'+'.join(t)}: gathered along the sequence (the ring needs "
+                "T == S, no bias / mask / lengths / segment ids / window / dropout / off-diagonal "
+                "causal offset, and equal, for causal even, chunks)"
+            )
+        else:
+            parts.append(
+                f"sequence split over {'+'.join(t)}: a ring of {n} steps"
+                + (" (causal: load-balanced zigzag)" if args.causal else "")
+            )
+    return "; ".join(parts) if parts else "not split"

@@ -7,6 +7,7 @@ Triton ``pallas_call`` (:func:`triton_call`) and the constraints every kernel ha
 Used by :mod:`triton_flash`, :mod:`triton_flash_vjp`, :mod:`triton_decode` and
 :mod:`triton_mem_efficient`; imports none of them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,303 +40,338 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tile sizes and launch parameters of the forward kernel.
+    """Tile sizes and launch parameters of the forward kernel.
 
-  Attributes:
-    block_q: query rows per program (power of two >= 16; shrunk to the sequence when shorter).
-    block_k: keys per inner step (power of two >= 16).
-    num_warps: Triton warps per program.
-    num_stages: Triton software-pipelining stages of the key loop.
-  """
-  block_q: int = 128
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
+    Attributes:
+      block_q: query rows per program (power of two >= 16; shrunk to the sequence when shorter).
+      block_k: keys per inner step (power of two >= 16).
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining stages of the key loop.
+    """
 
-  def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 16 or v & (v - 1):
-        raise ValueError(f"Config.{name} must be a power of two >= 16; got {name}={v!r}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"Config.num_warps must be one of 1, 2, 4, 8, 16; got {self.num_warps=}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"Config.num_stages must be an int >= 1; got {self.num_stages=}")
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"Config.{name} must be a power of two >= 16; got {name}={v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Config.num_warps must be one of 1, 2, 4, 8, 16; got {self.num_warps=}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"Config.num_stages must be an int >= 1; got {self.num_stages=}")
 
 
 def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[int] = None) -> Config:
-  """A sensible forward :class:`Config` by head dim, dtype and GPU generation.
+    """A sensible forward :class:`Config` by head dim, dtype and GPU generation.
 
-  Args:
-    head_dim: the (unpadded) query/key head dim.
-    dtype: input dtype; float32 tiles take twice the shared memory, so they get smaller blocks.
-    compute_capability: e.g. 75 (T4), 80 (A100), 90 (H100); None means "Ampere or newer".
+    Args:
+      head_dim: the (unpadded) query/key head dim.
+      dtype: input dtype; float32 tiles take twice the shared memory, so they get smaller blocks.
+      compute_capability: e.g. 75 (T4), 80 (A100), 90 (H100); None means "Ampere or newer".
 
-  Example:
-    >>> from pallas_kernels.attention import flash
-    >>> flash.heuristics(64).block_q
-    128
-  """
-  cc = 80 if compute_capability is None else compute_capability
-  hp = pad_dim(head_dim)
-  wide = jnp.dtype(dtype).itemsize >= 4
-  if cc < 80:  # Turing: 64 KiB shared memory, no async copies.
-    if hp > 128 and wide:
-      return Config(block_q=32, block_k=16, num_warps=4, num_stages=1)
-    return Config(block_q=64, block_k=32 if hp > 64 or wide else 64, num_warps=4, num_stages=1)
-  if hp <= 64:
-    return Config(block_q=128, block_k=64 if wide else 128, num_warps=4,
-                  num_stages=3 if cc >= 90 else 2)
-  if hp <= 128:
-    return Config(block_q=128, block_k=32 if wide else 64, num_warps=8 if cc >= 90 else 4,
-                  num_stages=2)
-  if wide:  # float32 at head dim 256: 1 KiB per row
-    return Config(block_q=32, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
-  return Config(block_q=64, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
+    Example:
+      >>> from pallas_kernels.attention import flash
+      >>> flash.heuristics(64).block_q
+      128
+    """
+    cc = 80 if compute_capability is None else compute_capability
+    hp = pad_dim(head_dim)
+    wide = jnp.dtype(dtype).itemsize >= 4
+    if cc < 80:  # Turing: 64 KiB shared memory, no async copies.
+        if hp > 128 and wide:
+            return Config(block_q=32, block_k=16, num_warps=4, num_stages=1)
+        return Config(block_q=64, block_k=32 if hp > 64 or wide else 64, num_warps=4, num_stages=1)
+    if hp <= 64:
+        return Config(block_q=128, block_k=64 if wide else 128, num_warps=4, num_stages=3 if cc >= 90 else 2)
+    if hp <= 128:
+        return Config(block_q=128, block_k=32 if wide else 64, num_warps=8 if cc >= 90 else 4, num_stages=2)
+    if wide:  # float32 at head dim 256: 1 KiB per row
+        return Config(block_q=32, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
+    return Config(block_q=64, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=None)
 def local_compute_capability() -> Optional[int]:
-  """Compute capability of the GPU being lowered for (e.g. 90): see :func:`pallas_kernels.gpu.compute_capability`."""
-  return gpu.compute_capability()
+    """Compute capability of the GPU being lowered for (e.g. 90): see :func:`pallas_kernels.gpu.compute_capability`."""
+    return gpu.compute_capability()
 
 
 def pad_dim(h: int) -> int:
-  return max(16, pl.next_power_of_2(h))
+    return max(16, pl.next_power_of_2(h))
 
 
 def block(requested: int, length: int) -> int:
-  """The block size actually used: ``requested``, shrunk for short sequences (>= 16 for ``dot``)."""
-  return min(requested, max(16, pl.next_power_of_2(length)))
+    """The block size actually used: ``requested``, shrunk for short sequences (>= 16 for ``dot``)."""
+    return min(requested, max(16, pl.next_power_of_2(length)))
 
 
 # ----------------------------------------------------------------------------------------------
 # Static description of a call, shared by the forward, backward and decode kernels.
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """Everything static a kernel body needs (hashable; derived from :class:`base.AttentionArgs`)."""
-  B: int
-  T: int
-  S: int
-  N: int
-  K: int
-  H: int
-  Hv: int
-  scale: float
-  causal: bool
-  diag_offset: int
-  window: Optional[Tuple[int, int]]
-  softcap: Optional[float]
-  dropout_rate: float
-  has_q_len: bool
-  has_kv_len: bool
-  has_segments: bool
-  bias_shape: Optional[Tuple[int, int, int, int]]
-  mask_shape: Optional[Tuple[int, int, int, int]]
-  allow_tf32: bool
+    """Everything static a kernel body needs (hashable; derived from :class:`base.AttentionArgs`)."""
 
-  @property
-  def G(self) -> int:
-    return self.N // self.K
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hv: int
+    scale: float
+    causal: bool
+    diag_offset: int
+    window: Optional[Tuple[int, int]]
+    softcap: Optional[float]
+    dropout_rate: float
+    has_q_len: bool
+    has_kv_len: bool
+    has_segments: bool
+    bias_shape: Optional[Tuple[int, int, int, int]]
+    mask_shape: Optional[Tuple[int, int, int, int]]
+    allow_tf32: bool
 
-  @property
-  def Hp(self) -> int:
-    return pad_dim(self.H)
+    @property
+    def G(self) -> int:
+        return self.N // self.K
 
-  @property
-  def Hvp(self) -> int:
-    return pad_dim(self.Hv)
+    @property
+    def Hp(self) -> int:
+        return pad_dim(self.H)
 
-  @property
-  def precision(self):
-    return lax.Precision.HIGH if self.allow_tf32 else None
+    @property
+    def Hvp(self) -> int:
+        return pad_dim(self.Hv)
 
-  @property
-  def keep_scale(self) -> float:
-    return 1.0 / (1.0 - self.dropout_rate)
+    @property
+    def precision(self):
+        return lax.Precision.HIGH if self.allow_tf32 else None
 
-  @property
-  def dropout_threshold(self) -> int:
-    return base.dropout_threshold(self.dropout_rate)
+    @property
+    def keep_scale(self) -> float:
+        return 1.0 / (1.0 - self.dropout_rate)
+
+    @property
+    def dropout_threshold(self) -> int:
+        return base.dropout_threshold(self.dropout_rate)
 
 
 def make_spec(args: base.AttentionArgs, *, allow_tf32: bool = False) -> Spec:
-  return Spec(
-      B=args.batch, T=args.q_len, S=args.kv_len, N=args.num_heads, K=args.num_kv_heads,
-      H=args.head_dim, Hv=args.v_head_dim, scale=args.scale, causal=args.causal,
-      diag_offset=args.diag_offset, window=args.window, softcap=args.logits_soft_cap,
-      dropout_rate=args.dropout_rate, has_q_len=args.q_seq_lengths is not None,
-      has_kv_len=args.kv_seq_lengths is not None, has_segments=args.q_segment_ids is not None,
-      bias_shape=None if args.bias is None else tuple(args.bias.shape),
-      mask_shape=None if args.mask is None else tuple(args.mask.shape),
-      allow_tf32=bool(allow_tf32 and args.dtype == jnp.float32))
+    return Spec(
+        B=args.batch,
+        T=args.q_len,
+        S=args.kv_len,
+        N=args.num_heads,
+        K=args.num_kv_heads,
+        H=args.head_dim,
+        Hv=args.v_head_dim,
+        scale=args.scale,
+        causal=args.causal,
+        diag_offset=args.diag_offset,
+        window=args.window,
+        softcap=args.logits_soft_cap,
+        dropout_rate=args.dropout_rate,
+        has_q_len=args.q_seq_lengths is not None,
+        has_kv_len=args.kv_seq_lengths is not None,
+        has_segments=args.q_segment_ids is not None,
+        bias_shape=None if args.bias is None else tuple(args.bias.shape),
+        mask_shape=None if args.mask is None else tuple(args.mask.shape),
+        allow_tf32=bool(allow_tf32 and args.dtype == jnp.float32),
+    )
 
 
 def dropout_seed_words(args: base.AttentionArgs):
-  """``uint32[2]`` seed words for the in-kernel keep-mask (None without dropout)."""
-  return base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)) if args.has_dropout else None
+    """``uint32[2]`` seed words for the in-kernel keep-mask (None without dropout)."""
+    return base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)) if args.has_dropout else None
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel-body helpers (plain jnp on tiles; shared with triton_flash_vjp / triton_mem_efficient / triton_decode).
 # ----------------------------------------------------------------------------------------------
 
+
 def load_scalar(ref):
-  """A scalar from a 0-d ref (``None`` when the ref is absent)."""
-  return None if ref is None else ref[...]
+    """A scalar from a 0-d ref (``None`` when the ref is absent)."""
+    return None if ref is None else ref[...]
 
 
 def _at(ref, head, *idx):
-  return ref.at[idx] if head is None else ref.at[(head, *idx)]
+    return ref.at[idx] if head is None else ref.at[(head, *idx)]
 
 
 def load_rows(ref, start, size: int, limit: int, *, other, head=None):
-  """``ref[start:start+size]`` of a 1-D ref (``ref[head, ...]`` of a 2-D one), masked past ``limit``."""
-  idx = start + jnp.arange(size, dtype=jnp.int32)
-  return plgpu.load(_at(ref, head, pl.ds(start, size)), mask=idx < limit, other=other)
+    """``ref[start:start+size]`` of a 1-D ref (``ref[head, ...]`` of a 2-D one), masked past ``limit``."""
+    idx = start + jnp.arange(size, dtype=jnp.int32)
+    return plgpu.load(_at(ref, head, pl.ds(start, size)), mask=idx < limit, other=other)
 
 
 def _tile_index(ref, start, size, head):
-  """``ref[start:start+size, :]`` of ``[L, dim]``, or ``ref[start:start+size, head, :]`` of ``[L, G, dim]``."""
-  if head is None:
-    return ref.at[pl.ds(start, size), :]
-  return ref.at[pl.ds(start, size), head, :]
+    """``ref[start:start+size, :]`` of ``[L, dim]``, or ``ref[start:start+size, head, :]`` of ``[L, G, dim]``."""
+    if head is None:
+        return ref.at[pl.ds(start, size), :]
+    return ref.at[pl.ds(start, size), head, :]
 
 
 def load_tile(ref, start, size: int, limit: int, dim: int, dim_p: int, *, ragged: bool, head=None):
-  """A ``[size, dim_p]`` tile of a ``[L, dim]`` ref at rows ``start``: zero past ``limit`` / ``dim``."""
-  rows = start + jnp.arange(size, dtype=jnp.int32)
-  cols = jnp.arange(dim_p, dtype=jnp.int32)
-  mask = None
-  if ragged:
-    mask = (rows < limit)[:, None]
-  if dim != dim_p:
-    cm = (cols < dim)[None, :]
-    mask = cm if mask is None else mask & cm
-  if mask is not None and mask.shape != (size, dim_p):
-    mask = jnp.broadcast_to(mask, (size, dim_p))
-  ref = _tile_index(ref, start, size, head)
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=0)
+    """A ``[size, dim_p]`` tile of a ``[L, dim]`` ref at rows ``start``: zero past ``limit`` / ``dim``."""
+    rows = start + jnp.arange(size, dtype=jnp.int32)
+    cols = jnp.arange(dim_p, dtype=jnp.int32)
+    mask = None
+    if ragged:
+        mask = (rows < limit)[:, None]
+    if dim != dim_p:
+        cm = (cols < dim)[None, :]
+        mask = cm if mask is None else mask & cm
+    if mask is not None and mask.shape != (size, dim_p):
+        mask = jnp.broadcast_to(mask, (size, dim_p))
+    ref = _tile_index(ref, start, size, head)
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=0)
 
 
 def store_tile(ref, value, start, size: int, limit: int, dim: int, *, ragged: bool, head=None):
-  """Stores ``value [size, dim_p]`` to a ``[L, dim]`` ref at rows ``start``, masked like :func:`load_tile`."""
-  dim_p = value.shape[1]
-  rows = start + jnp.arange(size, dtype=jnp.int32)
-  cols = jnp.arange(dim_p, dtype=jnp.int32)
-  mask = None
-  if ragged:
-    mask = (rows < limit)[:, None]
-  if dim != dim_p:
-    cm = (cols < dim)[None, :]
-    mask = cm if mask is None else mask & cm
-  if mask is not None and mask.shape != (size, dim_p):
-    mask = jnp.broadcast_to(mask, (size, dim_p))
-  ref = _tile_index(ref, start, size, head)
-  plgpu.store(ref, value.astype(ref.dtype), mask=mask)
+    """Stores ``value [size, dim_p]`` to a ``[L, dim]`` ref at rows ``start``, masked like :func:`load_tile`."""
+    dim_p = value.shape[1]
+    rows = start + jnp.arange(size, dtype=jnp.int32)
+    cols = jnp.arange(dim_p, dtype=jnp.int32)
+    mask = None
+    if ragged:
+        mask = (rows < limit)[:, None]
+    if dim != dim_p:
+        cm = (cols < dim)[None, :]
+        mask = cm if mask is None else mask & cm
+    if mask is not None and mask.shape != (size, dim_p):
+        mask = jnp.broadcast_to(mask, (size, dim_p))
+    ref = _tile_index(ref, start, size, head)
+    plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
 
-def load_bias_like(ref, shape4, spec: Spec, q_start, block_q: int, k_start, block_k: int, *,
-                   other, head=None):
-  """A bias / mask tile for rows ``[q_start, +block_q)`` x keys ``[k_start, +block_k)``.
+def load_bias_like(
+    ref, shape4, spec: Spec, q_start, block_q: int, k_start, block_k: int, *, other, head=None
+):
+    """A bias / mask tile for rows ``[q_start, +block_q)`` x keys ``[k_start, +block_k)``.
 
-  ``ref`` is the ``[T_b, S_b]`` view (``T_b``/``S_b`` either full or 1: broadcast dims are read once
-  and broadcast on chip). Returns ``[block_q or 1, block_k or 1]``.
-  """
-  _, _, tb, sb = shape4
-  rq = block_q if tb != 1 else 1
-  rk = block_k if sb != 1 else 1
-  r0 = q_start if tb != 1 else 0
-  c0 = k_start if sb != 1 else 0
-  rows = r0 + jnp.arange(rq, dtype=jnp.int32)
-  cols = c0 + jnp.arange(rk, dtype=jnp.int32)
-  mask = (rows < tb)[:, None] & (cols < sb)[None, :]
-  return plgpu.load(_at(ref, head, pl.ds(r0, rq), pl.ds(c0, rk)), mask=mask, other=other)
+    ``ref`` is the ``[T_b, S_b]`` view (``T_b``/``S_b`` either full or 1: broadcast dims are read once
+    and broadcast on chip). Returns ``[block_q or 1, block_k or 1]``.
+    """
+    _, _, tb, sb = shape4
+    rq = block_q if tb != 1 else 1
+    rk = block_k if sb != 1 else 1
+    r0 = q_start if tb != 1 else 0
+    c0 = k_start if sb != 1 else 0
+    rows = r0 + jnp.arange(rq, dtype=jnp.int32)
+    cols = c0 + jnp.arange(rk, dtype=jnp.int32)
+    mask = (rows < tb)[:, None] & (cols < sb)[None, :]
+    return plgpu.load(_at(ref, head, pl.ds(r0, rq), pl.ds(c0, rk)), mask=mask, other=other)
 
 
-def logits_mask(spec: Spec, rows, cols, *, q_len=None, kv_len=None, q_seg=None, kv_seg=None,
-                mask_tile=None, force_bounds: bool = False, key_bounds: bool = True):
-  """The "attend" mask of a ``[bq, bk]`` tile (None when nothing masks).
+def logits_mask(
+    spec: Spec,
+    rows,
+    cols,
+    *,
+    q_len=None,
+    kv_len=None,
+    q_seg=None,
+    kv_seg=None,
+    mask_tile=None,
+    force_bounds: bool = False,
+    key_bounds: bool = True,
+):
+    """The "attend" mask of a ``[bq, bk]`` tile (None when nothing masks).
 
-  ``rows [bq, 1]`` / ``cols [1, bk]`` are global indices. Keys ``>= S`` are always masked when the
-  tile can reach past ``S``; queries ``>= T`` too when ``force_bounds`` (backward pass).
-  """
-  m = base.index_mask(rows, cols, causal=spec.causal, diag_offset=spec.diag_offset,
-                      window=spec.window, q_len=q_len, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+    ``rows [bq, 1]`` / ``cols [1, bk]`` are global indices. Keys ``>= S`` are always masked when the
+    tile can reach past ``S``; queries ``>= T`` too when ``force_bounds`` (backward pass).
+    """
+    m = base.index_mask(
+        rows,
+        cols,
+        causal=spec.causal,
+        diag_offset=spec.diag_offset,
+        window=spec.window,
+        q_len=q_len,
+        kv_len=kv_len,
+        q_seg=q_seg,
+        kv_seg=kv_seg,
+    )
 
-  def _and(a, b):
-    return b if a is None else a & b
+    def _and(a, b):
+        return b if a is None else a & b
 
-  if key_bounds:
-    m = _and(m, cols < spec.S)
-  if force_bounds:
-    m = _and(m, rows < spec.T)
-  if mask_tile is not None:
-    m = _and(m, mask_tile)
-  return m
+    if key_bounds:
+        m = _and(m, cols < spec.S)
+    if force_bounds:
+        m = _and(m, rows < spec.T)
+    if mask_tile is not None:
+        m = _and(m, mask_tile)
+    return m
 
 
 def scores(spec: Spec, q, k, rows, cols, *, bias_tile=None, mask=None):
-  """Scaled, soft-capped, biased and masked logits ``[bq, bk]`` (float32) and ``tanh`` (softcap).
+    """Scaled, soft-capped, biased and masked logits ``[bq, bk]`` (float32) and ``tanh`` (softcap).
 
-  Returns ``(s, t)`` with ``t = tanh(x / cap)`` (None without softcap) for the backward chain rule.
-  """
-  del rows, cols
-  s = plgpu.dot(q, k, trans_b=True, precision=spec.precision) * spec.scale
-  t = None
-  if spec.softcap is not None:
-    t = jnp.tanh(s * (1.0 / spec.softcap))
-    s = spec.softcap * t
-  if bias_tile is not None:
-    s = s + bias_tile.astype(jnp.float32)
-  if mask is not None:
-    s = jnp.where(mask, s, -jnp.inf)
-  return s, t
+    Returns ``(s, t)`` with ``t = tanh(x / cap)`` (None without softcap) for the backward chain rule.
+    """
+    del rows, cols
+    s = plgpu.dot(q, k, trans_b=True, precision=spec.precision) * spec.scale
+    t = None
+    if spec.softcap is not None:
+        t = jnp.tanh(s * (1.0 / spec.softcap))
+        s = spec.softcap * t
+    if bias_tile is not None:
+        s = s + bias_tile.astype(jnp.float32)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    return s, t
 
 
 def dropout_keep(spec: Spec, seed_ref, b, n, rows, cols):
-  """Keep bits of a ``[bq, bk]`` tile: :func:`base.dropout_keep_from_seed` on global indices."""
-  return base.dropout_keep_from_seed(seed_ref[0], seed_ref[1], b, n, rows, cols,
-                                     spec.dropout_threshold)
+    """Keep bits of a ``[bq, bk]`` tile: :func:`base.dropout_keep_from_seed` on global indices."""
+    return base.dropout_keep_from_seed(seed_ref[0], seed_ref[1], b, n, rows, cols, spec.dropout_threshold)
 
 
 def key_block_range(spec: Spec, q_start, q_stop, block_k: int, *, q_len=None, kv_len=None):
-  """Key blocks ``[lo, hi)`` that query rows ``[q_start, q_stop)`` may attend to (block skipping)."""
-  lo, hi = base.key_range(q_start, q_stop, spec.S, causal=spec.causal,
-                          diag_offset=spec.diag_offset, window=spec.window)
-  if kv_len is not None:
-    hi = jnp.minimum(hi, kv_len)
-  if q_len is not None:
-    hi = jnp.where(q_start >= q_len, 0, hi)
-  return block_range(lo, hi, block_k)
+    """Key blocks ``[lo, hi)`` that query rows ``[q_start, q_stop)`` may attend to (block skipping)."""
+    lo, hi = base.key_range(
+        q_start, q_stop, spec.S, causal=spec.causal, diag_offset=spec.diag_offset, window=spec.window
+    )
+    if kv_len is not None:
+        hi = jnp.minimum(hi, kv_len)
+    if q_len is not None:
+        hi = jnp.where(q_start >= q_len, 0, hi)
+    return block_range(lo, hi, block_k)
 
 
 def query_block_range(spec: Spec, k_start, k_stop, block_q: int, *, q_len=None, kv_len=None):
-  """Query blocks ``[lo, hi)`` whose rows may attend to keys ``[k_start, k_stop)``."""
-  d = spec.diag_offset
-  lo, hi = jnp.int32(0), jnp.int32(spec.T)
-  if spec.causal:
-    lo = jnp.maximum(lo, k_start - d)
-  if spec.window is not None:
-    left, right = spec.window
-    lo = jnp.maximum(lo, k_start - d - right)
-    hi = jnp.minimum(hi, k_stop - d + left)
-  if q_len is not None:
-    hi = jnp.minimum(hi, q_len)
-  if kv_len is not None:
-    hi = jnp.where(k_start >= kv_len, 0, hi)
-  lo = jnp.clip(lo, 0, spec.T)
-  return block_range(lo, hi, block_q)
+    """Query blocks ``[lo, hi)`` whose rows may attend to keys ``[k_start, k_stop)``."""
+    d = spec.diag_offset
+    lo, hi = jnp.int32(0), jnp.int32(spec.T)
+    if spec.causal:
+        lo = jnp.maximum(lo, k_start - d)
+    if spec.window is not None:
+        left, right = spec.window
+        lo = jnp.maximum(lo, k_start - d - right)
+        hi = jnp.minimum(hi, k_stop - d + left)
+    if q_len is not None:
+        hi = jnp.minimum(hi, q_len)
+    if kv_len is not None:
+        hi = jnp.where(k_start >= kv_len, 0, hi)
+    lo = jnp.clip(lo, 0, spec.T)
+    return block_range(lo, hi, block_q)
 
 
 def block_range(lo, hi, block: int):
-  """Blocks ``[lo // block, cdiv(hi, block))`` covering ``[lo, hi)``; empty when ``hi <= lo``."""
-  first = lo // block
-  return first, jnp.where(hi > lo, (hi + block - 1) // block, first)
+    """Blocks ``[lo // block, cdiv(hi, block))`` covering ``[lo, hi)``; empty when ``hi <= lo``."""
+    first = lo // block
+    return first, jnp.where(hi > lo, (hi + block - 1) // block, first)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,93 +391,100 @@ _gpu_call_p.multiple_results = True
 
 
 def _gpu_call_impl(*args, gpu, cpu):
-  del cpu
-  return jex_core.jaxpr_as_fun(gpu)(*args)
+    del cpu
+    return jex_core.jaxpr_as_fun(gpu)(*args)
 
 
 def _gpu_call_abstract_eval(*avals, gpu, cpu):
-  del avals, cpu
-  return list(gpu.out_avals)
+    del avals, cpu
+    return list(gpu.out_avals)
 
 
 def _gpu_call_lower_gpu(ctx, *args, gpu, cpu):
-  del cpu
-  return mlir.lower_fun(jex_core.jaxpr_as_fun(gpu), multiple_results=True)(ctx, *args)
+    del cpu
+    return mlir.lower_fun(jex_core.jaxpr_as_fun(gpu), multiple_results=True)(ctx, *args)
 
 
 def _gpu_call_lower_other(ctx, *args, gpu, cpu):
-  del gpu
-  platforms = ctx.platforms or ctx.module_context.platforms
-  if len(ctx.module_context.platforms) == 1:
-    raise ValueError(f"the Pallas Triton attention kernels lower for CUDA only, not for "
-                     f"{tuple(platforms)}; pass interpret=True (testing) or use the XLA backend")
-  return mlir.lower_fun(jex_core.jaxpr_as_fun(cpu), multiple_results=True)(ctx, *args)
+    del gpu
+    platforms = ctx.platforms or ctx.module_context.platforms
+    if len(ctx.module_context.platforms) == 1:
+        raise ValueError(
+            f"the Pallas Triton attention kernels lower for CUDA only, not for "
+            f"{tuple(platforms)}; pass interpret=True (testing) or use the XLA backend"
+        )
+    return mlir.lower_fun(jex_core.jaxpr_as_fun(cpu), multiple_results=True)(ctx, *args)
 
 
 def _gpu_call_batch(args, dims, *, gpu, cpu):
-  axes = [d if isinstance(d, int) else None for d in dims]  # not-mapped dims are None here
-  fg = jax.vmap(jex_core.jaxpr_as_fun(gpu), in_axes=axes)
-  fc = jax.vmap(jex_core.jaxpr_as_fun(cpu), in_axes=axes)
-  outs = _bind_gpu_call(fg, fc, args)
-  return outs, [0] * len(outs)
+    axes = [d if isinstance(d, int) else None for d in dims]  # not-mapped dims are None here
+    fg = jax.vmap(jex_core.jaxpr_as_fun(gpu), in_axes=axes)
+    fc = jax.vmap(jex_core.jaxpr_as_fun(cpu), in_axes=axes)
+    outs = _bind_gpu_call(fg, fc, args)
+    return outs, [0] * len(outs)
 
 
 def _bind_gpu_call(fn_gpu, fn_cpu, leaves):
-  gpu = jax.make_jaxpr(lambda *a: tuple(fn_gpu(*a)))(*leaves)
-  cpu = jax.make_jaxpr(lambda *a: tuple(fn_cpu(*a)))(*leaves)
-  return _gpu_call_p.bind(*leaves, gpu=gpu, cpu=cpu)
+    gpu = jax.make_jaxpr(lambda *a: tuple(fn_gpu(*a)))(*leaves)
+    cpu = jax.make_jaxpr(lambda *a: tuple(fn_cpu(*a)))(*leaves)
+    return _gpu_call_p.bind(*leaves, gpu=gpu, cpu=cpu)
 
 
 _gpu_call_p.def_impl(_gpu_call_impl)
 _gpu_call_p.def_abstract_eval(_gpu_call_abstract_eval)
 mlir.register_lowering(_gpu_call_p, _gpu_call_lower_other)
 for _p in ("cuda", "rocm"):
-  mlir.register_lowering(_gpu_call_p, _gpu_call_lower_gpu, platform=_p)
+    mlir.register_lowering(_gpu_call_p, _gpu_call_lower_gpu, platform=_p)
 batching.primitive_batchers[_gpu_call_p] = _gpu_call_batch
 
 
 def triton_call(make_call: Callable, operands: tuple, *, interpret: bool):
-  """Runs ``make_call(interpret)(*operands)`` (a ``pl.pallas_call``; ``None`` operands allowed).
+    """Runs ``make_call(interpret)(*operands)`` (a ``pl.pallas_call``; ``None`` operands allowed).
 
-  With ``interpret=False`` the call is wrapped so that it also lowers inside a multi-platform
-  (e.g. ``platforms=("cpu", "cuda")``) export; see the comment above.
-  """
-  if interpret:
-    return make_call(True)(*operands)
-  leaves, tree = jax.tree.flatten(operands)
-  out_tree = jax.tree.structure(jax.eval_shape(lambda *a: make_call(False)(
-      *jax.tree.unflatten(tree, a)), *leaves))
+    With ``interpret=False`` the call is wrapped so that it also lowers inside a multi-platform
+    (e.g. ``platforms=("cpu", "cuda")``) export; see the comment above.
+    """
+    if interpret:
+        return make_call(True)(*operands)
+    leaves, tree = jax.tree.flatten(operands)
+    out_tree = jax.tree.structure(
+        jax.eval_shape(lambda *a: make_call(False)(*jax.tree.unflatten(tree, a)), *leaves)
+    )
 
-  def flat(interp):
-    return lambda *a: jax.tree.leaves(make_call(interp)(*jax.tree.unflatten(tree, a)))
+    def flat(interp):
+        return lambda *a: jax.tree.leaves(make_call(interp)(*jax.tree.unflatten(tree, a)))
 
-  outs = _bind_gpu_call(flat(False), flat(True), leaves)
-  return jax.tree.unflatten(out_tree, outs)
+    outs = _bind_gpu_call(flat(False), flat(True), leaves)
+    return jax.tree.unflatten(out_tree, outs)
 
 
 def common_unsupported(args: base.AttentionArgs, platform: str) -> list:
-  """Constraints shared by every Pallas Triton kernel here (forward and backward alike)."""
-  reasons = []
-  if platform not in GPU_PLATFORMS:
-    reasons.append(f"Pallas Triton kernels need a CUDA GPU; {platform=} (use interpret=True "
-                   "only for testing)")
-  if jnp.dtype(args.dtype) not in _KERNEL_DTYPES:
-    reasons.append(f"dtype {args.dtype} is not supported (float16, bfloat16, float32)")
-  if args.head_dim > _MAX_HEAD_DIM:
-    reasons.append(f"head_dim={args.head_dim} > {_MAX_HEAD_DIM}")
-  if args.v_head_dim > _MAX_HEAD_DIM:
-    reasons.append(f"value head_dim={args.v_head_dim} > {_MAX_HEAD_DIM}")
-  if args.batch > 65535 or args.num_heads > 65535:
-    reasons.append(f"batch={args.batch} / heads={args.num_heads} exceed the CUDA grid limit 65535")
-  if 0 in (args.batch, args.num_heads, args.q_len, args.kv_len, args.head_dim, args.v_head_dim):
-    reasons.append(f"an empty dimension (batch={args.batch}, heads={args.num_heads}, "
-                   f"q_len={args.q_len}, kv_len={args.kv_len}, head_dim={args.head_dim}, "
-                   f"v_head_dim={args.v_head_dim}): the XLA path handles it")
-  return reasons
+    """Constraints shared by every Pallas Triton kernel here (forward and backward alike)."""
+    reasons = []
+    if platform not in GPU_PLATFORMS:
+        reasons.append(
+            f"Pallas Triton kernels need a CUDA GPU; {platform=} (use interpret=True only for testing)"
+        )
+    if jnp.dtype(args.dtype) not in _KERNEL_DTYPES:
+        reasons.append(f"dtype {args.dtype} is not supported (float16, bfloat16, float32)")
+    if args.head_dim > _MAX_HEAD_DIM:
+        reasons.append(f"head_dim={args.head_dim} > {_MAX_HEAD_DIM}")
+    if args.v_head_dim > _MAX_HEAD_DIM:
+        reasons.append(f"value head_dim={args.v_head_dim} > {_MAX_HEAD_DIM}")
+    if args.batch > 65535 or args.num_heads > 65535:
+        reasons.append(f"batch={args.batch} / heads={args.num_heads} exceed the CUDA grid limit 65535")
+    if 0 in (args.batch, args.num_heads, args.q_len, args.kv_len, args.head_dim, args.v_head_dim):
+        reasons.append(
+            f"an empty dimension (batch={args.batch}, heads={args.num_heads}, "
+            f"q_len={args.q_len}, kv_len={args.kv_len}, head_dim={args.head_dim}, "
+            f"v_head_dim={args.v_head_dim}): the XLA path handles it"
+        )
+    return reasons
 
 
 def check_config(config, cls):
-  """A ``TypeError`` naming the expected class unless ``config`` is one (or None)."""
-  if config is not None and not isinstance(config, cls):
-    raise TypeError(f"`config` must be a {cls.__module__}.{cls.__qualname__} or None; "
-                    f"got {type(config).__name__}")
+    """A ``TypeError`` naming the expected class unless ``config`` is one (or None)."""
+    if config is not None and not isinstance(config, cls):
+        raise TypeError(
+            f"`config` must be a {cls.__module__}.{cls.__qualname__} or None; got {type(config).__name__}"
+        )

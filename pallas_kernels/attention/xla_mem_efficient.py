@@ -23,6 +23,7 @@ Example:
   >>> bool(jnp.allclose(out, base.reference(args)[0], atol=1e-5))
   True
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,22 +37,22 @@ __all__ = ["Config", "attention", "unsupported"]
 
 @dataclasses.dataclass(frozen=True)
 class Config(xla_flash.Config):
-  """Tile sizes (see :class:`xla_flash.Config`)."""
+    """Tile sizes (see :class:`xla_flash.Config`)."""
 
-  @classmethod
-  def heuristics(cls, args: base.AttentionArgs, platform: str = "cpu") -> "Config":
-    """The flash tiles (:meth:`xla_flash.Config.heuristics`)."""
-    c = xla_flash.Config.heuristics(args, platform)
-    return cls(**dataclasses.asdict(c))
+    @classmethod
+    def heuristics(cls, args: base.AttentionArgs, platform: str = "cpu") -> "Config":
+        """The flash tiles (:meth:`xla_flash.Config.heuristics`)."""
+        c = xla_flash.Config.heuristics(args, platform)
+        return cls(**dataclasses.asdict(c))
 
 
 def unsupported(args: base.AttentionArgs, platform: str) -> list:
-  """Reasons this implementation cannot run ``args`` (empty if it can). Runs on any platform."""
-  del args, platform
-  return []
+    """Reasons this implementation cannot run ``args`` (empty if it can). Runs on any platform."""
+    del args, platform
+    return []
 
 
 def attention(args: base.AttentionArgs, *, config: Optional[xla_flash.Config] = None, **opts):
-  """``(out [B, T, N, Hv], lse [B, N, T] float32)``; differentiable w.r.t. q, k, v and bias."""
-  del opts
-  return xla_flash.blockwise_attention(args, config or Config.heuristics(args))
+    """``(out [B, T, N, Hv], lse [B, N, T] float32)``; differentiable w.r.t. q, k, v and bias."""
+    del opts
+    return xla_flash.blockwise_attention(args, config or Config.heuristics(args))

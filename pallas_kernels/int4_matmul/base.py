@@ -23,6 +23,7 @@ The semantics are those of torch's ``_dyn_quant_pack_4bit_weight`` /
 Everything here is plain ``jnp`` and float32/int32 exact: it is the contract
 the XLA, C++ and Pallas implementations are tested against bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -140,9 +141,13 @@ def check_groupsize(groupsize: Any, in_features: int) -> int:
         raise TypeError(f"groupsize must be an int, got {groupsize!r}")
     groupsize = int(groupsize)
     if in_features <= 0 or in_features % 2:
-        raise ValueError(f"in_features must be positive and even (two 4-bit weights per byte), got {in_features=}")
+        raise ValueError(
+            f"in_features must be positive and even (two 4-bit weights per byte), got {in_features=}"
+        )
     if groupsize != in_features and (groupsize <= 0 or groupsize % 32):
-        raise ValueError(f"groupsize must be a multiple of 32 or equal to in_features, got {groupsize=}, {in_features=}")
+        raise ValueError(
+            f"groupsize must be a multiple of 32 or equal to in_features, got {groupsize=}, {in_features=}"
+        )
     if in_features % groupsize:
         raise ValueError(f"groupsize must divide in_features, got {groupsize=}, {in_features=}")
     return groupsize
@@ -151,18 +156,24 @@ def check_groupsize(groupsize: Any, in_features: int) -> int:
 def check_packed(packed: Any) -> PackedInt4Weight:
     """Checks the shapes and dtypes of a `PackedInt4Weight`'s leaves."""
     if not isinstance(packed, PackedInt4Weight):
-        raise TypeError(f"packed must be a PackedInt4Weight (from dyn_quant_pack_4bit_weight), got {type(packed).__name__}")
+        raise TypeError(
+            f"packed must be a PackedInt4Weight (from dyn_quant_pack_4bit_weight), got {type(packed).__name__}"
+        )
     K, N, g = packed.in_features, packed.out_features, packed.groupsize
     check_groupsize(g, K)
     w, s, b = packed.weight, packed.scales, packed.bias
     if w.dtype != jnp.uint8:
         raise TypeError(f"packed.weight must be uint8 (two nibbles per byte), got {w.dtype}")
     if w.shape != (N, K // 2):
-        raise ValueError(f"packed.weight must have shape (out_features, in_features // 2) = {(N, K // 2)}, got {w.shape}")
+        raise ValueError(
+            f"packed.weight must have shape (out_features, in_features // 2) = {(N, K // 2)}, got {w.shape}"
+        )
     if s.dtype != jnp.float32:
         raise TypeError(f"packed.scales must be float32, got {s.dtype}")
     if s.shape != (N, K // g):
-        raise ValueError(f"packed.scales must have shape (out_features, in_features // groupsize) = {(N, K // g)}, got {s.shape}")
+        raise ValueError(
+            f"packed.scales must have shape (out_features, in_features // groupsize) = {(N, K // g)}, got {s.shape}"
+        )
     if b is not None:
         if b.dtype != jnp.float32:
             raise TypeError(f"packed.bias must be float32, got {b.dtype}")
@@ -171,14 +182,18 @@ def check_packed(packed: Any) -> PackedInt4Weight:
     return packed
 
 
-def check_input(x: Any, packed: PackedInt4Weight, *, allowed=(jnp.float32, jnp.bfloat16), name: str = "input") -> jax.Array:
+def check_input(
+    x: Any, packed: PackedInt4Weight, *, allowed=(jnp.float32, jnp.bfloat16), name: str = "input"
+) -> jax.Array:
     """Checks ``x[..., K]`` against ``packed``; returns it as an array."""
     x = jnp.asarray(x)
     if x.dtype not in tuple(jnp.dtype(d) for d in allowed):
         names = ", ".join(jnp.dtype(d).name for d in allowed)
         raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != packed.in_features:
-        raise ValueError(f"{name}.shape[-1] must equal in_features={packed.in_features}, got {name}.shape={x.shape}")
+        raise ValueError(
+            f"{name}.shape[-1] must equal in_features={packed.in_features}, got {name}.shape={x.shape}"
+        )
     return x
 
 
@@ -281,7 +296,7 @@ def _x86_to_int32(y: jax.Array) -> jax.Array:
     int32 range become INT32_MIN (x86's "integer indefinite"), where XLA's
     convert would give 0 or saturate.
     """
-    ok = jnp.isfinite(y) & (y >= -2.0 ** 31) & (y < 2.0 ** 31)
+    ok = jnp.isfinite(y) & (y >= -(2.0**31)) & (y < 2.0**31)
     return jnp.where(ok, jnp.where(ok, y, 0).astype(jnp.int32), jnp.int32(_INT32_MIN))
 
 
@@ -355,8 +370,14 @@ def group_dots(qa: jax.Array, zp: jax.Array, q: jax.Array, groupsize: int) -> ja
     return jnp.sum(a * q.reshape(1, N, G, groupsize), axis=-1, dtype=jnp.int32)
 
 
-def accumulate_groups(idots: jax.Array, scales: jax.Array, recip: jax.Array, zp: jax.Array,
-                      bias: jax.Array | None, channelwise: bool) -> jax.Array:
+def accumulate_groups(
+    idots: jax.Array,
+    scales: jax.Array,
+    recip: jax.Array,
+    zp: jax.Array,
+    bias: jax.Array | None,
+    channelwise: bool,
+) -> jax.Array:
     """The float tail of the dyn-quant matmul, in torch's order, no FMA.
 
     Args:

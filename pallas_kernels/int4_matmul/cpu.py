@@ -11,6 +11,7 @@ over N with ``std::thread`` and pick AVX512-VNNI / AVX512BW / AVX2 / scalar
 code at run time. ``vmap`` over ``x`` folds the batch into the rows; ``vmap`` over the
 weight runs the kernel once per weight (``lax.map``).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,8 +25,15 @@ from ..ffi import load_library
 from . import base
 from .base import PackedInt4Weight
 
-__all__ = ["available", "isa", "set_isa", "dyn_quant_matmul", "weight_only_matmul", "unsupported",
-           "WEIGHT_ONLY_MAX_ROWS"]
+__all__ = [
+    "available",
+    "isa",
+    "set_isa",
+    "dyn_quant_matmul",
+    "weight_only_matmul",
+    "unsupported",
+    "WEIGHT_ONLY_MAX_ROWS",
+]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"

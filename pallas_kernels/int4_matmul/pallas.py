@@ -28,6 +28,7 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
 Both kernels take ``interpret: bool``: ``interpret=True`` runs them on CPU
 through the Pallas interpreter (tests); on a GPU leave it False.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,15 @@ from pallas_kernels import triton_backend
 from . import base
 from .base import PackedInt4Weight
 
-__all__ = ["Config", "heuristics", "dyn_quant_matmul", "weight_only_matmul", "unsupported", "DECODE_M",
-           "MIN_INT8_DOT_K"]
+__all__ = [
+    "Config",
+    "heuristics",
+    "dyn_quant_matmul",
+    "weight_only_matmul",
+    "unsupported",
+    "DECODE_M",
+    "MIN_INT8_DOT_K",
+]
 
 DECODE_M = 16
 """Rows up to which the decode configs (split-K) are used."""
@@ -88,8 +96,10 @@ class Config:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {name}={v}")
         if self.block_k < 32:
-            raise ValueError(f"Config.block_k must be >= 32 (two nibble planes of >= 16 k; W4A8 needs >= 64), "
-                             f"got block_k={self.block_k}")
+            raise ValueError(
+                f"Config.block_k must be >= 32 (two nibble planes of >= 16 k; W4A8 needs >= 64), "
+                f"got block_k={self.block_k}"
+            )
         if self.split_k < 1:
             raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
 
@@ -153,9 +163,14 @@ def unsupported(call: base.Int4Call, platform: str | None) -> list[str]:
     if platform is not None and platform not in _GPU_PLATFORMS:
         why.append(f"Pallas Triton kernels need a GPU; platform={platform!r}")
     if call.packed.groupsize % 32:
-        why.append(f"groupsize={call.packed.groupsize} is not a multiple of 32 (channel-wise K not a "
-                   "multiple of 32)")
-    if jnp.dtype(call.x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        why.append(
+            f"groupsize={call.packed.groupsize} is not a multiple of 32 (channel-wise K not a multiple of 32)"
+        )
+    if jnp.dtype(call.x_dtype) not in (
+        jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    ):
         why.append(f"dtype {jnp.dtype(call.x_dtype)} is not supported")
     return why
 
@@ -186,8 +201,23 @@ def _windows(groupsize: int, block_k: int) -> tuple[int, bool]:
     return -(-gh // bkh), gh % bkh != 0
 
 
-def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groupsize, block_m, block_n,
-                 block_k, groups_per_prog, fused):
+def _w4a8_kernel(
+    ae_ref,
+    ao_ref,
+    zp_ref,
+    w_ref,
+    st_ref,
+    out_ref,
+    *,
+    M,
+    N,
+    groupsize,
+    block_m,
+    block_n,
+    block_k,
+    groups_per_prog,
+    fused,
+):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
     cmask = pid_n * block_n + jnp.arange(block_n) < N
@@ -200,10 +230,10 @@ def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groups
 
         def step(t, carry):
             idot, qsum = carry
-            first = g * gh + t * bkh                     # first byte of the group this step adds
+            first = g * gh + t * bkh  # first byte of the group this step adds
             if masked:
                 last = jnp.minimum(first + bkh, (g + 1) * gh)  # one past the last
-                k0 = jnp.maximum(last - bkh, 0)               # the window: in bounds, ends by `last`
+                k0 = jnp.maximum(last - bkh, 0)  # the window: in bounds, ends by `last`
                 col = k0 + jnp.arange(bkh)
                 valid = (col >= first) & (col < last)
             else:
@@ -223,7 +253,8 @@ def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groups
             return idot, qsum + jnp.sum(both, axis=1)
 
         idot, qsum = lax.fori_loop(
-            0, steps, step, (jnp.zeros((block_m, block_n), jnp.int32), jnp.zeros((block_n,), jnp.int32)))
+            0, steps, step, (jnp.zeros((block_m, block_n), jnp.int32), jnp.zeros((block_n,), jnp.int32))
+        )
         isum = idot - zp[:, None] * qsum[None, :]  # exact: sum (qa - zp) * q
         if not fused:
             plgpu.store(out_ref.at[j], isum, mask=rmask[:, None] & cmask[None, :])
@@ -236,8 +267,22 @@ def _w4a8_kernel(ae_ref, ao_ref, zp_ref, w_ref, st_ref, out_ref, *, M, N, groups
         plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
 
 
-def _w4a16_kernel(xe_ref, xo_ref, w_ref, st_ref, out_ref, *, M, N, groupsize, block_m, block_n, block_k,
-                  steps_per_prog, compute_dtype):
+def _w4a16_kernel(
+    xe_ref,
+    xo_ref,
+    w_ref,
+    st_ref,
+    out_ref,
+    *,
+    M,
+    N,
+    groupsize,
+    block_m,
+    block_n,
+    block_k,
+    steps_per_prog,
+    compute_dtype,
+):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
     cmask = pid_n * block_n + jnp.arange(block_n) < N
@@ -280,8 +325,10 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
     M, K = qa.shape
     N, g, G = packed.out_features, packed.groupsize, packed.num_groups
     if cfg.block_k < 2 * MIN_INT8_DOT_K:
-        raise ValueError(f"config.block_k={cfg.block_k} must be >= {2 * MIN_INT8_DOT_K} for W4A8: each nibble plane "
-                         f"is an int8 dot over block_k / 2 k, and Triton needs >= {MIN_INT8_DOT_K}")
+        raise ValueError(
+            f"config.block_k={cfg.block_k} must be >= {2 * MIN_INT8_DOT_K} for W4A8: each nibble plane "
+            f"is an int8 dot over block_k / 2 k, and Triton needs >= {MIN_INT8_DOT_K}"
+        )
     split = 1 if fused else cfg.split_k
     if G % split:
         raise ValueError(f"config.split_k={split} must divide the number of groups {G}")
@@ -301,19 +348,32 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
     else:
         out_shape = jax.ShapeDtypeStruct((G, M, N), jnp.int32)
         out_spec = pl.BlockSpec((gpp, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n))
-    kernel = functools.partial(_w4a8_kernel, M=M, N=N, groupsize=g, block_m=cfg.block_m, block_n=cfg.block_n,
-                               block_k=cfg.block_k, groups_per_prog=gpp, fused=fused)
+    kernel = functools.partial(
+        _w4a8_kernel,
+        M=M,
+        N=N,
+        groupsize=g,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        block_k=cfg.block_k,
+        groups_per_prog=gpp,
+        fused=fused,
+    )
     return pl.pallas_call(
-        kernel, grid=grid,
+        kernel,
+        grid=grid,
         in_specs=(x_spec, x_spec, pl.BlockSpec((cfg.block_m,), lambda n, m, s: (m,)), w_spec, st_spec),
-        out_specs=out_spec, out_shape=out_shape,
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret, name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
+        interpret=interpret,
+        name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
     )(ae, ao, zp, w, packed.scales.T)
 
 
-def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight, *, config: Config | None = None,
-                     interpret: bool = False) -> jax.Array:
+def dyn_quant_matmul(
+    x: jax.Array, packed: PackedInt4Weight, *, config: Config | None = None, interpret: bool = False
+) -> jax.Array:
     """W4A8 with torch's dyn-quant numerics (bit-exact with `base.dyn_quant_matmul`).
 
     Args:
@@ -341,8 +401,9 @@ def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight, *, config: Config |
         out = jnp.zeros((0, packed.out_features), jnp.float32)
     elif M <= DECODE_M:
         idots = _w4a8_idots_or_acc(qa, zp, packed, cfg, interpret, fused=False)
-        out = base.accumulate_groups(jnp.moveaxis(idots, 0, -1), packed.scales, recip, zp, packed.bias,
-                                     packed.channelwise)
+        out = base.accumulate_groups(
+            jnp.moveaxis(idots, 0, -1), packed.scales, recip, zp, packed.bias, packed.channelwise
+        )
     else:
         acc = _w4a8_idots_or_acc(qa, zp, packed, cfg, interpret, fused=True)
         out = _finish(acc, recip, zp, packed.bias)
@@ -360,8 +421,14 @@ def _finish(acc, recip, zp, bias):
     return jnp.clip(out, -fmax, fmax)
 
 
-def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=None, config: Config | None = None,
-                       interpret: bool = False) -> jax.Array:
+def weight_only_matmul(
+    x: jax.Array,
+    packed: PackedInt4Weight,
+    *,
+    compute_dtype=None,
+    config: Config | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """W4A16 / W4A32: ``x @ dequantize(w).T + bias`` with fp32 accumulation.
 
     Args:
@@ -398,15 +465,26 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=
     else:
         xe, xo = _prepare(x2)
         x_spec, w_spec, st_spec = _specs(cfg, K // 2, packed.num_groups)
-        kernel = functools.partial(_w4a16_kernel, M=M, N=N, groupsize=g, block_m=cfg.block_m, block_n=cfg.block_n,
-                                   block_k=cfg.block_k, steps_per_prog=steps // cfg.split_k, compute_dtype=cd)
+        kernel = functools.partial(
+            _w4a16_kernel,
+            M=M,
+            N=N,
+            groupsize=g,
+            block_m=cfg.block_m,
+            block_n=cfg.block_n,
+            block_k=cfg.block_k,
+            steps_per_prog=steps // cfg.split_k,
+            compute_dtype=cd,
+        )
         parts = pl.pallas_call(
-            kernel, grid=(pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), cfg.split_k),
+            kernel,
+            grid=(pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), cfg.split_k),
             in_specs=(x_spec, x_spec, w_spec, st_spec),
             out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n)),
             out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32),
             compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-            interpret=interpret, name="jb_int4_w4a16",
+            interpret=interpret,
+            name="jb_int4_w4a16",
         )(xe, xo, packed.weight, packed.scales.T)
         out = jnp.sum(parts, axis=0)
     if packed.bias is not None:

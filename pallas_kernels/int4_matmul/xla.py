@@ -23,6 +23,7 @@ Two formulations, chosen by the number of rows M:
 Weight-only mode (W4A16/W4A32) uses the same two shapes with the scales
 folded in; its tolerance is a float one.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -106,8 +107,8 @@ def _sub_block_dots(a: jax.Array, w: jax.Array, groupsize: int, dtype) -> jax.Ar
     for _ in range(2):  # the lanes axis, then the chunks axis
         while prod.shape[-1] > 1:
             n, half = prod.shape[-1], prod.shape[-1] // 2
-            summed = prod[..., :half] + prod[..., half:2 * half]
-            prod = jnp.concatenate([summed, prod[..., 2 * half:]], axis=-1) if n % 2 else summed
+            summed = prod[..., :half] + prod[..., half : 2 * half]
+            prod = jnp.concatenate([summed, prod[..., 2 * half :]], axis=-1) if n % 2 else summed
         prod = prod[..., 0]
     return prod
 
@@ -131,8 +132,13 @@ def _group_dots_large(a: jax.Array, w: jax.Array, groupsize: int) -> jax.Array:
     b = _sub_block(groupsize)
     nb = K // b
     q = base.unpack_nibbles(w).astype(jnp.float32).reshape(N, nb, b)
-    s = lax.dot_general(a.reshape(M, nb, b), q, (((2,), (2,)), ((1,), (1,))),
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)  # [nb, M, N]
+    s = lax.dot_general(
+        a.reshape(M, nb, b),
+        q,
+        (((2,), (2,)), ((1,), (1,))),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )  # [nb, M, N]
     s = jnp.moveaxis(s, 0, -1).astype(jnp.int32)
     return jnp.sum(s.reshape(M, N, K // groupsize, groupsize // b), axis=-1)
 
@@ -178,8 +184,9 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=
         cd = jnp.dtype(compute_dtype or jnp.float32)
         w = base.dequantize(packed.weight, packed.scales, g).astype(cd)
         prec = lax.Precision.HIGHEST if cd == jnp.float32 else lax.Precision.DEFAULT
-        out = lax.dot_general(xf.astype(cd), w, (((1,), (1,)), ((), ())), precision=prec,
-                              preferred_element_type=jnp.float32)
+        out = lax.dot_general(
+            xf.astype(cd), w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+        )
     if packed.bias is not None:
         out = out + packed.bias[None]
     return out.reshape(*lead, N).astype(x.dtype)

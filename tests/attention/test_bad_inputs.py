@@ -6,6 +6,7 @@ m: ``explain`` with a bad platform / keyword; e: FLASH with an ``attn_mask``; t:
 C++ kernel; f: empty dimensions; n: the verbose log's shapes; o: no other-platform branch traced
 outside ``jax.export``.
 """
+
 import logging
 
 import jax
@@ -22,181 +23,223 @@ IMPLS = ("math", "flash", "mem_efficient")
 
 
 def rand(shape, seed=0, dtype=jnp.float32):
-  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32).astype(dtype)
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32).astype(dtype)
 
 
 # ---- b: is_causal ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bad", ["False", None, 1, "yes", 0.0, jnp.asarray(True)])
 def test_is_causal_must_be_a_bool_in_both_apis(bad):
-  q = rand((1, 2, 8, 4))
-  with pytest.raises(TypeError, match="is_causal"):
-    A.scaled_dot_product_attention(q, q, q, is_causal=bad)
-  with pytest.raises(TypeError, match="is_causal"):
-    A.dot_product_attention(q, q, q, is_causal=bad)
-  # numpy bools are bools
-  out = A.scaled_dot_product_attention(q, q, q, is_causal=np.bool_(True))
-  want = A.scaled_dot_product_attention(q, q, q, is_causal=True)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    q = rand((1, 2, 8, 4))
+    with pytest.raises(TypeError, match="is_causal"):
+        A.scaled_dot_product_attention(q, q, q, is_causal=bad)
+    with pytest.raises(TypeError, match="is_causal"):
+        A.dot_product_attention(q, q, q, is_causal=bad)
+    # numpy bools are bools
+    out = A.scaled_dot_product_attention(q, q, q, is_causal=np.bool_(True))
+    want = A.scaled_dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
 # ---- g: scale ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scale", [0.0, -0.4, 3])
 def test_any_finite_scale_is_accepted_like_torch(impl, scale):
-  q, k, v = rand((2, 11, 2, 8), 1), rand((2, 13, 2, 8), 2), rand((2, 13, 2, 8), 3)
-  f = lambda q, k, v: A.dot_product_attention(q, k, v, scale=scale, is_causal=True,  # noqa: E731
-                                              implementation=impl)
-  out, vjp = jax.vjp(f, q, k, v)
-  args = base.make_args(q, k, v, scale=scale, is_causal=True)
-  ref, vjp_ref = jax.vjp(lambda q, k, v: base.reference(args.replace(q=q, k=k, v=v))[0], q, k, v)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-5)
-  ct = rand(out.shape, 4)
-  for g, r in zip(vjp(ct), vjp_ref(ct)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-5)
-  if scale == 0.0:  # uniform weights over the causal keys: a running mean of V
-    cum = np.cumsum(np.asarray(v), axis=1)[:, :11] / np.arange(1, 12)[None, :, None, None]
-    np.testing.assert_allclose(np.asarray(out), cum, atol=3e-5)
-  t = A.scaled_dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
-                                     scale=scale, is_causal=True)
-  np.testing.assert_allclose(np.asarray(t.swapaxes(1, 2)), np.asarray(ref), atol=3e-5)
+    q, k, v = rand((2, 11, 2, 8), 1), rand((2, 13, 2, 8), 2), rand((2, 13, 2, 8), 3)
+    f = lambda q, k, v: A.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=True,  # noqa: E731
+        implementation=impl,
+    )
+    out, vjp = jax.vjp(f, q, k, v)
+    args = base.make_args(q, k, v, scale=scale, is_causal=True)
+    ref, vjp_ref = jax.vjp(lambda q, k, v: base.reference(args.replace(q=q, k=k, v=v))[0], q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-5)
+    ct = rand(out.shape, 4)
+    for g, r in zip(vjp(ct), vjp_ref(ct)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-5)
+    if scale == 0.0:  # uniform weights over the causal keys: a running mean of V
+        cum = np.cumsum(np.asarray(v), axis=1)[:, :11] / np.arange(1, 12)[None, :, None, None]
+        np.testing.assert_allclose(np.asarray(out), cum, atol=3e-5)
+    t = A.scaled_dot_product_attention(
+        q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), scale=scale, is_causal=True
+    )
+    np.testing.assert_allclose(np.asarray(t.swapaxes(1, 2)), np.asarray(ref), atol=3e-5)
 
 
-@pytest.mark.parametrize("bad, err", [(float("nan"), ValueError), (float("inf"), ValueError),
-                                      ("0.5", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "bad, err",
+    [(float("nan"), ValueError), (float("inf"), ValueError), ("0.5", TypeError), (True, TypeError)],
+)
 def test_non_finite_or_non_number_scale_is_refused(bad, err):
-  q = rand((1, 4, 1, 8))
-  with pytest.raises(err, match="scale"):
-    A.dot_product_attention(q, q, q, scale=bad)
+    q = rand((1, 4, 1, 8))
+    with pytest.raises(err, match="scale"):
+        A.dot_product_attention(q, q, q, scale=bad)
 
 
 # ---- h: dropout_rng ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [0, "key", jnp.asarray([0.3, 0.7]), jnp.asarray([1, 2], jnp.int32),
-                                 jnp.arange(6, dtype=jnp.uint32), jax.random.split(jax.random.key(0))])
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        0,
+        "key",
+        jnp.asarray([0.3, 0.7]),
+        jnp.asarray([1, 2], jnp.int32),
+        jnp.arange(6, dtype=jnp.uint32),
+        jax.random.split(jax.random.key(0)),
+    ],
+)
 def test_dropout_rng_must_be_one_prng_key(bad):
-  q = rand((1, 8, 2, 4))
-  for call in (lambda: A.dot_product_attention(q, q, q, dropout_rate=0.2, dropout_rng=bad),
-               lambda: A.scaled_dot_product_attention(q, q, q, dropout_p=0.2, dropout_rng=bad)):
-    with pytest.raises(TypeError, match="dropout_rng must be a PRNG key|dropout_rng. must be"):
-      call()
+    q = rand((1, 8, 2, 4))
+    for call in (
+        lambda: A.dot_product_attention(q, q, q, dropout_rate=0.2, dropout_rng=bad),
+        lambda: A.scaled_dot_product_attention(q, q, q, dropout_p=0.2, dropout_rng=bad),
+    ):
+        with pytest.raises(TypeError, match="dropout_rng must be a PRNG key|dropout_rng. must be"):
+            call()
 
 
 def test_typed_and_legacy_keys_both_work_and_agree():
-  """jax.random and flax take both forms; the legacy uint32[2] key is the typed key's data."""
-  q = rand((1, 16, 2, 8))
-  typed = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.key(5))
-  legacy = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(5))
-  np.testing.assert_array_equal(np.asarray(typed), np.asarray(legacy))
-  other = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.key(6))
-  assert float(jnp.abs(other - typed).max()) > 0.1
+    """jax.random and flax take both forms; the legacy uint32[2] key is the typed key's data."""
+    q = rand((1, 16, 2, 8))
+    typed = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.key(5))
+    legacy = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(5))
+    np.testing.assert_array_equal(np.asarray(typed), np.asarray(legacy))
+    other = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.key(6))
+    assert float(jnp.abs(other - typed).max()) > 0.1
 
 
 # ---- m: explain --------------------------------------------------------------------------------------
 
+
 def test_explain_refuses_unknown_platforms_and_keywords():
-  q = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
-  with pytest.raises(ValueError, match=r"platform.*\['cpu', 'cuda', 'gpu', 'rocm', 'tpu'\]"):
-    A.explain(q, q, q, platform="bogus")
-  with pytest.raises(TypeError, match="is_casual.*is_causal"):
-    A.explain(q, q, q, is_casual=True)
-  with pytest.raises(TypeError, match="attn_mask.*keywords of dot_product_attention"):
-    A.explain(q, q, q, attn_mask=None)  # a torch keyword on the jax.nn API
-  assert A.explain(q, q, q, api="sdpa", attn_mask=None, is_causal=True).chosen is not None
-  assert A.explain(q, q, q, platform="TPU").platform == "tpu"
+    q = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"platform.*\['cpu', 'cuda', 'gpu', 'rocm', 'tpu'\]"):
+        A.explain(q, q, q, platform="bogus")
+    with pytest.raises(TypeError, match="is_casual.*is_causal"):
+        A.explain(q, q, q, is_casual=True)
+    with pytest.raises(TypeError, match="attn_mask.*keywords of dot_product_attention"):
+        A.explain(q, q, q, attn_mask=None)  # a torch keyword on the jax.nn API
+    assert A.explain(q, q, q, api="sdpa", attn_mask=None, is_causal=True).chosen is not None
+    assert A.explain(q, q, q, platform="TPU").platform == "tpu"
 
 
 # ---- e: FLASH with a mask ------------------------------------------------------------------------------
 
+
 def test_flash_with_an_attn_mask_says_why_and_the_way_out():
-  q = rand((1, 2, 8, 4))
-  with A.sdpa_kernel([SB.FLASH_ATTENTION]):
-    with pytest.raises(A.NoAvailableBackendError, match="no arbitrary boolean attn_mask yet.*"
-                       "EFFICIENT_ATTENTION"):
-      A.scaled_dot_product_attention(q, q, q, attn_mask=jnp.ones((8, 8), bool))
-  with A.sdpa_kernel([SB.FLASH_ATTENTION, SB.EFFICIENT_ATTENTION]):  # the way out it names
-    out = A.scaled_dot_product_attention(q, q, q, attn_mask=jnp.tril(jnp.ones((8, 8), bool)))
-  np.testing.assert_allclose(np.asarray(out),
-                             np.asarray(A.scaled_dot_product_attention(q, q, q, is_causal=True)),
-                             atol=3e-5)
+    q = rand((1, 2, 8, 4))
+    with A.sdpa_kernel([SB.FLASH_ATTENTION]):
+        with pytest.raises(
+            A.NoAvailableBackendError, match="no arbitrary boolean attn_mask yet.*EFFICIENT_ATTENTION"
+        ):
+            A.scaled_dot_product_attention(q, q, q, attn_mask=jnp.ones((8, 8), bool))
+    with A.sdpa_kernel([SB.FLASH_ATTENTION, SB.EFFICIENT_ATTENTION]):  # the way out it names
+        out = A.scaled_dot_product_attention(q, q, q, attn_mask=jnp.tril(jnp.ones((8, 8), bool)))
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(A.scaled_dot_product_attention(q, q, q, is_causal=True)), atol=3e-5
+    )
 
 
 # ---- t: jax.export of the C++ kernel --------------------------------------------------------------------
 
+
 def test_default_export_error_names_the_portable_flag():
-  from pallas_kernels.attention import cpp_flash
-  if not cpp_flash.available():
-    pytest.skip("the C++ kernel is not built here")
-  q = rand((1, 32, 2, 16))
-  f = jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True))
-  with pytest.raises(ValueError, match=r"flash_cpu_kernel=xla"):
-    jax.export.export(f, platforms=["cpu"])(q)
-  with jb.with_backends(flash_cpu_kernel="xla"):  # the way out: portable, and the same numbers
-    exp = jax.export.export(jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True)),
-                            platforms=["cpu"])(q)
-  np.testing.assert_allclose(np.asarray(exp.call(q)), np.asarray(f(q)), atol=2e-5)
+    from pallas_kernels.attention import cpp_flash
+
+    if not cpp_flash.available():
+        pytest.skip("the C++ kernel is not built here")
+    q = rand((1, 32, 2, 16))
+    f = jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True))
+    with pytest.raises(ValueError, match=r"flash_cpu_kernel=xla"):
+        jax.export.export(f, platforms=["cpu"])(q)
+    with jb.with_backends(flash_cpu_kernel="xla"):  # the way out: portable, and the same numbers
+        exp = jax.export.export(
+            jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True)), platforms=["cpu"]
+        )(q)
+    np.testing.assert_allclose(np.asarray(exp.call(q)), np.asarray(f(q)), atol=2e-5)
 
 
 # ---- f: empty dimensions ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("B, T, S, H, Hv", [(0, 8, 8, 4, 4), (2, 0, 8, 4, 4), (2, 8, 0, 4, 3),
-                                            (2, 8, 8, 0, 3), (2, 8, 8, 4, 0), (2, 7, 9, 0, 0)])
+@pytest.mark.parametrize(
+    "B, T, S, H, Hv",
+    [(0, 8, 8, 4, 4), (2, 0, 8, 4, 4), (2, 8, 0, 4, 3), (2, 8, 8, 0, 3), (2, 8, 8, 4, 0), (2, 7, 9, 0, 0)],
+)
 def test_empty_dimensions_give_torchs_result_on_every_backend(impl, B, T, S, H, Hv):
-  q, k, v = rand((B, T, 2, H), 1), rand((B, S, 2, H), 2), rand((B, S, 2, Hv), 3)
-  for causal in (False, True):
-    f = lambda q, k, v: A.dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
-                                                implementation=impl)
-    out, vjp = jax.vjp(f, q, k, v)
-    assert out.shape == (B, T, 2, Hv) and out.dtype == q.dtype
-    if S == 0:  # an empty sum (torch and jax.nn: 0)
-      want = np.zeros(out.shape)
-    elif H == 0:  # every logit is the empty sum 0: uniform weights (torch), mean of the seen keys
-      n = np.minimum(np.arange(1, T + 1), S) if causal else np.full(T, S)
-      cum = np.cumsum(np.asarray(v, np.float64), axis=1)
-      want = np.stack([cum[:, c - 1] for c in n], axis=1) / n[None, :, None, None]
-    else:
-      want = np.asarray(base.reference(base.make_args(q, k, v, is_causal=causal))[0])
-    np.testing.assert_allclose(np.asarray(out), want, atol=3e-5)
-    gq, gk, gv = vjp(jnp.ones_like(out))
-    assert gq.shape == q.shape and gk.shape == k.shape and gv.shape == v.shape
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in (gq, gk, gv))
-  # the torch API too (layout (B, heads, L, E))
-  t = A.scaled_dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2))
-  assert t.shape == (B, 2, T, Hv)
+    q, k, v = rand((B, T, 2, H), 1), rand((B, S, 2, H), 2), rand((B, S, 2, Hv), 3)
+    for causal in (False, True):
+        f = lambda q, k, v: A.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=causal,  # noqa: E731
+            implementation=impl,
+        )
+        out, vjp = jax.vjp(f, q, k, v)
+        assert out.shape == (B, T, 2, Hv) and out.dtype == q.dtype
+        if S == 0:  # an empty sum (torch and jax.nn: 0)
+            want = np.zeros(out.shape)
+        elif H == 0:  # every logit is the empty sum 0: uniform weights (torch), mean of the seen keys
+            n = np.minimum(np.arange(1, T + 1), S) if causal else np.full(T, S)
+            cum = np.cumsum(np.asarray(v, np.float64), axis=1)
+            want = np.stack([cum[:, c - 1] for c in n], axis=1) / n[None, :, None, None]
+        else:
+            want = np.asarray(base.reference(base.make_args(q, k, v, is_causal=causal))[0])
+        np.testing.assert_allclose(np.asarray(out), want, atol=3e-5)
+        gq, gk, gv = vjp(jnp.ones_like(out))
+        assert gq.shape == q.shape and gk.shape == k.shape and gv.shape == v.shape
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in (gq, gk, gv))
+    # the torch API too (layout (B, heads, L, E))
+    t = A.scaled_dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2))
+    assert t.shape == (B, 2, T, Hv)
 
 
 # ---- n: verbose logs the caller's shapes --------------------------------------------------------------------
 
+
 def test_verbose_logs_the_callers_shapes(caplog):
-  q = rand((2, 4, 10, 8))  # torch layout (B, heads, L, E)
-  k = rand((2, 4, 12, 8))
-  with caplog.at_level(logging.INFO, logger="jbackends"), jb.verbose(1):
-    jax.jit(A.scaled_dot_product_attention)(q, k, k)
-    jax.jit(A.dot_product_attention)(q[0], q[0], q[0])  # jax.nn's unbatched [T, N, H]
-  text = caplog.text
-  assert "2x4x10x8,2x4x12x8,2x4x12x8" in text
-  assert "2x10x4x8" not in text  # not the internal BTNH layout
-  assert "4x10x8,4x10x8,4x10x8" in text
+    q = rand((2, 4, 10, 8))  # torch layout (B, heads, L, E)
+    k = rand((2, 4, 12, 8))
+    with caplog.at_level(logging.INFO, logger="jbackends"), jb.verbose(1):
+        jax.jit(A.scaled_dot_product_attention)(q, k, k)
+        jax.jit(A.dot_product_attention)(q[0], q[0], q[0])  # jax.nn's unbatched [T, N, H]
+    text = caplog.text
+    assert "2x4x10x8,2x4x12x8,2x4x12x8" in text
+    assert "2x10x4x8" not in text  # not the internal BTNH layout
+    assert "4x10x8,4x10x8,4x10x8" in text
 
 
 # ---- o: one platform's branch outside jax.export ---------------------------------------------------------------
 
+
 def test_plain_calls_trace_only_their_platform_and_export_traces_both(monkeypatch):
-  from jbackends._src import attention_dispatch as D
-  seen = []
-  real = D.decide
-  monkeypatch.setattr(D, "decide", lambda args, flags, p, **kw: seen.append(p) or real(
-      args, flags, p, **kw))
-  q = rand((1, 16, 2, 8))
-  jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True)).lower(q)
-  assert seen == ["cpu"]
-  seen.clear()
-  with jb.with_backends(flash_cpu_kernel="xla"):
-    jax.export.export(jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True)),
-                      platforms=["cpu"])(q)
-  assert seen == ["cpu", "cuda"]  # the export's platforms are not known at trace time
-  seen.clear()
-  A.dot_product_attention(q, q, q, platforms=("cpu", "cuda"))
-  assert seen == ["cpu", "cuda"]
+    from jbackends._src import attention_dispatch as D
+
+    seen = []
+    real = D.decide
+    monkeypatch.setattr(
+        D, "decide", lambda args, flags, p, **kw: seen.append(p) or real(args, flags, p, **kw)
+    )
+    q = rand((1, 16, 2, 8))
+    jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True)).lower(q)
+    assert seen == ["cpu"]
+    seen.clear()
+    with jb.with_backends(flash_cpu_kernel="xla"):
+        jax.export.export(
+            jax.jit(lambda q: A.dot_product_attention(q, q, q, is_causal=True)), platforms=["cpu"]
+        )(q)
+    assert seen == ["cpu", "cuda"]  # the export's platforms are not known at trace time
+    seen.clear()
+    A.dot_product_attention(q, q, q, platforms=("cpu", "cuda"))
+    assert seen == ["cpu", "cuda"]

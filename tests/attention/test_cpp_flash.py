@@ -1,4 +1,5 @@
 """The C++ CPU flash kernel (jax.ffi) on the shared grid, its dispatch on CPU, and its threads."""
+
 import functools
 
 import jax
@@ -11,190 +12,195 @@ from jbackends._src import attention_dispatch as D
 from pallas_kernels.attention import base, cpp_flash
 from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
 
-pytestmark = pytest.mark.skipif(not cpp_flash.available(),
-                                reason="C++ flash kernel not built or no AVX2 + FMA here")
+pytestmark = pytest.mark.skipif(
+    not cpp_flash.available(), reason="C++ flash kernel not built or no AVX2 + FMA here"
+)
 
 # Small, unequal tiles: every grid case spans several ragged blocks (forward and backward differ).
 CFG = cpp_flash.Config(block_q=5, block_k=16, block_q_bwd=7, block_k_bwd=32)
 
 
 class TestCpuFlash(AttentionTestBase):
-  impl = staticmethod(functools.partial(cpp_flash.attention, config=CFG))
-  supports_bias = False
-  supports_mask = False
-  supports_dropout = False
-  supports_softcap = False
-  unsupported_error = NotImplementedError
+    impl = staticmethod(functools.partial(cpp_flash.attention, config=CFG))
+    supports_bias = False
+    supports_mask = False
+    supports_dropout = False
+    supports_softcap = False
+    unsupported_error = NotImplementedError
 
 
 def _check(args, cfg=None, tol=2e-5):
-  impl = functools.partial(cpp_flash.attention, config=cfg)
-  out, lse = jax.jit(impl)(args)
-  ref, ref_lse = base.reference(args)
-  assert_close(out, ref, tol, "out")
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-  g = grads_of(impl, args, jit=True)
-  r = grads_of(base.reference, args, jit=True)
-  for name, a, b in zip(("dq", "dk", "dv"), g, r):
-    assert_close(a, b, 5e-5 * float(jnp.abs(b).max() + 1), name)
+    impl = functools.partial(cpp_flash.attention, config=cfg)
+    out, lse = jax.jit(impl)(args)
+    ref, ref_lse = base.reference(args)
+    assert_close(out, ref, tol, "out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    g = grads_of(impl, args, jit=True)
+    r = grads_of(base.reference, args, jit=True)
+    for name, a, b in zip(("dq", "dk", "dv"), g, r):
+        assert_close(a, b, 5e-5 * float(jnp.abs(b).max() + 1), name)
 
 
 @pytest.fixture
 def two_threads():
-  cpp_flash.set_threads(2)
-  yield
-  cpp_flash.set_threads(0)
+    cpp_flash.set_threads(2)
+    yield
+    cpp_flash.set_threads(0)
 
 
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
 def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
-  """Calls big enough for two threads: one (batch, kv head) group -> key-block tasks with a dQ
-  buffer per thread; two groups -> whole groups per thread. Head dims not multiples of 16."""
-  del two_threads
-  key = jax.random.split(jax.random.key(7), 3)
-  q = jax.random.normal(key[0], (batch, 300, 2 * kv_heads, 40))
-  k = jax.random.normal(key[1], (batch, 290, kv_heads, 40))
-  v = jax.random.normal(key[2], (batch, 290, kv_heads, 24))
-  _check(base.make_args(q, k, v, is_causal=True))
-  _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
+    """Calls big enough for two threads: one (batch, kv head) group -> key-block tasks with a dQ
+    buffer per thread; two groups -> whole groups per thread. Head dims not multiples of 16."""
+    del two_threads
+    key = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(key[0], (batch, 300, 2 * kv_heads, 40))
+    k = jax.random.normal(key[1], (batch, 290, kv_heads, 40))
+    v = jax.random.normal(key[2], (batch, 290, kv_heads, 24))
+    _check(base.make_args(q, k, v, is_causal=True))
+    _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
 
 
 def test_backward_is_reproducible_across_runs(two_threads):
-  """Key-block mode sums per-thread dQ buffers: the same blocks in the same order every run."""
-  del two_threads
-  key = jax.random.split(jax.random.key(11), 3)
-  q = jax.random.normal(key[0], (1, 260, 2, 32))
-  k = jax.random.normal(key[1], (1, 250, 1, 32))
-  args = base.make_args(q, k, k, is_causal=True)
-  cfg = cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
-  grad = jax.jit(jax.grad(lambda q: cpp_flash.attention(args.replace(q=q), config=cfg)[0].sum()))
-  first = np.asarray(grad(q))
-  for _ in range(4):
-    np.testing.assert_array_equal(np.asarray(grad(q)), first)
+    """Key-block mode sums per-thread dQ buffers: the same blocks in the same order every run."""
+    del two_threads
+    key = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(key[0], (1, 260, 2, 32))
+    k = jax.random.normal(key[1], (1, 250, 1, 32))
+    args = base.make_args(q, k, k, is_causal=True)
+    cfg = cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    grad = jax.jit(jax.grad(lambda q: cpp_flash.attention(args.replace(q=q), config=cfg)[0].sum()))
+    first = np.asarray(grad(q))
+    for _ in range(4):
+        np.testing.assert_array_equal(np.asarray(grad(q)), first)
 
 
 def test_nan_inputs_give_nan_rows():
-  args = make_case(Case("float32", "none", 24, 24, 32, 1))
-  q = args.q.at[0, 3, 0, 5].set(jnp.nan)
-  out, _ = cpp_flash.attention(args.replace(q=q))
-  assert bool(jnp.all(jnp.isnan(out[0, 3, 0])))
-  assert bool(jnp.all(jnp.isfinite(out[0, 4])))
+    args = make_case(Case("float32", "none", 24, 24, 32, 1))
+    q = args.q.at[0, 3, 0, 5].set(jnp.nan)
+    out, _ = cpp_flash.attention(args.replace(q=q))
+    assert bool(jnp.all(jnp.isnan(out[0, 3, 0])))
+    assert bool(jnp.all(jnp.isfinite(out[0, 4])))
 
 
-@pytest.mark.parametrize("kw", [
-    dict(is_causal=True, diag_offset=-20),           # T > S lower-right: whole query blocks empty
-    dict(window=(0, 0)),                             # one key per query
-    dict(window=(9, 2), is_causal=True, diag_offset=5),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(is_causal=True, diag_offset=-20),  # T > S lower-right: whole query blocks empty
+        dict(window=(0, 0)),  # one key per query
+        dict(window=(9, 2), is_causal=True, diag_offset=5),
+    ],
+)
 def test_block_ranges_match_reference(kw):
-  args = make_case(Case("float32", "none", 53, 33, 32, 2))
-  args = args.replace(**{k: v for k, v in kw.items() if k != "is_causal"},
-                      causal=kw.get("is_causal", False))
-  _check(args, cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
+    args = make_case(Case("float32", "none", 53, 33, 32, 2))
+    args = args.replace(
+        **{k: v for k, v in kw.items() if k != "is_causal"}, causal=kw.get("is_causal", False)
+    )
+    _check(args, cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
 
 
 def _flash_on_cpu(args, **flags):
-  """FLASH through the dispatcher, lowered for CPU, the way the public API runs it."""
-  with jb.with_backends(flash=True, mem_efficient=False, math=False, cudnn=False, **flags):
-    return D.run(args, jb.current_flags(), ("cpu",))
+    """FLASH through the dispatcher, lowered for CPU, the way the public API runs it."""
+    with jb.with_backends(flash=True, mem_efficient=False, math=False, cudnn=False, **flags):
+        return D.run(args, jb.current_flags(), ("cpu",))
 
 
 def test_dispatch_runs_it_on_cpu_and_says_why_not():
-  args = make_case(Case("float32", "top_left", 40, 40, 32, 2))
-  with jb.with_backends(flash=True):
-    d = D.decide(args, jb.current_flags(), "cpu")
-  assert d.implementation.name == "cpp_flash" and d.implementation_reasons == {
-      "xla_flash": "lower priority than cpp_flash"}
-  hlo = jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(args).as_text()
-  assert "jb_flash_attention_fwd_f32" in hlo
-  hlo = jax.jit(lambda a: _flash_on_cpu(a, flash_cpu_kernel="xla")[0]).lower(args).as_text()
-  assert "jb_flash_attention_fwd_f32" not in hlo
-  soft = args.replace(logits_soft_cap=20.0)
-  with jb.with_backends(flash=True):
-    d = D.decide(soft, jb.current_flags(), "cpu")
-  assert d.implementation.name == "xla_flash" and "soft cap" in d.implementation_reasons["cpp_flash"]
-  assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(soft).as_text()
-  # The XLA path gives the same answer as the kernel.
-  a = _flash_on_cpu(args)
-  b = _flash_on_cpu(args, flash_cpu_kernel="xla")
-  assert_close(a[0], b[0], 2e-5, "out")
-  # Forcing the kernel where it cannot run is an error naming why, never a silent fallback.
-  with pytest.raises(D.NoAvailableBackendError, match="soft cap"):
-    _flash_on_cpu(soft, flash_cpu_kernel="cpp")
-  with pytest.raises(NotImplementedError, match="soft cap"):
-    cpp_flash.attention(soft)
-  with pytest.raises(ValueError, match="flash_cpu_kernel"):
-    jb.with_backends(flash_cpu_kernel="fast")
-  assert "CPU only" in " ".join(cpp_flash.unsupported(args, "tpu"))
+    args = make_case(Case("float32", "top_left", 40, 40, 32, 2))
+    with jb.with_backends(flash=True):
+        d = D.decide(args, jb.current_flags(), "cpu")
+    assert d.implementation.name == "cpp_flash" and d.implementation_reasons == {
+        "xla_flash": "lower priority than cpp_flash"
+    }
+    hlo = jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(args).as_text()
+    assert "jb_flash_attention_fwd_f32" in hlo
+    hlo = jax.jit(lambda a: _flash_on_cpu(a, flash_cpu_kernel="xla")[0]).lower(args).as_text()
+    assert "jb_flash_attention_fwd_f32" not in hlo
+    soft = args.replace(logits_soft_cap=20.0)
+    with jb.with_backends(flash=True):
+        d = D.decide(soft, jb.current_flags(), "cpu")
+    assert d.implementation.name == "xla_flash" and "soft cap" in d.implementation_reasons["cpp_flash"]
+    assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(soft).as_text()
+    # The XLA path gives the same answer as the kernel.
+    a = _flash_on_cpu(args)
+    b = _flash_on_cpu(args, flash_cpu_kernel="xla")
+    assert_close(a[0], b[0], 2e-5, "out")
+    # Forcing the kernel where it cannot run is an error naming why, never a silent fallback.
+    with pytest.raises(D.NoAvailableBackendError, match="soft cap"):
+        _flash_on_cpu(soft, flash_cpu_kernel="cpp")
+    with pytest.raises(NotImplementedError, match="soft cap"):
+        cpp_flash.attention(soft)
+    with pytest.raises(ValueError, match="flash_cpu_kernel"):
+        jb.with_backends(flash_cpu_kernel="fast")
+    assert "CPU only" in " ".join(cpp_flash.unsupported(args, "tpu"))
 
 
 def test_tpu_export_lowers_the_xla_code():
-  args = make_case(Case("float32", "top_left", 24, 24, 32, 1))
+    args = make_case(Case("float32", "top_left", 24, 24, 32, 1))
 
-  def f(q, k, v, platforms):
-    with jb.with_backends(flash=True, mem_efficient=False, math=False, cudnn=False):
-      return D.run(args.replace(q=q, k=k, v=v), jb.current_flags(), platforms)[0]
+    def f(q, k, v, platforms):
+        with jb.with_backends(flash=True, mem_efficient=False, math=False, cudnn=False):
+            return D.run(args.replace(q=q, k=k, v=v), jb.current_flags(), platforms)[0]
 
-  exp = jax.export.export(jax.jit(functools.partial(f, platforms=("tpu",))), platforms=["tpu"])(
-      args.q, args.k, args.v)
-  assert "jb_flash_attention_fwd_f32" not in exp.mlir_module()
-  # A CPU export carries the kernel, a custom call JAX cannot promise to keep stable: it asks
-  # for an explicit opt-in (or flash_cpu_kernel="xla" for a portable artifact).
-  both = jax.jit(functools.partial(f, platforms=("cpu", "tpu")))
-  with pytest.raises(ValueError, match="jb_flash_attention_fwd_f32"):
-    jax.export.export(both, platforms=["cpu", "tpu"])(args.q, args.k, args.v)
-  checks = [jax.export.DisabledSafetyCheck.custom_call(cpp_flash.FORWARD_TARGET)]
-  exp = jax.export.export(both, platforms=["cpu", "tpu"], disabled_checks=checks)(
-      args.q, args.k, args.v)
-  assert "jb_flash_attention_fwd_f32" in exp.mlir_module()  # the CPU branch
-  assert_close(exp.call(args.q, args.k, args.v), base.reference(args)[0], 2e-5, "exported")
+    exp = jax.export.export(jax.jit(functools.partial(f, platforms=("tpu",))), platforms=["tpu"])(
+        args.q, args.k, args.v
+    )
+    assert "jb_flash_attention_fwd_f32" not in exp.mlir_module()
+    # A CPU export carries the kernel, a custom call JAX cannot promise to keep stable: it asks
+    # for an explicit opt-in (or flash_cpu_kernel="xla" for a portable artifact).
+    both = jax.jit(functools.partial(f, platforms=("cpu", "tpu")))
+    with pytest.raises(ValueError, match="jb_flash_attention_fwd_f32"):
+        jax.export.export(both, platforms=["cpu", "tpu"])(args.q, args.k, args.v)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(cpp_flash.FORWARD_TARGET)]
+    exp = jax.export.export(both, platforms=["cpu", "tpu"], disabled_checks=checks)(args.q, args.k, args.v)
+    assert "jb_flash_attention_fwd_f32" in exp.mlir_module()  # the CPU branch
+    assert_close(exp.call(args.q, args.k, args.v), base.reference(args)[0], 2e-5, "exported")
 
 
 def test_vmap_and_low_precision_inputs():
-  args = make_case(Case("bfloat16", "lower_right", 20, 30, 32, 2))
-  out, lse = cpp_flash.attention(args)
-  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
-  qs = jnp.stack([args.q, args.q * 0.5])
-  got = jax.vmap(lambda q: cpp_flash.attention(args.replace(q=q))[0])(qs)
-  for i in range(2):
-    want = cpp_flash.attention(args.replace(q=qs[i]))[0]
-    np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
+    args = make_case(Case("bfloat16", "lower_right", 20, 30, 32, 2))
+    out, lse = cpp_flash.attention(args)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    qs = jnp.stack([args.q, args.q * 0.5])
+    got = jax.vmap(lambda q: cpp_flash.attention(args.replace(q=q))[0])(qs)
+    for i in range(2):
+        want = cpp_flash.attention(args.replace(q=qs[i]))[0]
+        np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
 
 
 def test_config_validation():
-  with pytest.raises(ValueError, match="block_k"):
-    cpp_flash.Config(block_k=24)
-  with pytest.raises(ValueError, match="block_q"):
-    cpp_flash.Config(block_q=0)
-  assert cpp_flash.threads() >= 1
+    with pytest.raises(ValueError, match="block_k"):
+        cpp_flash.Config(block_k=24)
+    with pytest.raises(ValueError, match="block_q"):
+        cpp_flash.Config(block_q=0)
+    assert cpp_flash.threads() >= 1
 
 
 def test_scores_jumping_between_key_blocks():
-  """The forward's one-pass softmax against the running max recomputes a row whose scores jump
-  by more than its slack (2^64) in a later key block; small jumps take the one-pass route."""
-  key = jax.random.split(jax.random.key(3), 3)
-  q = jax.random.normal(key[0], (1, 40, 2, 32))
-  k = jax.random.normal(key[1], (1, 96, 2, 32))
-  v = jax.random.normal(key[2], (1, 96, 2, 32))
-  cfg = cpp_flash.Config(block_q=8, block_k=16, block_q_bwd=8, block_k_bwd=16)
-  u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
-  scale = 1 / np.sqrt(32)
-  for jump in (3.0, 60.0):  # natural-log logits grow by `jump` per key block: one pass / recompute
-    ramp = (jump / scale) * (jnp.arange(96) // 16).astype(jnp.float32)
-    kk = k * 0.1 + ramp[None, :, None, None] * u[None, None, None, :]
-    qq = q * 0.1 + u[None, None, None, :]
-    args = base.make_args(qq, kk, v, is_causal=True, diag_offset=56)
-    lse_ref = base.reference(args)[1]
-    assert float(jnp.max(lse_ref)) > 5 * jump  # several blocks' worth of growth
-    # Logits of a few hundred carry ~1e-5 absolute float32 rounding in any summation order.
-    _check(args, cfg, tol=5e-5 if jump < 10 else 3e-4)
+    """The forward's one-pass softmax against the running max recomputes a row whose scores jump
+    by more than its slack (2^64) in a later key block; small jumps take the one-pass route."""
+    key = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(key[0], (1, 40, 2, 32))
+    k = jax.random.normal(key[1], (1, 96, 2, 32))
+    v = jax.random.normal(key[2], (1, 96, 2, 32))
+    cfg = cpp_flash.Config(block_q=8, block_k=16, block_q_bwd=8, block_k_bwd=16)
+    u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
+    scale = 1 / np.sqrt(32)
+    for jump in (3.0, 60.0):  # natural-log logits grow by `jump` per key block: one pass / recompute
+        ramp = (jump / scale) * (jnp.arange(96) // 16).astype(jnp.float32)
+        kk = k * 0.1 + ramp[None, :, None, None] * u[None, None, None, :]
+        qq = q * 0.1 + u[None, None, None, :]
+        args = base.make_args(qq, kk, v, is_causal=True, diag_offset=56)
+        lse_ref = base.reference(args)[1]
+        assert float(jnp.max(lse_ref)) > 5 * jump  # several blocks' worth of growth
+        # Logits of a few hundred carry ~1e-5 absolute float32 rounding in any summation order.
+        _check(args, cfg, tol=5e-5 if jump < 10 else 3e-4)
 
 
-@pytest.mark.parametrize("name", ["pallas_kernels.attention.cpp_flash",
-                                  "pallas_kernels.attention.xla_flash"])
+@pytest.mark.parametrize("name", ["pallas_kernels.attention.cpp_flash", "pallas_kernels.attention.xla_flash"])
 def test_docstring_examples(name):
-  import doctest  # noqa: PLC0415
-  import importlib  # noqa: PLC0415
+    import doctest  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
-  result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

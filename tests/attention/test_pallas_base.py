@@ -6,6 +6,7 @@ lengths, segment ids and jit on / off; ``test_pallas_parity.py`` covers the rema
 (window, softcap, head dims up to 256, every bias broadcast pattern) case by case. The decode kernel
 (queries of at most 16 rows) runs grid cases shortened to such queries.
 """
+
 import dataclasses
 import functools
 
@@ -23,42 +24,46 @@ _MEM_CASES = {GRID[5].id, GRID[10].id, GRID[18].id}
 
 
 class TestPallasFlashInterpret(AttentionTestBase):
-  impl = staticmethod(functools.partial(triton_flash.attention, config=CFG, bwd_config=BWD,
-                                        interpret=True))
-  supports_bias = False
-  supports_mask = False
-  grid_filter = staticmethod(lambda c: c.id in _FLASH_CASES)
+    impl = staticmethod(functools.partial(triton_flash.attention, config=CFG, bwd_config=BWD, interpret=True))
+    supports_bias = False
+    supports_mask = False
+    grid_filter = staticmethod(lambda c: c.id in _FLASH_CASES)
 
 
 class TestPallasMemEfficientInterpret(AttentionTestBase):
-  impl = staticmethod(functools.partial(triton_mem_efficient.attention, config=CFG, bwd_config=BWD,
-                                        interpret=True))
-  grid_filter = staticmethod(lambda c: c.id in _MEM_CASES)
+    impl = staticmethod(
+        functools.partial(triton_mem_efficient.attention, config=CFG, bwd_config=BWD, interpret=True)
+    )
+    grid_filter = staticmethod(lambda c: c.id in _MEM_CASES)
 
 
 # The decode kernel serves T <= 16: grid cases with their query shortened (causal alignments, GQA 4,
 # dropout, lengths, segment ids, window, f16 / bf16, T = 1 included); its backward is the flash one.
-_DECODE_GRID = [dataclasses.replace(GRID[i], T=t) for i, t in
-                ((2, 5), (4, 16), (11, 3), (12, 1), (16, 7), (17, 9), (18, 12))]
+_DECODE_GRID = [
+    dataclasses.replace(GRID[i], T=t)
+    for i, t in ((2, 5), (4, 16), (11, 3), (12, 1), (16, 7), (17, 9), (18, 12))
+]
 DEC = triton_decode.Config(block_k=16, num_splits=3)
 
 
 class TestPallasDecodeInterpret(AttentionTestBase):
-  impl = staticmethod(functools.partial(triton_decode.attention, config=DEC, bwd_config=BWD, interpret=True))
-  supports_bias = False
-  supports_mask = False
+    impl = staticmethod(
+        functools.partial(triton_decode.attention, config=DEC, bwd_config=BWD, interpret=True)
+    )
+    supports_bias = False
+    supports_mask = False
 
-  @pytest.mark.parametrize("case", _DECODE_GRID, ids=[c.id for c in _DECODE_GRID])
-  def test_grid(self, case):
-    super().test_grid(case)
+    @pytest.mark.parametrize("case", _DECODE_GRID, ids=[c.id for c in _DECODE_GRID])
+    def test_grid(self, case):
+        super().test_grid(case)
 
-  # The shared property tests use queries longer than 16 rows: decode refuses them at choice time
-  # (tested in test_pallas_unsupported.py); fully masked rows and the LSE vjp are in _DECODE_GRID.
-  def test_fully_masked_rows_give_zero_output_and_grads(self):
-    pytest.skip("queries > 16 rows: not a decode shape")
+    # The shared property tests use queries longer than 16 rows: decode refuses them at choice time
+    # (tested in test_pallas_unsupported.py); fully masked rows and the LSE vjp are in _DECODE_GRID.
+    def test_fully_masked_rows_give_zero_output_and_grads(self):
+        pytest.skip("queries > 16 rows: not a decode shape")
 
-  def test_deterministic(self):
-    pytest.skip("queries > 16 rows: not a decode shape")
+    def test_deterministic(self):
+        pytest.skip("queries > 16 rows: not a decode shape")
 
-  def test_vjp_wrt_outputs_and_lse(self):
-    pytest.skip("queries > 16 rows: not a decode shape")
+    def test_vjp_wrt_outputs_and_lse(self):
+        pytest.skip("queries > 16 rows: not a decode shape")

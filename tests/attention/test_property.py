@@ -13,6 +13,7 @@ and all the data (inputs, mask bits and density, lengths, segment ids, dropout k
 the compiled code. The example count is the hypothesis profile's (``ci``, the default under
 ``CI``: 300; ``dev``: 60).
 """
+
 import functools
 import os
 
@@ -27,52 +28,67 @@ import jbackends as jb
 from jbackends import attention as A
 from pallas_kernels.attention import base
 
-settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
 
 LARGE_NEG = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
 BACKENDS = {
     "math": dict(math=True, flash=False, mem_efficient=False, cudnn=False),
     "flash": dict(math=False, flash=True, mem_efficient=False, cudnn=False),
-    "flash_xla": dict(math=False, flash=True, mem_efficient=False, cudnn=False,
-                      flash_cpu_kernel="xla"),
+    "flash_xla": dict(math=False, flash=True, mem_efficient=False, cudnn=False, flash_cpu_kernel="xla"),
     "efficient": dict(math=False, flash=False, mem_efficient=True, cudnn=False),
 }
 TOL = {"float32": (3e-5, 1e-4), "bfloat16": (2e-2, 3e-2)}
 
 
 def _scenarios():
-  """A fixed covering list of call structures (static: each compiles once per backend and API).
+    """A fixed covering list of call structures (static: each compiles once per backend and API).
 
-  Every value of every axis appears, crossed with every backend and both APIs; hypothesis then
-  draws which scenario runs and all the data (inputs, mask bits, lengths, segment ids, dropout key).
-  """
-  structures = [
-      # dtype, B, T, S, K, G, H, Hv, causal, mask, mask_shape, window, lengths, segments, cap, p
-      ("float32", 2, 5, 7, 1, 2, 8, 8, "none", "bool", "full", None, False, False, None, 0.0),
-      ("float32", 1, 12, 7, 2, 1, 4, 3, "lower_right", "none", "full", None, True, False, None, 0.0),
-      ("bfloat16", 2, 12, 12, 2, 2, 8, 8, "top_left", "float", "b1", None, False, False, None, 0.0),
-      ("float32", 2, 5, 12, 1, 1, 8, 3, "none", "float", "q1", (2, 1), False, False, 4.0, 0.0),
-      ("float32", 2, 12, 12, 2, 1, 4, 4, "top_left", "none", "full", (0, 3), False, True, None, 0.25),
-      ("float32", 1, 1, 7, 1, 2, 8, 8, "lower_right", "none", "full", None, False, False, 4.0, 0.0),
-      ("bfloat16", 2, 5, 7, 2, 2, 4, 3, "none", "bool", "1n", None, True, False, None, 0.25),
-      ("float32", 2, 12, 1, 1, 1, 8, 8, "none", "none", "full", None, True, True, None, 0.0),
-  ]
-  keys = ("dtype", "B", "T", "S", "K", "G", "H", "Hv", "causal", "mask", "mask_shape", "window",
-          "lengths", "segments", "softcap", "dropout")
-  out = []
-  for s in structures:
-    for api in ("jax", "torch"):
-      c = dict(zip(keys, s), api=api)
-      if api == "torch":  # torch's API has no window / lengths / segments / soft cap
-        c.update(window=None, lengths=False, segments=False, softcap=None)
-      if c["causal"] == "lower_right":
-        c["mask"] = "none"  # one mask argument: the CausalBias
-      out.append(c)
-  return [dict(c, backend=b) for c in out for b in BACKENDS]
+    Every value of every axis appears, crossed with every backend and both APIs; hypothesis then
+    draws which scenario runs and all the data (inputs, mask bits, lengths, segment ids, dropout key).
+    """
+    structures = [
+        # dtype, B, T, S, K, G, H, Hv, causal, mask, mask_shape, window, lengths, segments, cap, p
+        ("float32", 2, 5, 7, 1, 2, 8, 8, "none", "bool", "full", None, False, False, None, 0.0),
+        ("float32", 1, 12, 7, 2, 1, 4, 3, "lower_right", "none", "full", None, True, False, None, 0.0),
+        ("bfloat16", 2, 12, 12, 2, 2, 8, 8, "top_left", "float", "b1", None, False, False, None, 0.0),
+        ("float32", 2, 5, 12, 1, 1, 8, 3, "none", "float", "q1", (2, 1), False, False, 4.0, 0.0),
+        ("float32", 2, 12, 12, 2, 1, 4, 4, "top_left", "none", "full", (0, 3), False, True, None, 0.25),
+        ("float32", 1, 1, 7, 1, 2, 8, 8, "lower_right", "none", "full", None, False, False, 4.0, 0.0),
+        ("bfloat16", 2, 5, 7, 2, 2, 4, 3, "none", "bool", "1n", None, True, False, None, 0.25),
+        ("float32", 2, 12, 1, 1, 1, 8, 8, "none", "none", "full", None, True, True, None, 0.0),
+    ]
+    keys = (
+        "dtype",
+        "B",
+        "T",
+        "S",
+        "K",
+        "G",
+        "H",
+        "Hv",
+        "causal",
+        "mask",
+        "mask_shape",
+        "window",
+        "lengths",
+        "segments",
+        "softcap",
+        "dropout",
+    )
+    out = []
+    for s in structures:
+        for api in ("jax", "torch"):
+            c = dict(zip(keys, s), api=api)
+            if api == "torch":  # torch's API has no window / lengths / segments / soft cap
+                c.update(window=None, lengths=False, segments=False, softcap=None)
+            if c["causal"] == "lower_right":
+                c["mask"] = "none"  # one mask argument: the CausalBias
+            out.append(c)
+    return [dict(c, backend=b) for c in out for b in BACKENDS]
 
 
 SCENARIOS = _scenarios()
@@ -80,134 +96,173 @@ SCENARIOS = _scenarios()
 
 @st.composite
 def calls(draw):
-  c = dict(draw(st.sampled_from(SCENARIOS)))
-  c["seed"] = draw(st.integers(0, 2 ** 16))
-  c["density"] = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))  # bool mask: P(attend)
-  return c
+    c = dict(draw(st.sampled_from(SCENARIOS)))
+    c["seed"] = draw(st.integers(0, 2**16))
+    c["density"] = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))  # bool mask: P(attend)
+    return c
 
 
 def _inputs(c):
-  rng = np.random.default_rng(c["seed"])
-  B, T, S, K, G, H, Hv = (c[n] for n in ("B", "T", "S", "K", "G", "H", "Hv"))
-  N = K * G
-  dt = jnp.dtype(c["dtype"])
-  q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32).astype(dt)
-  k = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32).astype(dt)
-  v = jnp.asarray(rng.normal(size=(B, S, K, Hv)), jnp.float32).astype(dt)
-  shape = {"full": (B, N, T, S), "b1": (1, N, T, S), "1n": (B, 1, T, S), "q1": (B, N, 1, S)}[
-      c["mask_shape"]]
-  mask = bias = None
-  if c["mask"] == "bool":
-    mask = jnp.asarray(rng.random(shape) < c["density"])
-  elif c["mask"] == "float":
-    bias = jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dt)
-  ql = kl = seg = None
-  if c["lengths"]:
-    ql = jnp.asarray(rng.integers(0, T + 1, B), jnp.int32)
-    kl = jnp.asarray(rng.integers(0, S + 1, B), jnp.int32)
-  if c["segments"]:
-    seg = (jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), 1), jnp.int32),
-           jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), 1), jnp.int32))
-  key = jax.random.key(c["seed"]) if c["dropout"] else None
-  return q, k, v, mask, bias, ql, kl, seg, key
+    rng = np.random.default_rng(c["seed"])
+    B, T, S, K, G, H, Hv = (c[n] for n in ("B", "T", "S", "K", "G", "H", "Hv"))
+    N = K * G
+    dt = jnp.dtype(c["dtype"])
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32).astype(dt)
+    k = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32).astype(dt)
+    v = jnp.asarray(rng.normal(size=(B, S, K, Hv)), jnp.float32).astype(dt)
+    shape = {"full": (B, N, T, S), "b1": (1, N, T, S), "1n": (B, 1, T, S), "q1": (B, N, 1, S)}[
+        c["mask_shape"]
+    ]
+    mask = bias = None
+    if c["mask"] == "bool":
+        mask = jnp.asarray(rng.random(shape) < c["density"])
+    elif c["mask"] == "float":
+        bias = jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dt)
+    ql = kl = seg = None
+    if c["lengths"]:
+        ql = jnp.asarray(rng.integers(0, T + 1, B), jnp.int32)
+        kl = jnp.asarray(rng.integers(0, S + 1, B), jnp.int32)
+    if c["segments"]:
+        seg = (
+            jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), 1), jnp.int32),
+            jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), 1), jnp.int32),
+        )
+    key = jax.random.key(c["seed"]) if c["dropout"] else None
+    return q, k, v, mask, bias, ql, kl, seg, key
 
 
 def _reference(c, q, k, v, mask, bias, ql, kl, seg, key):
-  """(out [B, T, N, Hv] float32, lse [B, T, N] float32 or None): the API's contract, in jnp."""
-  f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
-  T, S = c["T"], c["S"]
-  args = base.AttentionArgs(
-      q=f32(q), k=f32(k), v=f32(v), bias=f32(bias), mask=mask,
-      scale=1.0 / np.sqrt(c["H"]), causal=c["causal"] != "none",
-      diag_offset=S - T if c["causal"] == "lower_right" else 0, window=c["window"],
-      q_seq_lengths=ql, kv_seq_lengths=kl, q_segment_ids=None if seg is None else seg[0],
-      kv_segment_ids=None if seg is None else seg[1], logits_soft_cap=c["softcap"],
-      dropout_rate=c["dropout"], dropout_rng=key)
-  out, lse = base.reference(args)
-  if c["api"] == "torch":
-    return out, None
-  # jax.nn: a row without a key attends uniformly to all S keys (mean of V, not dropped out), its
-  # LSE is jax.nn's large negative; rows beyond the query length stay 0. Bias-only rows: NaN.
-  empty = jnp.swapaxes(jnp.isneginf(lse), 1, 2)  # [B, T, N]
-  masked = mask is not None or args.has_index_masks
-  if masked:
-    rows = empty
-    if ql is not None:
-      rows = rows & (jnp.arange(T)[None, :, None] < ql[:, None, None])
-    vm = jnp.repeat(jnp.mean(f32(v), axis=1), c["G"], axis=1)  # [B, N, Hv]
-    out = jnp.where(rows[..., None], vm[:, None], out)
-    lse = jnp.where(jnp.isneginf(lse), LARGE_NEG, lse)
-  elif bias is not None:
-    out = jnp.where(empty[..., None], jnp.nan, out)
-  return out, jnp.swapaxes(lse, 1, 2)
+    """(out [B, T, N, Hv] float32, lse [B, T, N] float32 or None): the API's contract, in jnp."""
+    f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+    T, S = c["T"], c["S"]
+    args = base.AttentionArgs(
+        q=f32(q),
+        k=f32(k),
+        v=f32(v),
+        bias=f32(bias),
+        mask=mask,
+        scale=1.0 / np.sqrt(c["H"]),
+        causal=c["causal"] != "none",
+        diag_offset=S - T if c["causal"] == "lower_right" else 0,
+        window=c["window"],
+        q_seq_lengths=ql,
+        kv_seq_lengths=kl,
+        q_segment_ids=None if seg is None else seg[0],
+        kv_segment_ids=None if seg is None else seg[1],
+        logits_soft_cap=c["softcap"],
+        dropout_rate=c["dropout"],
+        dropout_rng=key,
+    )
+    out, lse = base.reference(args)
+    if c["api"] == "torch":
+        return out, None
+    # jax.nn: a row without a key attends uniformly to all S keys (mean of V, not dropped out), its
+    # LSE is jax.nn's large negative; rows beyond the query length stay 0. Bias-only rows: NaN.
+    empty = jnp.swapaxes(jnp.isneginf(lse), 1, 2)  # [B, T, N]
+    masked = mask is not None or args.has_index_masks
+    if masked:
+        rows = empty
+        if ql is not None:
+            rows = rows & (jnp.arange(T)[None, :, None] < ql[:, None, None])
+        vm = jnp.repeat(jnp.mean(f32(v), axis=1), c["G"], axis=1)  # [B, N, Hv]
+        out = jnp.where(rows[..., None], vm[:, None], out)
+        lse = jnp.where(jnp.isneginf(lse), LARGE_NEG, lse)
+    elif bias is not None:
+        out = jnp.where(empty[..., None], jnp.nan, out)
+    return out, jnp.swapaxes(lse, 1, 2)
 
 
 def _ours(c, q, k, v, mask, bias, ql, kl, seg, key):
-  if c["api"] == "torch":
-    tl = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    attn = bias if bias is not None else mask
+    if c["api"] == "torch":
+        tl = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        attn = bias if bias is not None else mask
+        if c["causal"] == "lower_right":
+            attn = A.causal_lower_right(c["T"], c["S"])
+        out = A.scaled_dot_product_attention(
+            tl(q),
+            tl(k),
+            tl(v),
+            attn_mask=attn,
+            dropout_p=c["dropout"],
+            is_causal=c["causal"] == "top_left",
+            enable_gqa=c["G"] > 1,
+            dropout_rng=key,
+        )
+        return tl(out), None
     if c["causal"] == "lower_right":
-      attn = A.causal_lower_right(c["T"], c["S"])
-    out = A.scaled_dot_product_attention(
-        tl(q), tl(k), tl(v), attn_mask=attn, dropout_p=c["dropout"],
-        is_causal=c["causal"] == "top_left", enable_gqa=c["G"] > 1, dropout_rng=key)
-    return tl(out), None
-  if c["causal"] == "lower_right":
-    if mask is not None:
-      raise AssertionError("unreachable: a CausalBias is the jax.nn API's mask")
-  return A.dot_product_attention(
-      q, k, v, bias, A.causal_lower_right(c["T"], c["S"]) if c["causal"] == "lower_right"
-      else mask, is_causal=c["causal"] == "top_left", query_seq_lengths=ql,
-      key_value_seq_lengths=kl, local_window_size=c["window"], logits_soft_cap=c["softcap"],
-      dropout_rate=c["dropout"], dropout_rng=key, segment_ids=seg, return_residual=True,
-      residual_dtype=jnp.float32)
+        if mask is not None:
+            raise AssertionError("unreachable: a CausalBias is the jax.nn API's mask")
+    return A.dot_product_attention(
+        q,
+        k,
+        v,
+        bias,
+        A.causal_lower_right(c["T"], c["S"]) if c["causal"] == "lower_right" else mask,
+        is_causal=c["causal"] == "top_left",
+        query_seq_lengths=ql,
+        key_value_seq_lengths=kl,
+        local_window_size=c["window"],
+        logits_soft_cap=c["softcap"],
+        dropout_rate=c["dropout"],
+        dropout_rng=key,
+        segment_ids=seg,
+        return_residual=True,
+        residual_dtype=jnp.float32,
+    )
 
 
 def _static(c):
-  return tuple(sorted((k, v) for k, v in c.items() if k not in ("seed", "density")))
+    return tuple(sorted((k, v) for k, v in c.items() if k not in ("seed", "density")))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _fwd_and_grads(static, which, q, k, v, mask, bias, ql, kl, seg, key, ct):
-  c = dict(static)
-  fn = _ours if which == "ours" else _reference
+    c = dict(static)
+    fn = _ours if which == "ours" else _reference
 
-  def loss(q, k, v, bias):
-    out, lse = fn(c, q, k, v, mask, bias, ql, kl, seg, key)
-    o = out.astype(jnp.float32)
-    return jnp.sum(jnp.where(jnp.isnan(o), 0.0, o) * ct), (out, lse)
+    def loss(q, k, v, bias):
+        out, lse = fn(c, q, k, v, mask, bias, ql, kl, seg, key)
+        o = out.astype(jnp.float32)
+        return jnp.sum(jnp.where(jnp.isnan(o), 0.0, o) * ct), (out, lse)
 
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-  grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
-  return out, lse, grads
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
+    return out, lse, grads
 
 
 @settings(settings.get_profile(PROFILE))
 @given(c=calls())
 def test_every_backend_matches_the_reference_through_both_apis(c):
-  q, k, v, mask, bias, ql, kl, seg, key = _inputs(c)
-  inputs = (q, k, v, mask, bias, ql, kl, seg, key)
-  ct = jnp.asarray(np.random.default_rng(c["seed"] + 1).normal(
-      size=(c["B"], c["T"], c["K"] * c["G"], c["Hv"])), jnp.float32)
-  takes = not (c["backend"].startswith("flash") and (mask is not None or bias is not None))
-  with jb.with_backends(**BACKENDS[c["backend"]]):
-    if not takes:
-      with pytest.raises(A.NoAvailableBackendError):
-        _ours(c, *inputs)
-      return
-    got_out, got_lse, got_g = _fwd_and_grads(_static(c), "ours", *inputs, ct)
-  want_out, want_lse, want_g = _fwd_and_grads(_static(c), "reference", *inputs, ct)
-  atol, gtol = TOL[c["dtype"]]
-  out, want = np.asarray(got_out, np.float32), np.asarray(want_out, np.float32)
-  assert out.shape == want.shape and got_out.dtype == q.dtype
-  np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
-  np.testing.assert_allclose(out, want, atol=atol, rtol=atol, err_msg=str(c))
-  if want_lse is not None:
-    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse),
-                               atol=max(atol, 1e-4), rtol=max(atol, 1e-5), err_msg=str(c))
-  for name, a, b in zip("qkvb", got_g, want_g):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    # Relative to the largest gradient, with a floor: a gradient that is 0 in exact arithmetic
-    # (e.g. every row sees one key) is float noise in both.
-    scale = max(float(np.abs(b).max()), 0.1)
-    np.testing.assert_allclose(a / scale, b / scale, atol=gtol, err_msg=f"d{name} {c}")
+    q, k, v, mask, bias, ql, kl, seg, key = _inputs(c)
+    inputs = (q, k, v, mask, bias, ql, kl, seg, key)
+    ct = jnp.asarray(
+        np.random.default_rng(c["seed"] + 1).normal(size=(c["B"], c["T"], c["K"] * c["G"], c["Hv"])),
+        jnp.float32,
+    )
+    takes = not (c["backend"].startswith("flash") and (mask is not None or bias is not None))
+    with jb.with_backends(**BACKENDS[c["backend"]]):
+        if not takes:
+            with pytest.raises(A.NoAvailableBackendError):
+                _ours(c, *inputs)
+            return
+        got_out, got_lse, got_g = _fwd_and_grads(_static(c), "ours", *inputs, ct)
+    want_out, want_lse, want_g = _fwd_and_grads(_static(c), "reference", *inputs, ct)
+    atol, gtol = TOL[c["dtype"]]
+    out, want = np.asarray(got_out, np.float32), np.asarray(want_out, np.float32)
+    assert out.shape == want.shape and got_out.dtype == q.dtype
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_allclose(out, want, atol=atol, rtol=atol, err_msg=str(c))
+    if want_lse is not None:
+        np.testing.assert_allclose(
+            np.asarray(got_lse),
+            np.asarray(want_lse),
+            atol=max(atol, 1e-4),
+            rtol=max(atol, 1e-5),
+            err_msg=str(c),
+        )
+    for name, a, b in zip("qkvb", got_g, want_g):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # Relative to the largest gradient, with a floor: a gradient that is 0 in exact arithmetic
+        # (e.g. every row sees one key) is float noise in both.
+        scale = max(float(np.abs(b).max()), 0.1)
+        np.testing.assert_allclose(a / scale, b / scale, atol=gtol, err_msg=f"d{name} {c}")

@@ -8,12 +8,31 @@ import pytest
 import jbackends as jb
 
 MODULES = [
-    "jbackends.cpu", "jbackends.mps", "jbackends.nnpack", "jbackends.openmp", "jbackends.cusparselt",
-    "jbackends.kleidiai", "jbackends.xnnpack", "jbackends.miopen", "jbackends.mkl", "jbackends.mkldnn",
-    "jbackends.fft", "jbackends.linalg", "jbackends.conv", "jbackends.nn", "jbackends.mha",
-    "jbackends.opt_einsum", "jbackends.cuda", "jbackends.cudnn", "jbackends._src.einsum",
-    "jbackends._src.fft", "jbackends._src.linalg",
-    "jbackends._src.conv", "jbackends._src.verbose", "jbackends._src.nn_attention", "jbackends.xeon.run_cpu",
+    "jbackends.cpu",
+    "jbackends.mps",
+    "jbackends.nnpack",
+    "jbackends.openmp",
+    "jbackends.cusparselt",
+    "jbackends.kleidiai",
+    "jbackends.xnnpack",
+    "jbackends.miopen",
+    "jbackends.mkl",
+    "jbackends.mkldnn",
+    "jbackends.fft",
+    "jbackends.linalg",
+    "jbackends.conv",
+    "jbackends.nn",
+    "jbackends.mha",
+    "jbackends.opt_einsum",
+    "jbackends.cuda",
+    "jbackends.cudnn",
+    "jbackends._src.einsum",
+    "jbackends._src.fft",
+    "jbackends._src.linalg",
+    "jbackends._src.conv",
+    "jbackends._src.verbose",
+    "jbackends._src.nn_attention",
+    "jbackends.xeon.run_cpu",
 ]
 
 

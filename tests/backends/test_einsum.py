@@ -98,5 +98,7 @@ def test_verbose_reports_the_path_choice(ops, caplog):
     with jb.verbose(1), jb.with_backends(opt_einsum_enabled=False):
         jb.einsum(SUBS, *ops)
     lines = [r.getMessage() for r in caplog.records if "op=einsum" in r.getMessage()]
-    assert lines == ["jbackends dispatch op=einsum chosen=left_to_right shapes=2x30,30x40,40x5,5x60 "
-                     "dtypes=float32,float32,float32,float32 rejected=opt_einsum: jb.opt_einsum.enabled is False"]
+    assert lines == [
+        "jbackends dispatch op=einsum chosen=left_to_right shapes=2x30,30x40,40x5,5x60 "
+        "dtypes=float32,float32,float32,float32 rejected=opt_einsum: jb.opt_einsum.enabled is False"
+    ]

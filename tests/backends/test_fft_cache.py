@@ -26,10 +26,16 @@ def test_results_match_numpy(cache):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 16)).astype(np.float32)
     np.testing.assert_allclose(jb.fft.rfft(x), np.fft.rfft(x.astype(np.float64)), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(jb.fft.fft(x, n=8, axis=0, norm="ortho"),
-                               np.fft.fft(x.astype(np.float64), n=8, axis=0, norm="ortho"), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        jb.fft.fft(x, n=8, axis=0, norm="ortho"),
+        np.fft.fft(x.astype(np.float64), n=8, axis=0, norm="ortho"),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     np.testing.assert_allclose(jb.fft.irfft2(np.fft.rfft2(x)), x, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(jb.fft.fftn(x, norm="forward"), np.fft.fftn(x, norm="forward"), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        jb.fft.fftn(x, norm="forward"), np.fft.fftn(x, norm="forward"), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_hits_misses_and_key(cache):

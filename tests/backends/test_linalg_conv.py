@@ -11,8 +11,14 @@ import jbackends as jb
 from jbackends._src import linalg as linalg_mod
 
 
-@pytest.mark.parametrize("pref, want", [("default", None), ("cusolver", lax.linalg.EigImplementation.CUSOLVER),
-                                        ("magma", lax.linalg.EigImplementation.MAGMA)])
+@pytest.mark.parametrize(
+    "pref, want",
+    [
+        ("default", None),
+        ("cusolver", lax.linalg.EigImplementation.CUSOLVER),
+        ("magma", lax.linalg.EigImplementation.MAGMA),
+    ],
+)
 def test_eig_implementation_on_gpu_is_in_the_jaxpr(pref, want):
     x = np.eye(3, dtype=np.float32)
     with jb.with_backends(preferred_linalg_library=pref):
@@ -29,8 +35,12 @@ def test_eig_on_cpu_matches_numpy_and_reports(caplog):
     with jb.with_backends(preferred_linalg_library="magma"), jb.verbose(1):
         w, v = jb.linalg.eig(a)
         wv = jb.linalg.eigvals(a)
-    np.testing.assert_allclose(np.sort_complex(np.asarray(w)), np.sort_complex(np.linalg.eigvals(a.astype(np.float64))),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.sort_complex(np.asarray(w)),
+        np.sort_complex(np.linalg.eigvals(a.astype(np.float64))),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     np.testing.assert_allclose(np.asarray(a @ v), np.asarray(v * w[None, :]), rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(np.sort_complex(np.asarray(wv)), np.sort_complex(np.asarray(w)), atol=1e-4)
     lines = [r.getMessage() for r in caplog.records if "op=linalg.eig" in r.getMessage()]
@@ -41,8 +51,11 @@ def test_eig_on_cpu_matches_numpy_and_reports(caplog):
 
 def _conv_precisions(fn, *args):
     text = jax.jit(fn).lower(*args).as_text()
-    return [line.split("precision_config = ")[1].split("]")[0] for line in text.splitlines()
-            if "stablehlo.convolution" in line]
+    return [
+        line.split("precision_config = ")[1].split("]")[0]
+        for line in text.splitlines()
+        if "stablehlo.convolution" in line
+    ]
 
 
 def test_conv_precision_follows_cudnn_allow_tf32():
@@ -52,7 +65,9 @@ def test_conv_precision_follows_cudnn_allow_tf32():
     assert "DEFAULT" in _conv_precisions(conv, x, w)[0]
     with jb.cudnn.flags(allow_tf32=False):
         assert "HIGHEST" in _conv_precisions(conv, x, w)[0]
-        explicit = lambda x, w: jb.conv.conv_general_dilated(x, w, (1, 1), "SAME", precision=lax.Precision.DEFAULT)
+        explicit = lambda x, w: jb.conv.conv_general_dilated(
+            x, w, (1, 1), "SAME", precision=lax.Precision.DEFAULT
+        )
         assert "DEFAULT" in _conv_precisions(explicit, x, w)[0]
     ref = lax.conv_general_dilated(x, w, (1, 1), "SAME", precision=lax.Precision.HIGHEST)
     np.testing.assert_allclose(conv(x, w), ref)
@@ -75,9 +90,13 @@ def test_cudnn_flags_become_compiler_options():
         assert jb.cudnn.deterministic and jb.cudnn.benchmark and not jb.cudnn.enabled
         opts = jb.compiler_options()
         f(jnp.float32(1))
-    assert opts == {"xla_gpu_deterministic_ops": True, "xla_gpu_exhaustive_tiling_search": True,
-                    "xla_gpu_autotune_max_solutions": 3, "xla_gpu_cudnn_gemm_fusion_level": 0,
-                    "xla_gpu_enable_cublaslt": False}
+    assert opts == {
+        "xla_gpu_deterministic_ops": True,
+        "xla_gpu_exhaustive_tiling_search": True,
+        "xla_gpu_autotune_max_solutions": 3,
+        "xla_gpu_cudnn_gemm_fusion_level": 0,
+        "xla_gpu_enable_cublaslt": False,
+    }
     assert len(f.executables) == 2
     assert tuple(sorted(opts.items())) in f.executables
     # jb.cudnn.flags: an omitted argument means unchanged (torch's would turn cuDNN off).

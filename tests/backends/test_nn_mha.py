@@ -26,7 +26,8 @@ def sdpa(monkeypatch):
         pass
     fake = types.ModuleType("jbackends.attention")
     fake.dot_product_attention = lambda q, k, v, bias=None, mask=None, *, is_causal=False, **kw: (
-        jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal))
+        jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal)
+    )
     monkeypatch.setitem(sys.modules, "jbackends.attention", fake)
     return "stand-in"
 

@@ -9,21 +9,26 @@ import jbackends as jb
 from jbackends._src import cpu_info
 
 
-CPUINFO_AVX512 = "processor : 0\nflags : fpu sse4_2 avx avx2 fma avx512f avx512bw avx512dq avx512vl avx512_vnni\n"
+CPUINFO_AVX512 = (
+    "processor : 0\nflags : fpu sse4_2 avx avx2 fma avx512f avx512bw avx512dq avx512vl avx512_vnni\n"
+)
 CPUINFO_AVX2 = "processor : 0\nflags : fpu sse4_2 avx avx2 fma\n"
 CPUINFO_OLD = "processor : 0\nflags : fpu sse4_2\n"
 CPUINFO_ARM = "processor : 0\nFeatures : fp asimd sve\n"
 
 
-@pytest.mark.parametrize("text, machine, want", [
-    (CPUINFO_AVX512, "x86_64", "AVX512"),
-    (CPUINFO_AVX2, "x86_64", "AVX2"),
-    (CPUINFO_OLD, "x86_64", "NO AVX"),
-    ("flags : avx\n", "x86_64", "DEFAULT"),
-    (CPUINFO_ARM, "aarch64", "SVE"),
-    ("", "ppc64le", "VSX"),
-    ("", "s390x", "Z VECTOR"),
-])
+@pytest.mark.parametrize(
+    "text, machine, want",
+    [
+        (CPUINFO_AVX512, "x86_64", "AVX512"),
+        (CPUINFO_AVX2, "x86_64", "AVX2"),
+        (CPUINFO_OLD, "x86_64", "NO AVX"),
+        ("flags : avx\n", "x86_64", "DEFAULT"),
+        (CPUINFO_ARM, "aarch64", "SVE"),
+        ("", "ppc64le", "VSX"),
+        ("", "s390x", "Z VECTOR"),
+    ],
+)
 def test_cpu_capability_from_cpuinfo(text, machine, want):
     assert cpu_info.capability_from(machine, cpu_info.parse_cpuinfo(text)) == want
 
@@ -54,7 +59,9 @@ def test_max_isa_names_are_accepted_by_installed_xla():
 
 
 def test_cuda_cudnn_rows_agree_with_jax():
-    cuda_devices = [d for d in jax.devices() if d.platform == "gpu" and "cuda" in d.client.platform_version.lower()]
+    cuda_devices = [
+        d for d in jax.devices() if d.platform == "gpu" and "cuda" in d.client.platform_version.lower()
+    ]
     assert jb.cuda.is_available() == bool(cuda_devices)
     if jb.cuda.is_available():
         assert jb.cuda.is_built()
@@ -63,7 +70,9 @@ def test_cuda_cudnn_rows_agree_with_jax():
     else:
         v = jb.cudnn.version()
         assert v is None or v > 8000
-    assert jb.cudnn.is_acceptable(jax.numpy.ones(2)) == (jb.cudnn.is_available() and jax.default_backend() == "gpu")
+    assert jb.cudnn.is_acceptable(jax.numpy.ones(2)) == (
+        jb.cudnn.is_available() and jax.default_backend() == "gpu"
+    )
     assert jb.cudnn.is_acceptable(jax.numpy.ones(2, jax.numpy.int32)) is False
 
 

@@ -72,7 +72,13 @@ def test_level_two_adds_call_times(log):
         jb.nn.attention_fn(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)))
         jax.jit(lambda x: jb.einsum("i,i->", x, x))(x)  # traced: no per-call line from inside a trace
     calls = [m for m in _msgs(log) if m.startswith("jbackends call")]
-    assert [c.split()[2] for c in calls] == ["op=plus_one", "op=fft.rfft", "op=einsum", "op=linalg.eig", "op=mha"]
+    assert [c.split()[2] for c in calls] == [
+        "op=plus_one",
+        "op=fft.rfft",
+        "op=einsum",
+        "op=linalg.eig",
+        "op=mha",
+    ]
     assert all(re.fullmatch(r"jbackends call op=\S+ secs=\d+\.\d+", c) for c in calls)
     jb.cuda.cufft_plan_cache.clear()
 
@@ -80,8 +86,13 @@ def test_level_two_adds_call_times(log):
 def test_dispatch_lines_from_jbackends_ops(log):
     with jb.verbose(1):
         jb.conv.conv_general_dilated(jnp.ones((1, 1, 4, 4)), jnp.ones((1, 1, 3, 3)), (1, 1), "VALID")
-    assert any(m.startswith("jbackends dispatch op=conv chosen=precision=DEFAULT shapes=1x1x4x4,1x1x3x3 "
-                            "dtypes=float32,float32") for m in _msgs(log))
+    assert any(
+        m.startswith(
+            "jbackends dispatch op=conv chosen=precision=DEFAULT shapes=1x1x4x4,1x1x3x3 "
+            "dtypes=float32,float32"
+        )
+        for m in _msgs(log)
+    )
 
 
 def test_bad_levels():
@@ -115,7 +126,9 @@ def test_unconfigured_logging_still_shows_the_region_on_stderr_only_inside():
         "jax.jit(after)(jnp.float32(2))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     lines = [l for l in res.stderr.splitlines() if l.startswith("jbackends ")]

@@ -22,8 +22,14 @@ def _run(args, tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "jbackends.xeon.run_cpu", *args], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "jbackends.xeon.run_cpu", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning needs sched_setaffinity")
@@ -35,7 +41,10 @@ def test_two_pinned_instances(tmp_path):
     res = _run(["--ninstances", "2", "--ncores-per-instance", "1", "--log-path", "logs", "tiny.py"], tmp_path)
     assert res.returncode == 0, res.stderr
     logs = sorted((tmp_path / "logs").iterdir())
-    assert [p.name for p in logs] == [f"run_instance_0_cores_{cores[0]}.log", f"run_instance_1_cores_{cores[1]}.log"]
+    assert [p.name for p in logs] == [
+        f"run_instance_0_cores_{cores[0]}.log",
+        f"run_instance_1_cores_{cores[1]}.log",
+    ]
     seen = []
     for i, path in enumerate(logs):
         line = [l for l in path.read_text().splitlines() if l.startswith("instance")][0].split()

@@ -8,6 +8,7 @@ Weight-only mode is compared with ``x @ dequantize(w).T`` at float tolerance.
 
 Not collected itself (no ``test_`` prefix); the ``test_*.py`` files subclass `Int4Suite`.
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,13 +25,13 @@ reference = jax.jit(base.dyn_quant_matmul)
 GRID = [
     (0, 64, 16, 32, False),
     (1, 256, 48, 32, True),
-    (1, 192, 40, 64, False),     # K, N not powers of two
+    (1, 192, 40, 64, False),  # K, N not powers of two
     (3, 384, 24, 128, True),
-    (3, 96, 20, 96, False),      # channel-wise, K = 3 * 32
-    (16, 320, 33, 64, True),     # odd N
-    (16, 128, 16, 128, False),   # channel-wise, power of two
-    (17, 256, 40, 128, True),    # 16-row blocks plus a one-row tail
-    (128, 160, 24, 32, True),    # prefill
+    (3, 96, 20, 96, False),  # channel-wise, K = 3 * 32
+    (16, 320, 33, 64, True),  # odd N
+    (16, 128, 16, 128, False),  # channel-wise, power of two
+    (17, 256, 40, 128, True),  # 16-row blocks plus a one-row tail
+    (128, 160, 24, 32, True),  # prefill
 ]
 CHANNELWISE_ODD_K = (2, 48, 8, 48, True)  # channel-wise K not a multiple of 32
 
@@ -39,18 +40,18 @@ def make_case(M, K, N, g, bias, *, seed=0, lead=()):
     """Random weights and inputs with the edge cases planted."""
     rng = np.random.default_rng(seed + 1000 * M + K + N + g)
     w = rng.standard_normal((N, K)).astype(np.float32)
-    w[0, :] = 0.0                                   # an all-zero weight row (scale 0)
+    w[0, :] = 0.0  # an all-zero weight row (scale 0)
     packed, scales = _quantize(jnp.asarray(w), g)
     packed = np.array(packed)
-    packed[1 % N, 0] &= 0xF0                          # q = -8 in a low nibble
-    packed[2 % N, 1] &= 0x0F                          # q = -8 in a high nibble
+    packed[1 % N, 0] &= 0xF0  # q = -8 in a low nibble
+    packed[2 % N, 1] &= 0x0F  # q = -8 in a high nibble
     b = jnp.asarray(rng.standard_normal(N).astype(np.float32)) if bias else None
     p = base.PackedInt4Weight(jnp.asarray(packed), scales, b, g, K, N)
     x = (rng.standard_normal(lead + (M, K)) * 2.5 + 0.3).astype(np.float32)
     if M >= 4:  # row 0 stays an ordinary mixed-sign row; small M (decode) cases are all ordinary rows
-        x[..., 1, :] = 0.0                            # all-zero row
-        x[..., 2, :] = 1.7                            # constant row
-        x[..., 3, :] = -np.abs(x[..., 3, :])          # all-negative row
+        x[..., 1, :] = 0.0  # all-zero row
+        x[..., 2, :] = 1.7  # constant row
+        x[..., 3, :] = -np.abs(x[..., 3, :])  # all-negative row
     return jnp.asarray(x), p
 
 
@@ -64,7 +65,9 @@ class Int4Suite:
     supports_bf16 = True
     weight_only_tol = 2e-5
 
-    @pytest.fixture(params=range(len(GRID)), ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-g{c[3]}-b{int(c[4])}" for c in GRID])
+    @pytest.fixture(
+        params=range(len(GRID)), ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-g{c[3]}-b{int(c[4])}" for c in GRID]
+    )
     def case(self, request):
         if request.param >= len(self.grid):
             pytest.skip("not in this implementation's grid")
@@ -81,8 +84,12 @@ class Int4Suite:
     def test_special_single_rows(self, row):
         """The decode (M=1) paths on the input rows with a degenerate quantization range."""
         x, p = make_case(1, 192, 24, 64, True)
-        x = {"zero": jnp.zeros_like(x), "constant": jnp.full_like(x, -0.6),
-             "negative": -jnp.abs(x), "positive": jnp.abs(x)}[row]
+        x = {
+            "zero": jnp.zeros_like(x),
+            "constant": jnp.full_like(x, -0.6),
+            "negative": -jnp.abs(x),
+            "positive": jnp.abs(x),
+        }[row]
         np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)), np.asarray(reference(x, p)))
 
     def test_batch_dims_and_layouts(self):
@@ -111,8 +118,7 @@ class Int4Suite:
         if not self.supports_odd_channelwise:
             pytest.skip("channel-wise K % 32 != 0 not supported here")
         x, p = make_case(*CHANNELWISE_ODD_K)
-        np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)),
-                                      np.asarray(reference(x, p)))
+        np.testing.assert_array_equal(np.asarray(jax.jit(self.impl)(x, p)), np.asarray(reference(x, p)))
 
     def test_bfloat16_truncated(self):
         if not self.supports_bf16:
@@ -121,8 +127,9 @@ class Int4Suite:
         xb = x.astype(jnp.bfloat16)
         got = jax.jit(self.impl)(xb, p)
         assert got.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                      np.asarray(reference(xb, p).astype(jnp.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(got.astype(jnp.float32)), np.asarray(reference(xb, p).astype(jnp.float32))
+        )
 
     @pytest.mark.parametrize("M,K,N,g", [(1, 256, 40, 32), (5, 192, 24, 64), (40, 128, 16, 128)])
     def test_weight_only(self, M, K, N, g):

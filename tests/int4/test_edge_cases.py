@@ -5,6 +5,7 @@
 * ``jax.grad`` through the dynamic-quant matmul: the straight-through gradient on every engine.
 * ``jb.nn.quantize_4bit`` / `Int4Linear`: arguments validated up front; the layer's dtype kept.
 """
+
 import math
 
 import jax
@@ -22,20 +23,20 @@ from tests.int4.int4_base import make_case
 
 ENGINES = ["xla", "reference", "pallas_interpret"] + (["cpp"] if cpu.available() else [])
 F32 = np.float32
-INT_MIN = -2 ** 31
+INT_MIN = -(2**31)
 
 
 # ------------------------------------------------------------- torch's x86 kernel, in Python
 
 
 def _wrap32(v: int) -> int:
-    return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
+    return (v + 2**31) % 2**32 - 2**31
 
 
 def _cvt(v) -> int:
     """(int32_t) of an integral float on x86: NaN, inf and out-of-range are INT32_MIN."""
     v = float(v)
-    return int(v) if math.isfinite(v) and -2 ** 31 <= v < 2 ** 31 else INT_MIN
+    return int(v) if math.isfinite(v) and -(2**31) <= v < 2**31 else INT_MIN
 
 
 def _round_away(v):
@@ -102,14 +103,17 @@ def _torch_dyn_quant_matmul(x, q, scales, groupsize):
 def _nonfinite_rows(M, K, seed=0):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((M, K)) * 2).astype(F32)
-    x[0, 5] = np.nan                                  # NaN early: the range is the rest of the row
-    x[1, K - 1] = np.nan                              # NaN last: range [0, 0], scale 1
-    x[2, 0] = np.nan                                  # NaN first
-    x[3, 3] = np.nan; x[3, K // 2] = np.nan; x[3, K // 2 + 1:] = np.abs(x[3, K // 2 + 1:])  # zp < 0 after it
-    x[3, 1] = 1e9                                     # before the last NaN, far outside the range seen
-    x[4, 7] = np.inf                                  # +inf: scale 0
-    x[5, 2] = -np.inf; x[5, 9] = np.inf               # both: NaN zero point
-    x[6] = np.nan                                     # all NaN
+    x[0, 5] = np.nan  # NaN early: the range is the rest of the row
+    x[1, K - 1] = np.nan  # NaN last: range [0, 0], scale 1
+    x[2, 0] = np.nan  # NaN first
+    x[3, 3] = np.nan
+    x[3, K // 2] = np.nan
+    x[3, K // 2 + 1 :] = np.abs(x[3, K // 2 + 1 :])  # zp < 0 after it
+    x[3, 1] = 1e9  # before the last NaN, far outside the range seen
+    x[4, 7] = np.inf  # +inf: scale 0
+    x[5, 2] = -np.inf
+    x[5, 9] = np.inf  # both: NaN zero point
+    x[6] = np.nan  # all NaN
     return x
 
 
@@ -125,7 +129,9 @@ def test_nonfinite_rows_follow_torch_on_every_engine(K, g):
     for impl in ENGINES:
         if impl == "cpp" and K % 32:
             continue
-        got = np.asarray(jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl))(x, p))
+        got = np.asarray(
+            jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl))(x, p)
+        )
         np.testing.assert_array_equal(got, want, err_msg=impl)
     # the ordinary rows are ordinary: near the float64 product
     ref = x[7:].astype(np.float64) @ np.asarray(base.dequantize(q8, s, g), np.float64).T
@@ -143,14 +149,18 @@ def test_nonfinite_rows_large_m_paths():
         np.testing.assert_array_equal(got, outs["reference"], err_msg=impl)
     # row by row (the decode paths) gives the same numbers
     for r in range(0, 36, 7):
-        np.testing.assert_array_equal(np.asarray(Q.dyn_quant_matmul_4bit(x[r:r + 1], p, g, K, N,
-                                                                         implementation="xla")), outs["xla"][r:r + 1])
+        np.testing.assert_array_equal(
+            np.asarray(Q.dyn_quant_matmul_4bit(x[r : r + 1], p, g, K, N, implementation="xla")),
+            outs["xla"][r : r + 1],
+        )
 
 
 def test_torch_emulation_matches_on_finite_rows():
     """The Python emulation of torch is itself checked against the reference on ordinary data."""
     x, p = make_case(3, 128, 8, 32, False)
-    want = _torch_dyn_quant_matmul(np.asarray(x), np.asarray(base.unpack_nibbles(p.weight)), np.asarray(p.scales), 32)
+    want = _torch_dyn_quant_matmul(
+        np.asarray(x), np.asarray(base.unpack_nibbles(p.weight)), np.asarray(p.scales), 32
+    )
     np.testing.assert_array_equal(np.asarray(base.dyn_quant_matmul(x, p)), want)
 
 
@@ -191,16 +201,22 @@ def test_dyn_quant_grad_is_straight_through_on_every_engine(impl):
     want_ds = ((gy.T @ xf) * q).reshape(N, K // g, g).sum(-1)
     want_db = gy.sum(0)
     for got, want in ((dx, want_dx), (ds, want_ds), (db, want_db)):
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+        )
 
 
 def test_dyn_quant_grad_bfloat16_and_layer():
     """bf16 input gets a bf16 gradient; a dyn_quant Int4Linear trains the layers before it."""
     x, p = make_case(4, 64, 8, 32, True)
-    dx = jax.grad(lambda x: Q.dyn_quant_matmul_4bit(x, p, 32, 64, 8).astype(jnp.float32).sum())(x.astype(jnp.bfloat16))
+    dx = jax.grad(lambda x: Q.dyn_quant_matmul_4bit(x, p, 32, 64, 8).astype(jnp.float32).sum())(
+        x.astype(jnp.bfloat16)
+    )
     assert dx.dtype == jnp.bfloat16
     want = np.asarray(Q.dequantize_4bit(p), np.float64).sum(0)
-    np.testing.assert_allclose(np.asarray(dx, np.float64), np.broadcast_to(want, dx.shape), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(dx, np.float64), np.broadcast_to(want, dx.shape), rtol=1e-2, atol=1e-2
+    )
     r = nnx.Rngs(0)
     model = nnx.Sequential(nnx.Linear(16, 64, rngs=r), nnx.Linear(64, 8, rngs=r))
     model.layers[1] = nn_int4.Int4Linear.from_linear(model.layers[1], 32, mode="dyn_quant")
@@ -218,17 +234,20 @@ def _two_layers():
     return nnx.Sequential(nnx.Linear(96, 64, rngs=r), nnx.relu, nnx.Linear(64, 8, rngs=r))
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(groupsize=0), ValueError, "groupsize must be a positive multiple of 32, got groupsize=0"),
-    (dict(groupsize=-32), ValueError, "groupsize must be a positive multiple of 32"),
-    (dict(groupsize=48), ValueError, "groupsize must be a positive multiple of 32, got groupsize=48"),
-    (dict(groupsize=32.0), TypeError, "groupsize must be an int"),
-    (dict(groupsize=True), TypeError, "groupsize must be an int"),
-    (dict(groupsize=32, mode="int8"), ValueError, "mode must be one of"),
-    (dict(groupsize=32, compute_dtype=jnp.int8), TypeError, "compute_dtype must be None or float32"),
-    (dict(groupsize=32, filter="layers"), TypeError, "filter must be None or a callable"),
-    (dict(groupsize=32, channelwise_fallback="no"), TypeError, "channelwise_fallback must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(groupsize=0), ValueError, "groupsize must be a positive multiple of 32, got groupsize=0"),
+        (dict(groupsize=-32), ValueError, "groupsize must be a positive multiple of 32"),
+        (dict(groupsize=48), ValueError, "groupsize must be a positive multiple of 32, got groupsize=48"),
+        (dict(groupsize=32.0), TypeError, "groupsize must be an int"),
+        (dict(groupsize=True), TypeError, "groupsize must be an int"),
+        (dict(groupsize=32, mode="int8"), ValueError, "mode must be one of"),
+        (dict(groupsize=32, compute_dtype=jnp.int8), TypeError, "compute_dtype must be None or float32"),
+        (dict(groupsize=32, filter="layers"), TypeError, "filter must be None or a callable"),
+        (dict(groupsize=32, channelwise_fallback="no"), TypeError, "channelwise_fallback must be a bool"),
+    ],
+)
 def test_quantize_model_validates_up_front(kwargs, error, match):
     model = _two_layers()
     before = jax.tree.map(np.asarray, nnx.state(model))
@@ -238,7 +257,9 @@ def test_quantize_model_validates_up_front(kwargs, error, match):
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model)))
 
 
-@pytest.mark.parametrize("bad", [{"w": np.ones((4, 4))}, np.ones((4, 4)), None, [nnx.Linear(32, 4, rngs=nnx.Rngs(0))]])
+@pytest.mark.parametrize(
+    "bad", [{"w": np.ones((4, 4))}, np.ones((4, 4)), None, [nnx.Linear(32, 4, rngs=nnx.Rngs(0))]]
+)
 def test_quantize_model_refuses_a_non_module(bad):
     with pytest.raises(TypeError, match="model must be a flax nnx.Module"):
         jb.nn.quantize_4bit(bad, groupsize=32)
@@ -247,7 +268,9 @@ def test_quantize_model_refuses_a_non_module(bad):
 def test_quantize_model_all_or_nothing():
     """A layer that cannot be quantized leaves every layer as it was."""
     r = nnx.Rngs(0)
-    model = nnx.Sequential(nnx.Linear(64, 128, rngs=r), nnx.Linear(128, 96, rngs=r), nnx.Linear(96, 4, rngs=r))
+    model = nnx.Sequential(
+        nnx.Linear(64, 128, rngs=r), nnx.Linear(128, 96, rngs=r), nnx.Linear(96, 4, rngs=r)
+    )
     with pytest.raises(ValueError, match="layers/2: groupsize=64 does not divide in_features=96"):
         jb.nn.quantize_4bit(model, groupsize=64, channelwise_fallback=False)
     assert all(isinstance(l, nnx.Linear) for l in model.layers)
@@ -261,14 +284,19 @@ def test_quantize_model_groupsize_per_layer_and_numbers():
     model = _two_layers()
     x = jax.random.normal(jax.random.key(2), (4, 96))
     wants = [np.asarray(l.kernel[...], np.float64) for l in (model.layers[0], model.layers[2])]
-    q = jb.nn.quantize_4bit(model, groupsize=64)   # 96 % 64: channel-wise (documented fallback)
+    q = jb.nn.quantize_4bit(model, groupsize=64)  # 96 % 64: channel-wise (documented fallback)
     assert (q.layers[0].groupsize, q.layers[2].groupsize) == (96, 64)
     for layer, w in zip((q.layers[0], q.layers[2]), wants):
         deq = np.asarray(Q.dequantize_4bit(layer.packed), np.float64).T
         assert np.abs(deq - w).max() <= np.abs(w).max() / 7 / 2 * 1.0001  # half a step of the coarsest scale
-    h = np.maximum(np.asarray(x, np.float64) @ np.asarray(Q.dequantize_4bit(q.layers[0].packed), np.float64).T
-                   + np.asarray(q.layers[0].bias[...], np.float64), 0)
-    want = h @ np.asarray(Q.dequantize_4bit(q.layers[2].packed), np.float64).T + np.asarray(q.layers[2].bias[...])
+    h = np.maximum(
+        np.asarray(x, np.float64) @ np.asarray(Q.dequantize_4bit(q.layers[0].packed), np.float64).T
+        + np.asarray(q.layers[0].bias[...], np.float64),
+        0,
+    )
+    want = h @ np.asarray(Q.dequantize_4bit(q.layers[2].packed), np.float64).T + np.asarray(
+        q.layers[2].bias[...]
+    )
     np.testing.assert_allclose(np.asarray(q(x), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
@@ -276,11 +304,19 @@ def test_quantize_model_groupsize_per_layer_and_numbers():
 
 
 @pytest.mark.parametrize("mode", ["weight_only", "dyn_quant"])
-@pytest.mark.parametrize("dtype,param_dtype,x_dtype", [
-    (jnp.bfloat16, jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float32, jnp.float32),
-    (None, jnp.bfloat16, jnp.bfloat16), (None, jnp.bfloat16, jnp.float32), (None, jnp.float32, jnp.bfloat16),
-    (jnp.float16, jnp.float16, jnp.float32), (None, jnp.bfloat16, jnp.int32), (jnp.float32, jnp.bfloat16, jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    "dtype,param_dtype,x_dtype",
+    [
+        (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+        (jnp.bfloat16, jnp.float32, jnp.float32),
+        (None, jnp.bfloat16, jnp.bfloat16),
+        (None, jnp.bfloat16, jnp.float32),
+        (None, jnp.float32, jnp.bfloat16),
+        (jnp.float16, jnp.float16, jnp.float32),
+        (None, jnp.bfloat16, jnp.int32),
+        (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+    ],
+)
 def test_int4_linear_keeps_the_layer_dtype(mode, dtype, param_dtype, x_dtype):
     lin = nnx.Linear(64, 16, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 64)) * 3

@@ -1,4 +1,5 @@
 """Each implementation against the reference, through the shared `Int4Suite`."""
+
 import functools
 
 import jax.numpy as jnp
@@ -27,18 +28,25 @@ class TestCpp(Int4Suite):
         from pallas_kernels.int4_matmul import base
         from tests.int4.int4_base import make_case, reference
         import numpy as np
+
         default = cpu.isa()
         if not cpu.set_isa(isa):
             pytest.skip(f"this CPU cannot run {isa}")
         try:
             for case in GRID:
                 x, p = make_case(*case)
-                np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p)))
+                np.testing.assert_array_equal(
+                    np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p))
+                )
                 # set_isa switches the weight-only row kernel too (float tolerance)
                 w = np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
-                want = np.asarray(x, np.float64) @ w.T + (0 if p.bias is None else np.asarray(p.bias, np.float64))
+                want = np.asarray(x, np.float64) @ w.T + (
+                    0 if p.bias is None else np.asarray(p.bias, np.float64)
+                )
                 got = np.asarray(cpu.weight_only_matmul(x, p), np.float64)
-                np.testing.assert_allclose(got, want, rtol=0, atol=self.weight_only_tol * max(np.abs(want).max(initial=0), 1))
+                np.testing.assert_allclose(
+                    got, want, rtol=0, atol=self.weight_only_tol * max(np.abs(want).max(initial=0), 1)
+                )
         finally:
             cpu.set_isa(default)
 
@@ -57,8 +65,9 @@ def _pallas_dyn(x, p):
 
 
 def _pallas_wo(x, p):
-    return pallas.weight_only_matmul(x, p, config=pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2),
-                                     interpret=True)
+    return pallas.weight_only_matmul(
+        x, p, config=pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2), interpret=True
+    )
 
 
 class TestPallasInterpret(Int4Suite):
@@ -70,6 +79,7 @@ class TestPallasInterpret(Int4Suite):
         from tests.int4.int4_base import make_case
         from pallas_kernels.int4_matmul import base
         import numpy as np
+
         x, p = make_case(40, 128, 24, 64, True)
         got = pallas.dyn_quant_matmul(x, p, interpret=True)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(base.dyn_quant_matmul(x, p)))
@@ -78,17 +88,21 @@ class TestPallasInterpret(Int4Suite):
         from tests.int4.int4_base import make_case
         from pallas_kernels.int4_matmul import base
         import numpy as np
+
         x, p = make_case(3, 128, 16, 64, False)
         got = _pallas_wo(x.astype(jnp.bfloat16), p)
         want = base.weight_only_matmul(x, p)
         assert got.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05 * float(jnp.abs(want).max()))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want), atol=0.05 * float(jnp.abs(want).max())
+        )
 
 
 def test_long_channelwise_rows_exact():
     """K > 8192 channel-wise: the XLA path splits K into exact float32 blocks, C++ sums in int32."""
     import numpy as np
     from tests.int4.int4_base import make_case, reference
+
     for M in (2, 12):
         x, p = make_case(M, 10240, 4, 10240, True)
         want = np.asarray(reference(x, p))

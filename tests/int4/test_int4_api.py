@@ -1,5 +1,6 @@
 """The public API (`jb.quantized`, `jb.nn` int4 layers): engine choice per lowering platform, export
 for CUDA from CPU carrying the Pallas (Triton) kernel, pytrees under jit / vmap, flax layers."""
+
 import warnings
 
 import jax
@@ -37,12 +38,17 @@ def test_engine_attribute_and_flag():
     assert Q.engine == "auto"
 
 
-@pytest.mark.parametrize("M,g,mode", [(1, 64, "dyn_quant"), (40, 32, "dyn_quant"), (1, 128, "weight_only"),
-                                      (64, 64, "weight_only")])
+@pytest.mark.parametrize(
+    "M,g,mode",
+    [(1, 64, "dyn_quant"), (40, 32, "dyn_quant"), (1, 128, "weight_only"), (64, 64, "weight_only")],
+)
 def test_export_for_cuda_carries_triton(M, g, mode):
     K, N = 256, 96
-    p = jax.eval_shape(lambda: Q.dyn_quant_pack_4bit_weight(jnp.zeros((N, K // 2), jnp.uint8),
-                                                            jnp.zeros((N, K // g)), jnp.zeros(N), g, K, N))
+    p = jax.eval_shape(
+        lambda: Q.dyn_quant_pack_4bit_weight(
+            jnp.zeros((N, K // 2), jnp.uint8), jnp.zeros((N, K // g)), jnp.zeros(N), g, K, N
+        )
+    )
     x = jax.ShapeDtypeStruct((2, M, K), jnp.float32 if mode == "dyn_quant" else jnp.bfloat16)
     if mode == "dyn_quant":
         f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N)
@@ -51,8 +57,9 @@ def test_export_for_cuda_carries_triton(M, g, mode):
     with gpu.cuda_target(), warnings.catch_warnings(record=True) as caught:
         # an abstract H100: JAX >= 0.11 lowers Pallas GPU kernels only for a named GPU
         warnings.simplefilter("always")
-        exp = export.export(jax.jit(f), platforms=["cuda"],
-                            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(x, p)
+        exp = export.export(
+            jax.jit(f), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
+        )(x, p)
     # JAX's Triton-backend deprecation (jax >= 0.11) is for kernel authors; it never reaches our users
     assert not [w for w in caught if "Triton backend is deprecated" in str(w.message)]
     text = exp.mlir_module()
@@ -131,8 +138,9 @@ def test_int4_matmul_weight_only_public():
 
 def _mlp(seed=0):
     r = nnx.Rngs(seed)
-    return nnx.Sequential(nnx.Linear(128, 96, rngs=r), nnx.relu, nnx.Linear(96, 64, rngs=r), nnx.relu,
-                          nnx.Linear(64, 8, rngs=r))
+    return nnx.Sequential(
+        nnx.Linear(128, 96, rngs=r), nnx.relu, nnx.Linear(96, 64, rngs=r), nnx.relu, nnx.Linear(64, 8, rngs=r)
+    )
 
 
 @pytest.mark.parametrize("mode", ["weight_only", "dyn_quant"])
@@ -149,7 +157,7 @@ def test_quantized_mlp_within_tolerance(mode):
         assert layer.weight[...].dtype == jnp.uint8 and layer.weight[...].shape[1] * 2 == layer.in_features
         deq.layers[i].kernel[...] = Q.dequantize_4bit(layer.packed).T
     got = nnx.jit(lambda m, x: m(x))(qmodel, x)
-    rel = float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2)))
+    rel = float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want**2)))
     # int4 with groups of 32 on LeCun-normal weights: ~10% relative RMS; stated tolerance 20%.
     assert rel < 0.2, rel
     if mode == "weight_only":
@@ -184,7 +192,9 @@ def test_int4_matmul_gradients():
     got = jax.jit(jax.grad(lambda *a: loss(Q.int4_matmul, *a), argnums=(0, 1, 2)))(x, p.scales, p.bias)
     want = jax.grad(lambda *a: loss(base.weight_only_matmul, *a), argnums=(0, 1, 2))(x, p.scales, p.bias)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max())
+        )
 
 
 @pytest.mark.parametrize("g", [32, 128, 1024])

@@ -10,6 +10,7 @@ dot shapes of every kernel the heuristics pick (it fails on the old kernel), and
 run the new masked windows (groupsizes that are odd multiples of 32) bit for bit. The ``gpu`` tests
 run the compiled kernels against the XLA engine.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,8 +44,11 @@ def _kernel_dots(jaxpr, inside=False):
 
 
 def _abstract_packed(K, N, g):
-    return jax.eval_shape(lambda: base.PackedInt4Weight(jnp.zeros((N, K // 2), jnp.uint8), jnp.zeros((N, K // g)),
-                                                        jnp.zeros(N), g, K, N))
+    return jax.eval_shape(
+        lambda: base.PackedInt4Weight(
+            jnp.zeros((N, K // 2), jnp.uint8), jnp.zeros((N, K // g)), jnp.zeros(N), g, K, N
+        )
+    )
 
 
 # Triton's NVIDIA minimum contraction per operand width (bits -> k); M and N are padded by Triton.
@@ -52,8 +56,19 @@ _MIN_K = {8: pallas.MIN_INT8_DOT_K, 16: 16}
 
 
 @pytest.mark.parametrize("mode", ["w4a8", "w4a16"])
-@pytest.mark.parametrize("K,N,g", [(1024, 512, 32), (1024, 512, 64), (4096, 4096, 128), (1152, 500, 96),
-                                   (1120, 200, 160), (1120, 200, 1120), (1152, 500, 1152), (32, 64, 32)])
+@pytest.mark.parametrize(
+    "K,N,g",
+    [
+        (1024, 512, 32),
+        (1024, 512, 64),
+        (4096, 4096, 128),
+        (1152, 500, 96),
+        (1120, 200, 160),
+        (1120, 200, 1120),
+        (1152, 500, 1152),
+        (32, 64, 32),
+    ],
+)
 def test_kernel_dots_fit_triton_mma(mode, K, N, g):
     """Every int8 dot the compiled W4A8 kernel runs contracts over >= 32 k, every 16-bit one over >= 16."""
     p = _abstract_packed(K, N, g)
@@ -73,7 +88,9 @@ def test_kernel_dots_fit_triton_mma(mode, K, N, g):
             assert b.shape[cb] == k
             bits = jnp.dtype(a.dtype).itemsize * 8
             if bits in _MIN_K:
-                assert k >= _MIN_K[bits], f"{mode} M={M} K={K} g={g}: {a.dtype} dot over {k} k {a.shape}x{b.shape}"
+                assert k >= _MIN_K[bits], (
+                    f"{mode} M={M} K={K} g={g}: {a.dtype} dot over {k} k {a.shape}x{b.shape}"
+                )
             if mode == "w4a8":
                 assert a.dtype == jnp.int8 and b.dtype == jnp.int8
 
@@ -90,12 +107,21 @@ def test_w4a8_config_refuses_narrow_int8_dots():
 # (M, K, N, groupsize): the heuristic configs (what the GPU runs), in the interpreter. Odd multiples of 32
 # (32, 96, 160, channel-wise 96 / 160 / 32) take the masked windows; K = 32 is padded to one window.
 _HEURISTIC_CASES = [
-    (1, 192, 40, 32), (3, 192, 40, 96), (16, 192, 40, 64), (2, 96, 24, 96), (1, 32, 24, 32),
-    (17, 160, 24, 32), (40, 320, 24, 160), (33, 160, 70, 160), (20, 256, 24, 128),
+    (1, 192, 40, 32),
+    (3, 192, 40, 96),
+    (16, 192, 40, 64),
+    (2, 96, 24, 96),
+    (1, 32, 24, 32),
+    (17, 160, 24, 32),
+    (40, 320, 24, 160),
+    (33, 160, 70, 160),
+    (20, 256, 24, 128),
 ]
 
 
-@pytest.mark.parametrize("M,K,N,g", _HEURISTIC_CASES, ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-g{c[3]}" for c in _HEURISTIC_CASES])
+@pytest.mark.parametrize(
+    "M,K,N,g", _HEURISTIC_CASES, ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-g{c[3]}" for c in _HEURISTIC_CASES]
+)
 def test_w4a8_heuristic_configs_bit_exact(M, K, N, g):
     x, p = make_case(M, K, N, g, True)
     got = jax.jit(lambda x, p: pallas.dyn_quant_matmul(x, p, interpret=True))(x, p)
@@ -114,8 +140,11 @@ def test_w4a8_windows_wider_than_the_group(block_k, split_k):
 
 # ------------------------------------------------------------------------------------ the gpu lane
 
-_GPU_SHAPES = [(1152, 500, g) for g in (32, 64, 96, 128, 1152)] + [(1120, 200, g) for g in (32, 160, 1120)] + [
-    (1024, 512, 32), (4096, 4096, 32)]
+_GPU_SHAPES = (
+    [(1152, 500, g) for g in (32, 64, 96, 128, 1152)]
+    + [(1120, 200, g) for g in (32, 160, 1120)]
+    + [(1024, 512, 32), (4096, 4096, 32)]
+)
 _GPU_M = (1, 4, 16, 33, 64, 128, 256, 512)
 
 

@@ -1,5 +1,6 @@
 """The reference (base.py) against an independent float64/int64 numpy computation, against torch's
 own ops when torch is installed, the packing round trip, and the argument checks."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,10 +53,19 @@ def numpy_dyn_quant(x, q, scales, g, bias):
     return out
 
 
-@pytest.mark.parametrize("M,K,N,g,bias", [(1, 256, 24, 32, True), (4, 192, 40, 64, False),
-                                           (3, 384, 16, 128, True), (5, 96, 8, 96, True), (2, 48, 8, 48, False),
-                                           (6, 96, 8, 96, False), (7, 320, 16, 64, True),
-                                           (0, 64, 8, 32, True)])
+@pytest.mark.parametrize(
+    "M,K,N,g,bias",
+    [
+        (1, 256, 24, 32, True),
+        (4, 192, 40, 64, False),
+        (3, 384, 16, 128, True),
+        (5, 96, 8, 96, True),
+        (2, 48, 8, 48, False),
+        (6, 96, 8, 96, False),
+        (7, 320, 16, 64, True),
+        (0, 64, 8, 32, True),
+    ],
+)
 def test_reference_equals_numpy_float64(M, K, N, g, bias):
     x, p = make_case(M, K, N, g, bias)
     q = np.asarray(base.unpack_nibbles(p.weight))
@@ -109,6 +119,7 @@ def test_weight_only_reference_matches_dequant():
 
 try:
     import torch  # noqa: F811
+
     _HAS_TORCH_OPS = hasattr(torch.ops.aten, "_dyn_quant_matmul_4bit")
 except ImportError:  # torch is optional
     torch = None
@@ -116,8 +127,10 @@ except ImportError:  # torch is optional
 
 
 @pytest.mark.skipif(not _HAS_TORCH_OPS, reason="torch with _dyn_quant_matmul_4bit not installed")
-@pytest.mark.parametrize("M,K,N,g,bias", [(3, 256, 40, 32, True), (4, 384, 24, 128, False),
-                                           (2, 192, 16, 192, True), (1, 128, 48, 64, True)])
+@pytest.mark.parametrize(
+    "M,K,N,g,bias",
+    [(3, 256, 40, 32, True), (4, 384, 24, 128, False), (2, 192, 16, 192, True), (1, 128, 48, 64, True)],
+)
 def test_reference_bit_exact_with_torch(M, K, N, g, bias):
     x, p = make_case(M, K, N, g, bias)
     channelwise = g == K
@@ -132,8 +145,9 @@ def test_reference_bit_exact_with_torch(M, K, N, g, bias):
     want = torch.ops.aten._dyn_quant_matmul_4bit(torch.tensor(np.asarray(x)), tp, g, K, N).numpy()
     np.testing.assert_array_equal(np.asarray(reference(x, p)), want)
     # and through the public API with torch's argument order
-    jp = Q.dyn_quant_pack_4bit_weight(p.weight, jnp.asarray(s).astype(jnp.bfloat16) if not channelwise else s,
-                                      p.bias, g, K, N)
+    jp = Q.dyn_quant_pack_4bit_weight(
+        p.weight, jnp.asarray(s).astype(jnp.bfloat16) if not channelwise else s, p.bias, g, K, N
+    )
     got = jax.jit(lambda x, jp: Q.dyn_quant_matmul_4bit(x, jp, g, K, N))(x, jp)
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -143,9 +157,14 @@ def test_bfloat16_channelwise_bit_exact_with_torch():
     M, K, N = 3, 128, 24
     x, p = make_case(M, K, N, K, True)
     xb = x.astype(jnp.bfloat16)
-    tp = torch.ops.aten._dyn_quant_pack_4bit_weight(torch.tensor(np.asarray(p.weight)),
-                                                    torch.tensor(np.asarray(p.scales)),
-                                                    torch.tensor(np.asarray(p.bias)), K, K, N)
+    tp = torch.ops.aten._dyn_quant_pack_4bit_weight(
+        torch.tensor(np.asarray(p.weight)),
+        torch.tensor(np.asarray(p.scales)),
+        torch.tensor(np.asarray(p.bias)),
+        K,
+        K,
+        N,
+    )
     tx = torch.tensor(np.asarray(x)).to(torch.bfloat16)
     want = torch.ops.aten._dyn_quant_matmul_4bit(tx, tp, K, K, N).float().numpy()
     got = reference(xb, p)
