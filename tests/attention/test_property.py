@@ -230,6 +230,31 @@ def _fwd_and_grads(static, which, q, k, v, mask, bias, ql, kl, seg, key, ct):
     return out, lse, grads
 
 
+def _gradient_floors(c, q, k, ct, out):
+    """Per gradient, the scale below which differences are rounding noise: 0.1, or for half-precision
+    inputs the error a FlashAttention-style backward carries by design. It forms
+    ``D_i = rowsum(dO_i * O_i)`` from the output rounded to the input dtype (as FlashAttention and
+    torch do): an error of up to ``eps * sum_h |dO_ih O_ih|`` in every ``dS_ij`` (times
+    ``1 / (1 - dropout)``), which reaches ``dq`` times ``|k|`` and the softmax scale, ``dk`` times
+    ``|q|``, the softmax scale and a column sum of ``P`` (at most ``T * G``), and the bias gradient as
+    is (``dv`` has no ``D`` term). A gradient that is 0 in exact arithmetic (every row sees one key)
+    shows that much noise: seen with bfloat16, dropout 0.25, a bool mask and lengths, where ``dq``
+    was 6e-3 instead of 1e-9."""
+    if c["dtype"] == "float32":
+        return dict.fromkeys("qkvb", 0.1)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    d_err = 2.0**-8 * float(np.max(np.sum(np.abs(f32(ct) * f32(out)), -1))) / (1.0 - (c["dropout"] or 0.0))
+    sm = 1.0 / np.sqrt(c["H"])
+    noise = dict(
+        q=d_err * float(np.abs(f32(k)).max()) * sm,
+        k=d_err * float(np.abs(f32(q)).max()) * sm * c["T"] * c["G"],
+        v=0.0,
+        b=d_err,
+    )
+    gtol = TOL[c["dtype"]][1]
+    return {name: max(0.1, n / gtol) for name, n in noise.items()}
+
+
 @settings(settings.get_profile(PROFILE))
 @given(c=calls())
 def test_every_backend_matches_the_reference_through_both_apis(c):
@@ -260,9 +285,10 @@ def test_every_backend_matches_the_reference_through_both_apis(c):
             rtol=max(atol, 1e-5),
             err_msg=str(c),
         )
+    floors = _gradient_floors(c, q, k, ct, got_out)
     for name, a, b in zip("qkvb", got_g, want_g):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         # Relative to the largest gradient, with a floor: a gradient that is 0 in exact arithmetic
         # (e.g. every row sees one key) is float noise in both.
-        scale = max(float(np.abs(b).max()), 0.1)
+        scale = max(float(np.abs(b).max()), floors[name])
         np.testing.assert_allclose(a / scale, b / scale, atol=gtol, err_msg=f"d{name} {c}")
