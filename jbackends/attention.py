@@ -110,6 +110,17 @@ _RUNNABLE = _sdp.RUNNABLE
 
 
 def _as_backend(b: Any) -> SDPBackend:
+    # Any SDPBackend member (OVERRIDEABLE / ERROR included: sdpa_kernel ignores or refuses those itself).
+    if isinstance(b, SDPBackend):
+        return b
+    if isinstance(b, str) and b.upper() in SDPBackend.__members__:
+        return SDPBackend[b.upper()]
+    if (
+        isinstance(b, (int, np.integer))
+        and not isinstance(b, bool)
+        and int(b) in SDPBackend._value2member_map_
+    ):
+        return SDPBackend(int(b))
     code = _sdp.lookup(b)
     if code is None:
         raise ValueError(f"`backends` must hold SDPBackend members {[m.name for m in _RUNNABLE]}; got {b!r}")
@@ -483,7 +494,7 @@ def explain(
     plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
     implementation = kwargs.pop("implementation", None)
     only = implementation_code(implementation)
-    device_info = {}
+    device_info = dict(_dispatch.local_device_info(plat) or {})  # what a call would see, as run() does
     if compute_capability is not None:
         device_info["compute_capability"] = float(compute_capability)
     if cudnn_version is not None:

@@ -221,6 +221,7 @@ def _check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: An
 # choice is the shared dispatcher's (`_src/dispatch.py`), filtered by the quantized_engine flag.
 
 _LOWERING = ("cpu",) + _GPU + ("other",)
+_EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
 
 
 def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choice:
@@ -305,6 +306,11 @@ def explain(
         raise ValueError(f"`op` must be one of {list(ops)}; got {op!r}")
     if platform is not None and not isinstance(platform, str):
         raise TypeError(f"`platform` must be a str or None; got {type(platform).__name__}")
+    if platform is not None and platform.lower() not in _EXPLAIN_PLATFORMS:
+        raise ValueError(
+            f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
+            f"backend's); got {platform!r}"
+        )
     _base.check_packed(packed)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"`x` must be an array or a jax.ShapeDtypeStruct; got {type(x).__name__}")

@@ -23,7 +23,7 @@ import functools
 import importlib.util
 import warnings
 
-__all__ = ["CompilerParams", "available"]
+__all__ = ["CompilerParams", "available", "missing"]
 
 _DEPRECATION = r"The Pallas Triton backend is deprecated"
 
@@ -35,6 +35,11 @@ def available() -> bool:
         return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
     except ImportError:
         return False
+
+
+def missing() -> list:
+    """``[]`` where the Pallas Triton backend exists, else the one reason every Triton kernel gives."""
+    return [] if available() else ["the installed JAX has no Pallas Triton backend"]
 
 
 def _quiet_params_class():

@@ -41,6 +41,7 @@ def test_a_ranker_reorders_only_runnable_candidates_and_must_permute_them():
             dispatch.choose("test", (a, b, c), None, "cpu")
         with pytest.raises(TypeError, match="callable"):
             dispatch.set_ranker("test", 3)
+        assert dispatch.ranker("test") is not None  # a bad ranker leaves the installed one in place
     finally:
         dispatch.set_ranker("test", previous)
     assert dispatch.ranker("test") is previous
@@ -164,6 +165,8 @@ def test_int4_explain_bad_inputs():
         jb.quantized.explain([1.0], p)
     with pytest.raises(TypeError, match="`platform`"):
         jb.quantized.explain(x, p, platform=3)
+    with pytest.raises(ValueError, match="`platform`"):
+        jb.quantized.explain(x, p, platform="cdua")
     assert int4_registry.BY_NAME.keys() == set(jb.quantized.IMPLEMENTATIONS)
 
 
@@ -195,3 +198,15 @@ def test_cuda_calls_see_the_target_compute_capability():
         assert D.local_device_info("cuda") == {"compute_capability": 9.0}
     with gpu.cuda_target("NVIDIA A100-SXM4-80GB"):
         assert D.local_device_info("cuda") == {"compute_capability": 8.0}
+
+
+def test_sdpa_kernel_accepts_and_ignores_overrideable():
+    """torch's SDPBackend.OVERRIDEABLE is accepted by sdpa_kernel and ignored (as documented)."""
+    q = jnp.ones((1, 8, 2, 16))
+    with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.OVERRIDEABLE]):
+        assert jb.current_flags().flash and not jb.current_flags().math
+        out = jb.dot_product_attention(q, q, q)
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match="backends"):
+        with jb.sdpa_kernel(["FLASHY"]):
+            pass

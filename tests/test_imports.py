@@ -198,3 +198,23 @@ def test_no_module_uses_another_modules_private_names():
     modules = _modules()
     found = sorted({f for name, path in modules.items() for f in _private_uses(name, path, modules)})
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_kernels_never_import_jbackends():
+    """`pallas_kernels` is flag-free: no module there imports `jbackends` (at any level, functions too)."""
+    found = []
+    for name, path in _modules().items():
+        if not name.startswith("pallas_kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [
+                    f"{name}: import {a.name}" for a in node.names if a.name.split(".")[0] == "jbackends"
+                ]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and (node.module or "").split(".")[0] == "jbackends"
+            ):
+                found.append(f"{name}: from {node.module} import ...")
+    assert not found, "\n".join(found)

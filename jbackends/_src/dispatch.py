@@ -14,15 +14,16 @@ An implementation answers three questions:
 * ``run(call, **options)``: compute.
 
 Ranking hook: :func:`set_ranker` installs, per operation, a function that reorders the runnable
-candidates of one call (a cost model or a table measured on the device). Without one, registry order
-decides. Rankers see only implementations that can run the call, so they can never pick one that
-cannot.
+implementations of one backend for one call (a cost model or a table measured on the device). Without
+one, registry order decides. Rankers see only implementations that can run the call, so they can never
+pick one that cannot. They are read at trace time and are not part of the jit key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -108,6 +109,7 @@ class Choice:
 
 Ranker = Callable[[Sequence[Implementation], Any, str, Mapping[str, Any]], Sequence[Implementation]]
 _RANKERS: dict[str, Ranker] = {}
+_RANKERS_LOCK = threading.Lock()
 
 
 def set_ranker(op: str, fn: Ranker | None) -> Ranker | None:
@@ -115,12 +117,15 @@ def set_ranker(op: str, fn: Ranker | None) -> Ranker | None:
     (``"sdpa"``, ``"int4"``); None removes it. Returns the previous ranker.
 
     The ranker sees only the implementations that can run the call, in registry order, and must return
-    a permutation of them (a cost model, or a table measured on the device)."""
-    previous = _RANKERS.pop(op, None)
-    if fn is not None:
-        if not callable(fn):
-            raise TypeError(f"`fn` must be callable or None; got {type(fn).__name__}")
-        _RANKERS[op] = fn
+    a permutation of them (a cost model, or a table measured on the device). It is process-wide and read
+    when a call is traced: a function already traced (and cached by ``jax.jit``) keeps its choice until
+    it is traced again (``jax.clear_caches()``, or new shapes or flags)."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"`fn` must be callable or None; got {type(fn).__name__}")
+    with _RANKERS_LOCK:
+        previous = _RANKERS.pop(op, None)
+        if fn is not None:
+            _RANKERS[op] = fn
     return previous
 
 

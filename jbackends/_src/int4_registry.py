@@ -68,9 +68,9 @@ def _reference_run(x, packed, *, op, compute_dtype=None):
 
 
 def _triton_missing() -> list:
-    from pallas_kernels import triton_backend  # noqa: PLC0415 - a leaf; imports no kernel
+    from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
 
-    return [] if triton_backend.available() else ["the installed JAX has no Pallas Triton backend"]
+    return triton_backend.missing()
 
 
 def _pallas_reasons(call, platform, device):

@@ -39,7 +39,7 @@ def _triton_missing() -> list:
     and dispatch moves on (cuDNN, XLA)."""
     from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
 
-    return [] if triton_backend.available() else ["the installed JAX has no Pallas Triton backend"]
+    return triton_backend.missing()
 
 
 def _triton_reasons(path: str):

@@ -3,8 +3,9 @@
 ``csrc/flash_attention.cc`` holds a forward and a backward kernel (AVX2 + FMA, register-blocked
 6 x 16 matmul tiles, base-2 online softmax, one thread per core), built by ``pip install`` next to
 this module. They compute exactly what :mod:`xla_flash` computes (same masks, same residuals:
-``out`` and the natural-log ``lse``), so :func:`xla_flash.attention` runs them on CPU whenever
-:func:`unsupported` has nothing to say, and the blockwise XLA implementation otherwise (and on every
+``out`` and the natural-log ``lse``), so the dispatcher lists them first for FLASH on CPU
+(``cpp_flash``) and runs them whenever :func:`unsupported` has nothing to say and the flag
+``flash_cpu_kernel`` allows, and the blockwise XLA implementation (``xla_flash``) otherwise (and on every
 other platform, and where the extension could not be built).
 
 The kernels take causal masks (either alignment), local windows, query / key lengths and segment

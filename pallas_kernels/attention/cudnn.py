@@ -44,11 +44,9 @@ GPU_PLATFORMS = gpu.GPU_PLATFORMS
 
 
 def _local_compute_capability() -> Optional[float]:
-    try:
-        d = jax.devices("gpu")[0]
-        return float(getattr(d, "compute_capability", "0") or 0)
-    except Exception:  # noqa: BLE001 - no GPU here: unknown
-        return None
+    """The compute capability of the GPU lowered for (``gpu.cuda_target``'s, else the local one)."""
+    cc = gpu.compute_capability()
+    return None if cc is None else cc / 10
 
 
 def unsupported(

@@ -74,8 +74,8 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
       compute_capability: e.g. 75 (T4), 80 (A100), 90 (H100); None means "Ampere or newer".
 
     Example:
-      >>> from pallas_kernels.attention import flash
-      >>> flash.heuristics(64).block_q
+      >>> from pallas_kernels.attention import triton_common
+      >>> triton_common.heuristics(64).block_q
       128
     """
     cc = 80 if compute_capability is None else compute_capability

@@ -31,7 +31,7 @@ like torch's flash backend does.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from pallas_kernels.attention import base, triton_flash as flash
+  >>> from pallas_kernels.attention import base, triton_flash
   >>> q = jax.random.normal(jax.random.key(0), (1, 20, 2, 32), jnp.float32)
   >>> args = base.make_args(q, q, q, is_causal=True)
   >>> out, lse = triton_flash.attention(args, interpret=True)  # interpret=True: runs on CPU
@@ -299,7 +299,7 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from pallas_kernels.attention import base, triton_flash as flash
+      >>> from pallas_kernels.attention import base, triton_flash
       >>> x = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
       >>> triton_flash.unsupported(base.make_args(x, x, x), "cuda")
       []
@@ -341,7 +341,7 @@ def attention(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from pallas_kernels.attention import base, triton_flash as flash
+      >>> from pallas_kernels.attention import base, triton_flash
       >>> x = jax.random.normal(jax.random.key(1), (1, 17, 4, 16))
       >>> kv = x[:, :, :2]
       >>> args = base.make_args(x, kv, kv, window=(4, 0))
