@@ -45,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import warnings
 from typing import Any, Optional, Sequence, Union
@@ -55,11 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jbackends._src import attention_dispatch as _dispatch
+from jbackends._src import fully_masked as _fully_masked
 from jbackends._src import sdp_backends as _sdp
 from jbackends._src.sdp_backends import SDPBackend
 from jbackends._src.attention_dispatch import NoAvailableBackendError
 from jbackends._src.flag_scope import with_backends
-from jbackends._src.flag_state import current_flags, trace_flags
+from jbackends._src.flag_state import trace_flags
 from jbackends._src.attention_args import (
     implementation_code,
     jaxnn_to_args,
@@ -73,8 +73,8 @@ from jbackends._src.attention_explain import (
     can_use_cudnn_attention,
     can_use_efficient_attention,
     can_use_flash_attention,
+    explain_call,
     is_flash_attention_available,
-    sharding_plan,
 )
 from jbackends._src.causal_bias import CausalBias, CausalVariant, causal_lower_right, causal_upper_left
 
@@ -358,7 +358,7 @@ def dot_product_attention(
     """
     flags = trace_flags()
     only = implementation_code(implementation)
-    _check_fully_masked_rows(fully_masked_rows)
+    _fully_masked.check_fully_masked_rows(fully_masked_rows)
     args, unbatched = jaxnn_to_args(
         query,
         key,
@@ -378,7 +378,7 @@ def dot_product_attention(
     out, lse, _ = _dispatch.run(
         args, flags, *lowering_platforms(platforms, (query,)), only=only, shapes=shapes_of(query, key, value)
     )
-    out, lse = _fully_masked_rows(args, out, lse, fully_masked_rows)
+    out, lse = _fully_masked.fix_fully_masked_rows(args, out, lse, fully_masked_rows)
     if unbatched:
         out, lse = out[0], lse[0]
     if not return_residual:
@@ -389,50 +389,9 @@ def dot_product_attention(
     return out, lse.astype(query.dtype if residual_dtype is None else residual_dtype)
 
 
-#: jax.nn's masking value (``_get_large_negative``: capped at the float32 range): the LSE residual of
-#: a fully masked row is this number (log S vanishes next to it) in the query's dtype.
-_JAXNN_LARGE_NEGATIVE = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
-
-
-def _check_fully_masked_rows(mode) -> str:
-    if mode not in ("jax", "zero"):
-        raise ValueError(
-            f"`fully_masked_rows` must be 'jax' (jax.nn's answer: the mean of V) or 'zero'; got {mode!r}"
-        )
-    return mode
-
-
-def _fully_masked_rows(args, out, lse, mode):
-    """jax.nn's answer for rows without a key (the kernels give output 0 and LSE -inf there).
-
-    The rows are found from the kernels' LSE (``-inf`` iff no key is left), so this costs
-    ``O(B * N * T)`` on top of the kernel and needs nothing from the kernels themselves. The
-    substituted mean of V carries jax.nn's gradient (1 / S per key) through ``jnp.where``; the
-    kernels' zero output there carries none.
-    """
-    if _check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
-        return out, lse
-    masked = args.mask is not None or args.has_index_masks
-    if not masked and args.bias is None:
-        return out, lse  # every row has a finite logit
-    empty = lse == -jnp.inf  # [B, N, T]
-    rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, N, 1]
-    if not masked:  # only a -inf bias removed the keys: jax.nn's softmax of all -inf is NaN
-        return jnp.where(rows, jnp.asarray(jnp.nan, out.dtype), out), lse
-    if args.q_seq_lengths is not None:  # jax.nn zeroes the rows beyond the query length
-        valid = jnp.arange(args.q_len, dtype=jnp.int32)[None, :] < args.q_seq_lengths[:, None]
-        rows = rows & valid[:, :, None, None]
-    vmean = jnp.mean(args.v.astype(jnp.promote_types(args.v.dtype, jnp.float32)), axis=1)
-    vmean = jnp.repeat(vmean, args.groups, axis=1)  # [B, N, Hv]: query head n reads kv head n // G
-    out = jnp.where(rows, vmean[:, None].astype(out.dtype), out)
-    return out, jnp.where(empty, jnp.asarray(_JAXNN_LARGE_NEGATIVE, lse.dtype), lse)
-
-
 # ----------------------------------------------------------------------------------------------
 # explain
 # ----------------------------------------------------------------------------------------------
-
-_EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
 
 
 def explain(
@@ -475,70 +434,14 @@ def explain(
       >>> e.chosen, e.reasons[SDPBackend.FLASH_ATTENTION][:31]
       (<SDPBackend.EFFICIENT_ATTENTION: 2>, 'FLASH takes no additive bias / ')
     """
-    flags = current_flags()
-    if api not in ("dot_product_attention", "sdpa"):
-        raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
-    if platform is not None and (not isinstance(platform, str) or platform.lower() not in _EXPLAIN_PLATFORMS):
-        raise ValueError(
-            f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
-            f"backend's); got {platform!r}"
-        )
-    api_fn = dot_product_attention if api == "dot_product_attention" else scaled_dot_product_attention
-    valid = [n for n in inspect.signature(api_fn).parameters if n not in ("query", "key", "value")]
-    unknown = sorted(set(kwargs) - set(valid))
-    if unknown:
-        raise TypeError(
-            f"explain(api={api!r}) got unexpected keyword argument(s) {unknown}; the "
-            f"keywords of {api_fn.__name__} are {valid}"
-        )
-    plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
-    implementation = kwargs.pop("implementation", None)
-    only = implementation_code(implementation)
-    device_info = dict(_dispatch.local_device_info(plat) or {})  # what a call would see, as run() does
-    if compute_capability is not None:
-        device_info["compute_capability"] = float(compute_capability)
-    if cudnn_version is not None:
-        device_info["cudnn_version"] = int(cudnn_version)
-    for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient", "residual_dtype"):
-        kwargs.pop(name, None)
-    result = {}
-
-    def probe(q, k, v, kw):
-        if api == "sdpa":
-            args, _ = torch_to_args(q, k, v, **kw)
-        else:
-            args, _ = jaxnn_to_args(q, k, v, **kw)
-        result["d"] = _dispatch.decide(args, flags, plat, only=only, device_info=device_info or None)
-        result["args"] = args
-        return 0
-
-    arrays, static = {}, {}
-    for name, val in kwargs.items():
-        if isinstance(val, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or (
-            isinstance(val, (tuple, list))
-            and val
-            and all(isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in val)
-        ):
-            arrays[name] = val
-        else:
-            static[name] = val
-    jax.eval_shape(lambda q, k, v, arr: probe(q, k, v, {**static, **arr}), query, key, value, arrays)
-    d = result["d"]
-    impl = d.implementation
-    kernel = None
-    if impl is not None:
-        kernel = f"{impl.name}: {impl.technology}" + (f", {impl.description}" if impl.description else "")
-        if impl.name == "cpp_flash":
-            from pallas_kernels.attention import cpp_flash  # noqa: PLC0415 - optional extension
-
-            kernel += f" (up to {cpp_flash.threads()} threads)"
-        kernel += "".join(f"\n    not {n}: {r}" for n, r in d.implementation_reasons.items())
-    return Explanation(
-        platform=plat,
-        chosen=None if d.chosen is None else SDPBackend(d.chosen),
-        order=tuple(SDPBackend(b) for b in d.order),
-        reasons={SDPBackend(b): r for b, r in d.reasons.items()},
-        implementation=None if impl is None else impl.name,
-        kernel=kernel,
-        sharding=sharding_plan(query, key, api, result["args"], d.chosen),
+    return explain_call(
+        {"dot_product_attention": dot_product_attention, "sdpa": scaled_dot_product_attention},
+        query,
+        key,
+        value,
+        api=api,
+        platform=platform,
+        compute_capability=compute_capability,
+        cudnn_version=cudnn_version,
+        kwargs=kwargs,
     )

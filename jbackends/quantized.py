@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jbackends._src import dispatch as _dispatch
+from jbackends._src import int4_args as _args
 from jbackends._src import int4_registry as _registry
 from jbackends._src import mirror as _mirror
 from jbackends._src.flag_state import current_flags as _current_flags
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 #: Implementations a call can be pinned to with ``implementation=``.
-IMPLEMENTATIONS = tuple(_registry.BY_NAME)  # ("pallas", "pallas_interpret", "cpp", "xla", "reference")
+IMPLEMENTATIONS = _args.IMPLEMENTATIONS  # ("pallas", "pallas_interpret", "cpp", "xla", "reference")
 
 #: Lowering platforms given their own branch; any other gets the default one.
 _GPU = _dispatch.GPU_LOWERING
@@ -134,14 +135,6 @@ def dequantize_4bit(packed: PackedInt4Weight) -> jax.Array:
     return _base.dequantize(packed.weight, packed.scales, packed.groupsize)
 
 
-def _check_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {v!r}")
-    if v <= 0:
-        raise ValueError(f"{name} must be positive, got {name}={v}")
-    return int(v)
-
-
 def dyn_quant_pack_4bit_weight(
     weights: Any, scales_zeros: Any, bias: Any, groupsize: int, in_features: int, out_features: int
 ) -> PackedInt4Weight:
@@ -172,47 +165,7 @@ def dyn_quant_pack_4bit_weight(
       >>> p.nbytes  # 8*32 nibble bytes + 8*2 scales * 4 + 8 bias * 4
       352
     """
-    K = _check_int("in_features", in_features)
-    N = _check_int("out_features", out_features)
-    g = _base.check_groupsize(groupsize, K)
-    w = jnp.asarray(weights)
-    if w.dtype != jnp.uint8:
-        raise TypeError(f"weights must be uint8 (two 4-bit values per byte, q + 8), got {w.dtype}")
-    if w.size != N * K // 2:
-        raise ValueError(
-            f"weights must hold out_features * in_features / 2 = {N * K // 2} bytes "
-            f"([{N}, {K // 2}]), got shape {w.shape}"
-        )
-    if w.ndim < 1 or w.shape[0] != N:
-        raise ValueError(f"weights.shape[0] must be out_features={N}, got shape {w.shape}")
-    s = jnp.asarray(scales_zeros)
-    if s.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"scales_zeros must be float32 or bfloat16, got {s.dtype}")
-    if s.shape not in ((N, K // g), (N * (K // g),)):
-        raise ValueError(
-            f"scales_zeros must have shape (out_features, in_features // groupsize) = "
-            f"{(N, K // g)}, got {s.shape}"
-        )
-    b = None
-    if bias is not None:
-        b = jnp.asarray(bias)
-        if not jnp.issubdtype(b.dtype, jnp.floating):
-            raise TypeError(f"bias must be floating point, got {b.dtype}")
-        if b.shape != (N,):
-            raise ValueError(f"bias must have shape (out_features,) = {(N,)}, got {b.shape}")
-        b = b.astype(jnp.float32)
-    return PackedInt4Weight(w.reshape(N, K // 2), s.reshape(N, K // g).astype(jnp.float32), b, g, K, N)
-
-
-def _check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: Any) -> PackedInt4Weight:
-    _base.check_packed(packed)
-    given = dict(groupsize=groupsize, in_features=in_features, out_features=out_features)
-    for name, v in given.items():
-        if getattr(packed, name) != v:
-            raise ValueError(
-                f"{name}={v!r} does not match the packed weight's {name}={getattr(packed, name)}"
-            )
-    return packed
+    return _args.pack_checked(weights, scales_zeros, bias, groupsize, in_features, out_features)
 
 
 # ------------------------------------------------------------------- dispatch
@@ -221,7 +174,6 @@ def _check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: An
 # choice is the shared dispatcher's (`_src/dispatch.py`), filtered by the quantized_engine flag.
 
 _LOWERING = ("cpu",) + _GPU + ("other",)
-_EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
 
 
 def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choice:
@@ -301,25 +253,9 @@ def explain(
       >>> jb.quantized.explain(jax.ShapeDtypeStruct((1, 128), jnp.bfloat16), p, platform="cuda").implementation
       'pallas'
     """
-    ops = {"int4_matmul": "weight_only", "dyn_quant_matmul_4bit": "dyn_quant"}
-    if op not in ops:
-        raise ValueError(f"`op` must be one of {list(ops)}; got {op!r}")
-    if platform is not None and not isinstance(platform, str):
-        raise TypeError(f"`platform` must be a str or None; got {type(platform).__name__}")
-    if platform is not None and platform.lower() not in _EXPLAIN_PLATFORMS:
-        raise ValueError(
-            f"`platform` must be one of {list(_EXPLAIN_PLATFORMS)} (or None: the default "
-            f"backend's); got {platform!r}"
-        )
-    _base.check_packed(packed)
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"`x` must be an array or a jax.ShapeDtypeStruct; got {type(x).__name__}")
-    if not x.shape or x.shape[-1] != packed.in_features:
-        raise ValueError(
-            f"`x` must have in_features={packed.in_features} as its last dim; got shape {tuple(x.shape)}"
-        )
+    call_op = _args.check_explain(x, packed, op, platform)
     plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
-    choice = _choose(_current_flags().quantized_engine, _base.Int4Call.of(ops[op], x, packed), plat)
+    choice = _choose(_current_flags().quantized_engine, _base.Int4Call.of(call_op, x, packed), plat)
     return Explanation(
         op=op,
         platform=plat,
@@ -327,12 +263,6 @@ def explain(
         technology=choice.chosen.technology,
         reasons=dict(choice.reasons),
     )
-
-
-def _check_impl(implementation: Any) -> str | None:
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    return implementation
 
 
 def dyn_quant_matmul_4bit(
@@ -391,9 +321,9 @@ def dyn_quant_matmul_4bit(
       >>> round(float(y[0, 0]), 4)  # int8 activations: not exact
       1.0
     """
-    _check_sizes(packed, groupsize, in_features, out_features)
+    _args.check_sizes(packed, groupsize, in_features, out_features)
     x = _base.check_input(input, packed)
-    impl = _check_impl(implementation)
+    impl = _args.check_implementation(implementation)
     opts = dict(op="dyn_quant")
     if impl is not None:
         fwd = lambda a, p: _registry.BY_NAME[impl].run(a, p, **opts)
@@ -432,13 +362,8 @@ def int4_matmul(
     """
     _base.check_packed(packed)
     x = _base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
-    if compute_dtype is not None and jnp.dtype(compute_dtype) not in (
-        jnp.dtype(jnp.float32),
-        jnp.dtype(jnp.bfloat16),
-        jnp.dtype(jnp.float16),
-    ):
-        raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, got {compute_dtype!r}")
-    impl = _check_impl(implementation)
+    _args.check_compute_dtype(compute_dtype)
+    impl = _args.check_implementation(implementation)
 
     opts = dict(op="weight_only", compute_dtype=compute_dtype)
     if impl is not None:

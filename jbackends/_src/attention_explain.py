@@ -1,22 +1,28 @@
-"""What `jb.explain` returns and the torch.backends.cuda-style capability queries (``SDPAParams``,
-``can_use_*_attention``): the dispatch decision, described without computing anything."""
+"""`jb.explain` (what it returns and how it decides) and the torch.backends.cuda-style capability
+queries (``SDPAParams``, ``can_use_*_attention``): the dispatch decision, described without computing
+anything."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jbackends._src import attention_dispatch as _dispatch
 from jbackends._src import sdpa_registry as _sdpa_registry
-from jbackends._src.attention_args import torch_to_args
+from jbackends._src.attention_args import implementation_code, jaxnn_to_args, torch_to_args
+from jbackends._src.flag_state import current_flags
 from jbackends._src.sdp_backends import SDPBackend
 
 __all__ = [
+    "EXPLAIN_PLATFORMS",
     "Explanation",
+    "explain_call",
     "sharding_plan",
     "SDPAParams",
     "can_use_flash_attention",
@@ -84,6 +90,96 @@ def sharding_plan(query, key, api, args, chosen) -> Optional[str]:
     from pallas_kernels.attention import sharded  # noqa: PLC0415
 
     return sharded.plan(args, specs[0], specs[1], dict(query.sharding.mesh.shape))
+
+
+#: The values `jb.explain(platform=...)` takes (besides None: the default backend's).
+EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
+
+
+def explain_call(
+    apis: Mapping[str, Callable[..., Any]],
+    query,
+    key,
+    value,
+    *,
+    api: str,
+    platform: Optional[str],
+    compute_capability: Optional[float],
+    cudnn_version: Optional[int],
+    kwargs: dict,
+) -> Explanation:
+    """The work of `jb.explain` (its docstring is the contract): validate, run the decision, describe it.
+
+    ``apis`` maps each ``api=`` name to the public function it explains (``"dot_product_attention"``,
+    ``"sdpa"``); the keywords that function takes are the keywords ``kwargs`` may hold.
+    """
+    flags = current_flags()
+    if api not in apis:
+        raise ValueError(f"`api` must be 'dot_product_attention' or 'sdpa'; got {api!r}")
+    if platform is not None and (not isinstance(platform, str) or platform.lower() not in EXPLAIN_PLATFORMS):
+        raise ValueError(
+            f"`platform` must be one of {list(EXPLAIN_PLATFORMS)} (or None: the default "
+            f"backend's); got {platform!r}"
+        )
+    api_fn = apis[api]
+    valid = [n for n in inspect.signature(api_fn).parameters if n not in ("query", "key", "value")]
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"explain(api={api!r}) got unexpected keyword argument(s) {unknown}; the "
+            f"keywords of {api_fn.__name__} are {valid}"
+        )
+    plat = _dispatch.canonical_platform(platform) if platform else _dispatch.default_platform()
+    implementation = kwargs.pop("implementation", None)
+    only = implementation_code(implementation)
+    device_info = dict(_dispatch.local_device_info(plat) or {})  # what a call would see, as run() does
+    if compute_capability is not None:
+        device_info["compute_capability"] = float(compute_capability)
+    if cudnn_version is not None:
+        device_info["cudnn_version"] = int(cudnn_version)
+    for name in ("return_residual", "platforms", "fully_masked_rows", "residual_gradient", "residual_dtype"):
+        kwargs.pop(name, None)
+    result = {}
+
+    def probe(q, k, v, kw):
+        if api == "sdpa":
+            args, _ = torch_to_args(q, k, v, **kw)
+        else:
+            args, _ = jaxnn_to_args(q, k, v, **kw)
+        result["d"] = _dispatch.decide(args, flags, plat, only=only, device_info=device_info or None)
+        result["args"] = args
+        return 0
+
+    arrays, static = {}, {}
+    for name, val in kwargs.items():
+        if isinstance(val, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or (
+            isinstance(val, (tuple, list))
+            and val
+            and all(isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in val)
+        ):
+            arrays[name] = val
+        else:
+            static[name] = val
+    jax.eval_shape(lambda q, k, v, arr: probe(q, k, v, {**static, **arr}), query, key, value, arrays)
+    d = result["d"]
+    impl = d.implementation
+    kernel = None
+    if impl is not None:
+        kernel = f"{impl.name}: {impl.technology}" + (f", {impl.description}" if impl.description else "")
+        if impl.name == "cpp_flash":
+            from pallas_kernels.attention import cpp_flash  # noqa: PLC0415 - optional extension
+
+            kernel += f" (up to {cpp_flash.threads()} threads)"
+        kernel += "".join(f"\n    not {n}: {r}" for n, r in d.implementation_reasons.items())
+    return Explanation(
+        platform=plat,
+        chosen=None if d.chosen is None else SDPBackend(d.chosen),
+        order=tuple(SDPBackend(b) for b in d.order),
+        reasons={SDPBackend(b): r for b, r in d.reasons.items()},
+        implementation=None if impl is None else impl.name,
+        kernel=kernel,
+        sharding=sharding_plan(query, key, api, result["args"], d.chosen),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
