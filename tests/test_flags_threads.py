@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jbackends as jb
-from jbackends._src import flag_state
+from jbackends._src import flag_publication, flag_state
 from jbackends._src.flags import trace_flags
 
 MATH = dict(math=True, flash=False, mem_efficient=False, cudnn=False)
@@ -270,7 +270,8 @@ def test_the_pin_is_released_when_the_trace_ends(defaults):
     jax.jit(_two_kernels)(jnp.ones(2))  # pins, then JAX drops the trace
     assert getattr(flag_state._thread_state, "record", None) is None
     jb.set_flags(**FLASH)
-    assert flag_state._DEFAULTS_KEY.value == flag_state._PUB.gkey  # the global key is in force again
+    # the global key is in force again
+    assert flag_state._DEFAULTS_KEY.value == flag_publication.current().gkey
 
 
 def test_no_retirement_without_overlap(defaults):

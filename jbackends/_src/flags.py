@@ -1,9 +1,10 @@
 """The backend flags' public names, in one place (a facade over the modules that implement them).
 
 * `flag_declarations`: every flag declared once (`Flag`, `FLAGS`) and the `BackendFlags` snapshot class.
-* `flag_state`: the state JAX traces through (process defaults, the ContextVar of scoped overrides,
-  the jit-key user contexts, `current_flags`, `trace_flags`, `sync`); the publication and pin model is
-  described there. `flag_precision` bridges the precision flags to JAX's `default_matmul_precision`.
+* `flag_state`: the state JAX traces through (the ContextVar of scoped overrides, this thread's jit
+  key, `current_flags`, `trace_flags`, `sync`). `flag_publication` holds the process defaults, the
+  jit-key user contexts and the publication and pin model (described there). `flag_precision`
+  bridges the precision flags to JAX's `default_matmul_precision`.
 * `flag_scope`: changing the flags (`set_flags`, `reset_flags`, freezing, `with_backends`, `propagate`).
 * `jit`: `jb.jit` and `compiler_options`.
 """
