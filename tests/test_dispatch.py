@@ -229,7 +229,9 @@ def test_cudnn_runs_first_where_it_was_measured_faster_and_says_so():
         assert e.reasons[b].startswith("CUDNN_ATTENTION runs first, measured faster here")
         assert "H100" in e.reasons[b]
     assert e.reasons[SDPBackend.MATH] == "lower priority than CUDNN_ATTENTION"
-    assert _cuda(shape=(2, 1024, 8, 64), dtype=jnp.float16, is_causal=True).chosen == SDPBackend.CUDNN_ATTENTION
+    assert (
+        _cuda(shape=(2, 1024, 8, 64), dtype=jnp.float16, is_causal=True).chosen == SDPBackend.CUDNN_ATTENTION
+    )
 
 
 @pytest.mark.parametrize(
@@ -253,7 +255,10 @@ def test_a_user_priority_or_the_flag_keeps_the_users_order():
     default = [SB.FLASH_ATTENTION, SB.EFFICIENT_ATTENTION, SB.CUDNN_ATTENTION, SB.MATH]
     with jb.attention.sdpa_kernel(default, set_priority=True):  # the default order, asked for
         e = _cuda()
-    assert e.chosen == SB.FLASH_ATTENTION and e.reasons[SB.CUDNN_ATTENTION] == "lower priority than FLASH_ATTENTION"
+    assert (
+        e.chosen == SB.FLASH_ATTENTION
+        and e.reasons[SB.CUDNN_ATTENTION] == "lower priority than FLASH_ATTENTION"
+    )
     with jb.with_backends(sdpa_prefer_faster=False):
         assert _cuda().chosen == SB.FLASH_ATTENTION
     with jb.with_backends(sdpa_priority=[SB.EFFICIENT_ATTENTION]):

@@ -81,7 +81,9 @@ def add(measurement: Measurement) -> None:
         MEASURED.append(measurement)
 
 
-def applies(m: Measurement, args: base.AttentionArgs, platform: str, device: Optional[Mapping[str, Any]]) -> bool:
+def applies(
+    m: Measurement, args: base.AttentionArgs, platform: str, device: Optional[Mapping[str, Any]]
+) -> bool:
     """Whether the call ``args`` lowered for ``platform`` on ``device`` lies inside ``m``'s envelope.
     An unknown device (no compute capability) is outside every envelope."""
     cc = (device or {}).get("compute_capability")
