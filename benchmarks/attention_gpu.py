@@ -1,34 +1,41 @@
-"""GPU attention benchmark: our Pallas Triton flash kernel vs cuDNN, XLA and tokamax (TFLOP/s).
+"""GPU attention benchmark: what `jb.dot_product_attention` gives by default, against every peer on the card.
 
-For bf16, head dims 64 and 128, sequence lengths 1k..16k, causal and not, it times the forward and
-forward+backward of:
+Rows (bf16 unless ``--dtype``), each timed inside one jit (a ``fori_loop`` of dependent calls; torch by
+CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.py``):
 
-* ``pallas``: ``pallas_kernels.attention.triton_flash`` (this project's Triton kernels),
+* ``jb``: ``jb.dot_product_attention`` with no flags (the default dispatch: ``jb.explain`` says which
+  backend runs; the last column names it),
+* ``jb_pallas``: the same call with FLASH alone (our Pallas Triton flash / decode kernels),
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
-* ``jax_xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (quadratic memory; skipped
-  where it runs out of memory),
-* ``xla_flash``: this project's blockwise XLA implementation (the CPU path, for reference),
-* ``tokamax``: ``tokamax.dot_product_attention(implementation="triton")`` when installed.
+* ``jax_xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (quadratic memory: L <= 4k),
+* ``mgpu_example``: jax's example Pallas Mosaic GPU kernel (``attention_mgpu``; sm90, head dims
+  multiple of 64, no causal backward) when importable,
+* ``tokamax``: ``tokamax.dot_product_attention(implementation="triton")`` when installed,
+* ``torch_flash``, ``torch_cudnn``, ``torch_efficient``: ``torch.nn.functional.scaled_dot_product_attention``
+  under ``sdpa_kernel(<backend>)`` when torch with CUDA is importable.
 
-FLOPs follow the FlashAttention papers: forward ``4 B N T S H`` (halved under a causal mask),
-backward 2.5x the forward. Batch x length is fixed at 16k tokens and heads x head dim at 2048.
-Prints a table (TFLOP/s, and the ratio to cuDNN) and writes a PNG (needs matplotlib).
+Sections: training shapes (head dims, lengths, causal and not, ``fwd`` and ``fwd+bwd``; batch x length
+fixed at ``--tokens``, heads x head dim at ``--model-dim``) and decode (one query row, GQA, KV lengths up
+to 128k). FLOPs follow the FlashAttention papers: forward ``4 B N T S H`` (halved under a causal mask),
+backward 2.5x the forward. Prints TFLOP/s, the ratio of ``jb`` to the best of ``cudnn`` / ``jb_pallas``
+(the "never slower than what you could pick yourself" check), writes a markdown table (``--md``) and a
+PNG (``--png``, needs matplotlib).
 
-Usage (on a machine with an NVIDIA GPU)::
+Usage (on an NVIDIA GPU; ~8 minutes for ``--quick``)::
 
-    python benchmarks/attention_gpu.py                 # full sweep, writes attention_gpu.png
-    python benchmarks/attention_gpu.py --lengths 1024 4096 --head-dims 128 --no-bwd
-    python benchmarks/attention_gpu.py --smoke         # CPU: tiny shapes, interpret mode, no timing value
+    python benchmarks/attention_gpu.py --quick --md attention_gpu.md --png attention_gpu.png
+    python benchmarks/attention_gpu.py                       # the full sweep (long: run in parts)
+    python benchmarks/attention_gpu.py --head-dims 128 --lengths 4096 16384 --modes fwd+bwd
+    python benchmarks/attention_gpu.py --smoke               # CPU: a check of this script, no timing value
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -36,143 +43,250 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.attention import base, triton_flash, xla_flash  # noqa: E402
+import jbackends as jb  # noqa: E402
+from benchmarks.gpu_timing import jax_time, ratio, torch_cuda, torch_time  # noqa: E402
+from pallas_kernels.attention import base, triton_flash  # noqa: E402
 
-try:  # optional peer
-    import tokamax  # noqa: E402
-except ImportError:  # pragma: no cover - depends on the environment
-    tokamax = None
-
-
-def _pallas(q, k, v, causal, interpret=False):
-    return triton_flash.attention(base.make_args(q, k, v, is_causal=causal), interpret=interpret)[0]
+JAX_IMPLS = ("jb", "jb_pallas", "cudnn", "jax_xla", "mgpu_example", "tokamax")
+TORCH_IMPLS = ("torch_flash", "torch_cudnn", "torch_efficient")
 
 
-def _xla_flash(q, k, v, causal):
-    return xla_flash.attention(base.make_args(q, k, v, is_causal=causal))[0]
+# ---- the JAX rows: (q, k, v, causal) -> out ----------------------------------------------------------
+
+
+def _jb(q, k, v, causal):
+    return jb.dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _jax_nn(impl):
+    return lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=impl
+    )
+
+
+def _interpreted_pallas(q, k, v, causal):  # --smoke only: the Triton kernel in interpret mode on CPU
+    return triton_flash.attention(base.make_args(q, k, v, is_causal=causal), interpret=True)[0]
+
+
+def _mgpu_example():
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as m  # noqa: PLC0415
+    except ImportError:
+        return None
+
     def f(q, k, v, causal):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+        cfg = m.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+        return m.attention(q, k, v, cfg)
 
     return f
 
 
-def _tokamax(q, k, v, causal):
-    # tokamax mirrors jax.nn's signature plus `implementation` (its Triton backend by name).
-    return tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="triton")
+def _tokamax():
+    try:
+        import tokamax  # noqa: PLC0415
+    except ImportError:
+        return None
+    return lambda q, k, v, causal: tokamax.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="triton"
+    )
 
 
-def implementations(smoke: bool) -> dict:
+def jax_impls(smoke: bool) -> dict:
+    """name -> (fn, the flags scope it is traced in)."""
     if smoke:
         return {
-            "pallas": functools.partial(_pallas, interpret=True),
-            "jax_xla": _jax_nn("xla"),
-            "xla_flash": _xla_flash,
+            "jb": (_jb, None),
+            "jb_pallas": (_interpreted_pallas, None),
+            "jax_xla": (_jax_nn("xla"), None),
         }
-    impls = {"pallas": _pallas, "cudnn": _jax_nn("cudnn"), "jax_xla": _jax_nn("xla"), "xla_flash": _xla_flash}
-    if tokamax is not None:
-        impls["tokamax"] = _tokamax
+    impls = {
+        "jb": (_jb, None),
+        "jb_pallas": (_jb, dict(flash=True, mem_efficient=False, cudnn=False, math=False)),
+        "cudnn": (_jax_nn("cudnn"), None),
+        "jax_xla": (_jax_nn("xla"), None),
+    }
+    for name, make in (("mgpu_example", _mgpu_example), ("tokamax", _tokamax)):
+        fn = make()
+        if fn is not None:
+            impls[name] = (fn, None)
     return impls
 
 
+def time_jax(fn, scope, q, k, v, causal, bwd, iters):
+    """Seconds per call (forward, or forward + backward w.r.t. q, k, v), traced under ``scope``."""
+    if bwd:
+
+        def call(q, k, v):
+            w = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)).reshape(
+                1, 1, 1, -1
+            )  # non-trivial cotangent
+            return jax.grad(lambda q, k, v: (fn(q, k, v, causal).astype(jnp.float32) * w).sum(), (0, 1, 2))(
+                q, k, v
+            )
+    else:
+
+        def call(q, k, v):
+            return fn(q, k, v, causal)
+
+    with jb.with_backends(**scope) if scope else contextlib.nullcontext():
+        return jax_time(call, (q, k, v), iters=iters)
+
+
+def time_torch(name, q, k, v, causal, bwd, iters):
+    torch = torch_cuda()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    backend = {
+        "torch_flash": SDPBackend.FLASH_ATTENTION,
+        "torch_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "torch_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[name]
+    t = lambda x: torch.from_dlpack(x).transpose(1, 2).contiguous().requires_grad_(bwd)  # noqa: E731 - BNTH
+    tq, tk, tv = t(q), t(k), t(v)
+    gqa = tq.shape[1] != tk.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def step():
+        with sdpa_kernel(backend):
+            out = sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+            if bwd:
+                torch.autograd.grad(out, (tq, tk, tv), out)  # any cotangent of the right shape
+        return out
+
+    return torch_time(step, iters=iters)
+
+
 def flops(B, N, T, S, H, causal, bwd):
-    f = 4.0 * B * N * T * S * H
-    if causal:
-        f *= 0.5
+    f = 4.0 * B * N * T * S * H * (0.5 if causal else 1.0)
     return f * (3.5 if bwd else 1.0)
 
 
-def time_fn(fn, args, iters: int) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)  # compile + warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def bench_one(impl, B, L, N, H, causal, bwd, iters, dtype):
+def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_xla_bytes):
+    """{name: seconds per call (NaN where it cannot run)} and the backend ``jb`` chose."""
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, H)), dtype) for _ in range(3))
-    if bwd:
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32).astype(dtype)
+    k, v = (jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32).astype(dtype) for _ in range(2))
+    chosen = jb.explain(q, k, v, is_causal=causal)
+    res = {}
+    for name, (fn, scope) in impls.items():
+        if name == "jax_xla" and B * N * T * S * 4 * (3 if bwd else 1) > max_xla_bytes:
+            res[name] = math.nan  # quadratic memory: skipped, not failed
+            continue
+        try:
+            res[name] = time_jax(fn, scope, q, k, v, causal, bwd, iters)
+        except Exception as e:  # noqa: BLE001 - unsupported shapes / OOM: reported, the sweep goes on
+            print(
+                f"  {name} B={B} T={T} S={S} H={H} causal={causal} bwd={bwd}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160] if str(e) else ''}",
+                file=sys.stderr,
+            )
+            res[name] = math.nan
+    for name in TORCH_IMPLS if use_torch else ():
+        try:
+            res[name] = time_torch(name, q, k, v, causal, bwd, iters)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} T={T} S={S} H={H}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+            res[name] = math.nan
+    label = f"{chosen.chosen.name}[{chosen.implementation}]" if chosen.chosen is not None else "-"
+    return res, label
 
-        def loss(q, k, v):
-            return impl(q, k, v, causal).astype(jnp.float32).sum()
 
-        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    else:
-        fn = jax.jit(lambda q, k, v: impl(q, k, v, causal))
-    return time_fn(fn, (q, k, v), iters)
+def best_of_ours_and_cudnn(res):
+    picks = [res[n] for n in ("cudnn", "jb_pallas") if res.get(n, math.nan) == res.get(n, math.nan)]
+    return min(picks) if picks else math.nan
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--decode-lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    p.add_argument("--no-decode", action="store_true")
     p.add_argument("--tokens", type=int, default=16384, help="batch x length")
     p.add_argument("--model-dim", type=int, default=2048, help="heads x head dim")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--no-bwd", action="store_true", help="forward only")
-    p.add_argument("--impls", nargs="+", default=None, help="subset of implementations")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--impls", nargs="+", default=None, help="subset of rows, e.g. jb cudnn torch_flash")
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--quick", action="store_true", help="head dims 64/128, L 4k/16k, decode 16k/128k")
+    p.add_argument("--md", default=None, help="also write the table as markdown to this file")
     p.add_argument("--png", default="attention_gpu.png")
     p.add_argument(
-        "--smoke", action="store_true", help="CPU check of this script: tiny shapes, Pallas in interpret mode"
+        "--smoke", action="store_true", help="CPU check of the script: tiny shapes, interpret mode"
     )
     a = p.parse_args(argv)
 
+    if a.quick:
+        a.head_dims, a.lengths, a.decode_lengths = [64, 128], [4096, 16384], [16384, 131072]
     if a.smoke:
-        a.lengths, a.head_dims, a.tokens, a.model_dim, a.iters = [32], [16], 64, 32, 1
+        a.lengths, a.head_dims, a.tokens, a.model_dim, a.iters, a.decode_lengths = [32], [16], 64, 32, 2, [64]
+        a.no_torch = True
     elif jax.default_backend() != "gpu":
         sys.exit("attention_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
-    impls = implementations(a.smoke)
+    impls = jax_impls(a.smoke)
+    use_torch = not a.no_torch and torch_cuda() is not None
     if a.impls:
         impls = {k: v for k, v in impls.items() if k in a.impls}
-    dtype = jnp.bfloat16
+        use_torch = use_torch and any(n in a.impls for n in TORCH_IMPLS)
+    names = list(impls) + (list(TORCH_IMPLS) if use_torch else [])
+    if a.impls:
+        names = [n for n in names if n in a.impls]
+    dtype = jnp.dtype(a.dtype)
     device = jax.devices()[0].device_kind
-    modes = [False] if a.no_bwd else [False, True]
-    rows = []  # (mode, H, L, causal, impl, tflops)
-    for bwd in modes:
+    max_xla = 8 << 30
+
+    rows = []  # (section, mode, H, L, causal, {name: seconds}, flops, jb's choice)
+    for mode in a.modes:
+        bwd = mode == "fwd+bwd"
         for H in a.head_dims:
             for L in a.lengths:
                 B, N = max(1, a.tokens // L), max(1, a.model_dim // H)
                 for causal in (False, True):
-                    for name, impl in impls.items():
-                        try:
-                            t = bench_one(impl, B, L, N, H, causal, bwd, a.iters, dtype)
-                            tf = flops(B, N, L, L, H, causal, bwd) / t / 1e12
-                        except Exception as e:  # noqa: BLE001 - OOM / unsupported: report and go on
-                            print(
-                                f"  {name} H={H} L={L} causal={causal} bwd={bwd}: "
-                                f"{type(e).__name__}: {str(e)[:120]}",
-                                file=sys.stderr,
-                            )
-                            tf = math.nan
-                        rows.append(("fwd+bwd" if bwd else "fwd", H, L, causal, name, tf))
+                    res, label = run_case(
+                        impls, use_torch, B, L, L, N, N, H, causal, bwd, a.iters, dtype, max_xla
+                    )
+                    rows.append(("train", mode, H, L, causal, res, flops(B, N, L, L, H, causal, bwd), label))
+                    print(f"  done {mode} H={H} L={L} causal={causal}", file=sys.stderr, flush=True)
+    if not a.no_decode:  # one query row, GQA 32 / 8 heads of 128, batch 4
+        B, N, K, H = (1, 4, 2, 16) if a.smoke else (4, 32, 8, 128)
+        for S in a.decode_lengths:
+            res, label = run_case(impls, use_torch, B, 1, S, N, K, H, False, False, a.iters, dtype, max_xla)
+            rows.append(("decode", "fwd", H, S, False, res, flops(B, N, 1, S, H, False, False), label))
 
-    names = list(impls)
-    print(
-        f"\nAttention TFLOP/s on {device}, {jnp.dtype(dtype).name}, {a.tokens} tokens, "
-        f"model dim {a.model_dim} (ratio to cudnn in parentheses)"
-    )
-    header = f"{'pass':8} {'H':>4} {'L':>6} {'causal':>6} " + " ".join(f"{n:>16}" for n in names)
-    print(header)
-    print("-" * len(header))
-    table = {}
-    for mode, H, L, causal, name, tf in rows:
-        table.setdefault((mode, H, L, causal), {})[name] = tf
-    for (mode, H, L, causal), res in table.items():
-        ref = res.get("cudnn", math.nan)
-        cells = []
-        for n in names:
-            tf = res.get(n, math.nan)
-            ratio = f"({tf / ref:.2f}x)" if ref == ref and tf == tf and ref > 0 else ""
-            cells.append(f"{tf:8.1f}{ratio:>8}")
-        print(f"{mode:8} {H:>4} {L:>6} {str(causal):>6} " + " ".join(f"{c:>16}" for c in cells))
+    lines = [
+        f"Attention on {device}, {dtype.name}, jax {jax.__version__}"
+        + (f", torch {torch_cuda().__version__}" if use_torch else "")
+        + f". Training rows: TFLOP/s ({a.tokens} tokens, model dim {a.model_dim}); decode rows: "
+        "microseconds per call (T=1, GQA 32/8 heads of 128, batch 4). `jb/best`: jb's time ratio to the "
+        "faster of cudnn and jb_pallas (>= 0.97 is the goal).",
+        "",
+        "| section | pass | H | L or S | causal | " + " | ".join(names) + " | jb/best | jb runs |",
+        "|" + "---|" * (len(names) + 7),
+    ]
+    for section, mode, H, L, causal, res, f, label in rows:
+        if section == "decode":
+            cells = [f"{res.get(n, math.nan) * 1e6:.1f}" if res.get(n) == res.get(n) else "-" for n in names]
+        else:
+            cells = [
+                f"{f / res[n] / 1e12:.1f}" if res.get(n) == res.get(n) and n in res else "-" for n in names
+            ]
+        best = best_of_ours_and_cudnn(res)
+        lines.append(
+            f"| {section} | {mode} | {H} | {L} | {causal} | "
+            + " | ".join(cells)
+            + f" | {ratio(best, res.get('jb', math.nan))} | {label} |"
+        )
+    text = "\n".join(lines)
+    print("\n" + text)
+    if a.md:
+        with open(a.md, "w") as fh:
+            fh.write(text + "\n")
+    write_png(rows, names, a, device, dtype)
+    return rows
 
+
+def write_png(rows, names, a, device, dtype):
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -180,31 +294,45 @@ def main(argv=None):
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         print("matplotlib not installed: no PNG written", file=sys.stderr)
-        return rows
-    panels = [
-        (m, H, c)
-        for m in ("fwd", "fwd+bwd")
-        if m in {r[0] for r in rows}
-        for H in a.head_dims
-        for c in (False, True)
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (m, H, c) in zip(axes[0], panels):
-        for n in names:
-            xs = [L for L in a.lengths]
-            ys = [table[(m, H, L, c)].get(n, math.nan) for L in xs]
-            ax.plot(xs, ys, marker="o", label=n)
+        return
+    panels = sorted({(r[1], r[2], r[4]) for r in rows if r[0] == "train"})
+    decode = [r for r in rows if r[0] == "decode"]
+    n = len(panels) + (1 if decode else 0)
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.6), squeeze=False)
+    for ax, (mode, H, causal) in zip(axes[0], panels):
+        sel = [r for r in rows if r[0] == "train" and (r[1], r[2], r[4]) == (mode, H, causal)]
+        for name in names:
+            ax.plot(
+                [r[3] for r in sel],
+                [r[6] / r[5].get(name, math.nan) / 1e12 for r in sel],
+                marker="o",
+                label=name,
+            )
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{m}, hd {H}, {'causal' if c else 'full'}", fontsize=9)
+        ax.set_title(f"{mode}, head dim {H}, {'causal' if causal else 'full'}", fontsize=9)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Attention, {device}, bf16", fontsize=10)
+    if decode:
+        ax = axes[0][-1]
+        for name in names:
+            ax.plot(
+                [r[3] for r in decode],
+                [r[5].get(name, math.nan) * 1e6 for r in decode],
+                marker="o",
+                label=name,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title("decode (T=1, GQA), lower is better", fontsize=9)
+        ax.set_xlabel("KV length")
+        ax.set_ylabel("microseconds")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Attention, {device}, {dtype.name}", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)
     print(f"wrote {a.png}")
-    return rows
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority:
 
     A ``jb.with_backends`` scope, so it is a context manager *and* a decorator, is per thread / asyncio
     task, nests, and is honoured by ``jax.jit`` (a function traced inside it uses these backends; a
-    change retraces). ``set_priority=True`` also makes the listed order the priority order.
+    change retraces). ``set_priority=True`` also makes the listed order the priority order (and turns
+    off ``sdpa_prefer_faster``: no measured order overrides the user's).
     ``SDPBackend.OVERRIDEABLE`` is accepted and ignored (there is no overrideable backend in JAX).
 
     Args:
@@ -167,6 +168,7 @@ def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority:
     )
     if set_priority and chosen:
         kw["sdpa_priority"] = tuple(int(b) for b in chosen)
+        kw["sdpa_prefer_faster"] = False  # the user's order, not a measured one
     return with_backends(**kw)
 
 

@@ -210,3 +210,95 @@ def test_sdpa_kernel_accepts_and_ignores_overrideable():
     with pytest.raises(ValueError, match="backends"):
         with jb.sdpa_kernel(["FLASHY"]):
             pass
+
+
+# ---- the measured order between backends (sdpa_speed) ----------------------------------------------
+
+from jbackends._src import sdpa_speed  # noqa: E402
+
+
+def _cuda(shape=(1, 2048, 4, 128), dtype=jnp.bfloat16, cc=9.0, **kw):
+    x = jnp.zeros(shape, dtype)
+    return jb.attention.explain(x, x, x, platform="cuda", compute_capability=cc, **kw)
+
+
+def test_cudnn_runs_first_where_it_was_measured_faster_and_says_so():
+    e = _cuda()
+    assert e.chosen == SDPBackend.CUDNN_ATTENTION
+    for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        assert e.reasons[b].startswith("CUDNN_ATTENTION runs first, measured faster here")
+        assert "H100" in e.reasons[b]
+    assert e.reasons[SDPBackend.MATH] == "lower priority than CUDNN_ATTENTION"
+    assert (
+        _cuda(shape=(2, 1024, 8, 64), dtype=jnp.float16, is_causal=True).chosen == SDPBackend.CUDNN_ATTENTION
+    )
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        dict(cc=8.0),  # not measured on sm80
+        dict(dtype=jnp.float32),  # cuDNN takes no float32
+        dict(shape=(1, 512, 4, 128)),  # shorter than measured
+        dict(shape=(1, 2048, 4, 256)),  # head dim not measured
+        dict(shape=(1, 2048, 4, 32)),
+    ],
+)
+def test_outside_the_measured_envelope_the_priority_order_holds(call):
+    e = _cuda(**call)
+    assert e.chosen == SDPBackend.FLASH_ATTENTION
+    assert "measured" not in str(e)
+
+
+def test_a_user_priority_or_the_flag_keeps_the_users_order():
+    SB = SDPBackend
+    default = [SB.FLASH_ATTENTION, SB.EFFICIENT_ATTENTION, SB.CUDNN_ATTENTION, SB.MATH]
+    with jb.attention.sdpa_kernel(default, set_priority=True):  # the default order, asked for
+        e = _cuda()
+    assert (
+        e.chosen == SB.FLASH_ATTENTION
+        and e.reasons[SB.CUDNN_ATTENTION] == "lower priority than FLASH_ATTENTION"
+    )
+    with jb.with_backends(sdpa_prefer_faster=False):
+        assert _cuda().chosen == SB.FLASH_ATTENTION
+    with jb.with_backends(sdpa_priority=[SB.EFFICIENT_ATTENTION]):
+        assert _cuda().chosen == SB.EFFICIENT_ATTENTION
+    with jb.attention.sdpa_kernel([SB.FLASH_ATTENTION, SB.CUDNN_ATTENTION]):  # a set, no priority
+        assert _cuda().chosen == SB.CUDNN_ATTENTION
+    with jb.with_backends(cudnn=False):
+        assert _cuda().chosen == SB.FLASH_ATTENTION
+
+
+def test_where_cudnn_cannot_run_the_call_flash_runs_with_the_usual_reasons():
+    e = _cuda(logits_soft_cap=30.0)
+    assert e.chosen == SDPBackend.FLASH_ATTENTION
+    assert "soft cap" in e.reasons[SDPBackend.CUDNN_ATTENTION]
+    assert "measured" not in e.reasons[SDPBackend.EFFICIENT_ATTENTION]
+
+
+def test_measured_order_is_part_of_the_jit_key():
+    """The flag is traced: flipping it retraces (a stale executable would keep the old choice)."""
+    traced = []
+
+    @jax.jit
+    def f(x):
+        traced.append(jb.current_flags().sdpa_prefer_faster)
+        return x + 1
+
+    f(jnp.zeros(3))
+    with jb.with_backends(sdpa_prefer_faster=False):
+        f(jnp.zeros(3))
+    f(jnp.zeros(3))
+    assert traced == [True, False]
+
+
+def test_measurements_are_validated():
+    with pytest.raises(TypeError, match="SDPBackend"):
+        sdpa_speed.Measurement("cudnn", (), "cuda", 9.0, ("bfloat16",), 64, 128, 1024, "x")
+    with pytest.raises(ValueError, match="faster than itself"):
+        SB = SDPBackend
+        sdpa_speed.Measurement(SB.MATH, (SB.MATH,), "cuda", 9.0, ("bfloat16",), 64, 128, 1024, "x")
+    with pytest.raises(TypeError, match="Measurement"):
+        sdpa_speed.add("cudnn is faster")
+    with pytest.raises(TypeError, match="flag .sdpa_prefer_faster. expects a bool"):
+        jb.with_backends(sdpa_prefer_faster="yes")

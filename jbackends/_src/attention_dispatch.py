@@ -7,6 +7,8 @@ Rules (the contract the public API in ``jbackends.attention`` documents):
 
 * The flags in force at trace time (:func:`trace_flags`) give the enabled set and the order
   (``sdpa_priority``). Disabled backends are never used, not even as a fallback.
+* While the priority is at its default (``sdpa_prefer_faster``), a backend measured faster for the
+  call on the target device is tried first (:mod:`sdpa_speed`: cuDNN on sm90+ in half precision).
 * A backend can run a call on a platform when one of its implementations there can (after the flags'
   filters, e.g. ``flash_cpu_kernel``); the first enabled backend in priority order that can, runs,
   with its first implementation that can.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
-from jbackends._src import dispatch, sdpa_registry
+from jbackends._src import dispatch, sdpa_registry, sdpa_speed
 from jbackends._src.dispatch import Implementation, canonical_platform, default_platform
 from jbackends._src import verbose
 from jbackends._src.sdp_backends import DEFAULT_ORDER, FLAG, RUNNABLE, SDPBackend
@@ -155,6 +157,10 @@ def decide(
     """
     order = tuple(b for b in flags.sdpa_priority if b in NAMES)
     order = order + tuple(int(b) for b in DEFAULT_ORDER if int(b) not in order)
+    if only is None:
+        order, measured = sdpa_speed.faster_first(order, flags, args, platform, device_info)
+    else:
+        measured = {}
     reasons: dict[int, str] = {}
     chosen = None
     choice = None
@@ -170,9 +176,12 @@ def decide(
             continue
         c = backend_choice(args, b, platform, flags, device_info)
         if chosen is not None:
-            reasons[b] = (
-                f"lower priority than {NAMES[chosen]}" if c.chosen is not None else _backend_reason(c, b)
-            )
+            if c.chosen is None:
+                reasons[b] = _backend_reason(c, b)
+            elif measured.get(b, (None,))[0] == chosen:
+                reasons[b] = f"{NAMES[chosen]} runs first, {measured[b][1]}"
+            else:
+                reasons[b] = f"lower priority than {NAMES[chosen]}"
             continue
         if c.chosen is None:
             reasons[b] = _backend_reason(c, b)

@@ -240,6 +240,13 @@ DECLARATIONS: tuple[Flag, ...] = (
         torch=("torch.nn.attention.sdpa_kernel(set_priority=True)",),
     ),
     _bool(
+        "sdpa_prefer_faster",
+        True,
+        "While sdpa_priority is at its default, try first an enabled SDPA backend measured faster for "
+        "the call on the target device (cuDNN over the Pallas kernels on sm90+ in half precision; "
+        "jbackends._src.sdpa_speed). sdpa_kernel(..., set_priority=True) turns it off in its scope.",
+    ),
+    _bool(
         "allow_fp16_bf16_reduction_math_sdp",
         False,
         "Let the math SDPA backend reduce fp16/bf16 inputs in low precision instead of float32.",

@@ -17,6 +17,8 @@ Constraints (jax 0.10, cuDNN 9):
   by jax PR 39576); this bridge therefore always passes such windows *with* ``is_causal=True``, which
   is the same mask and the path cuDNN gets right. Right windows are refused.
 * The returned LSE is cuDNN's softmax statistic; it carries no gradient (``stop_gradient``).
+* Its gradient is cuDNN's backward; the derivative of that backward (grad of grad, Hessian-vector
+  products) is the reference's, as on every other fast backend (JAX's cuDNN backward has none).
 * Rows without a key (beyond ``q_seq_lengths``, ``kv_seq_lengths == 0``) are set to output 0 and
   LSE ``-inf`` after the call, the contract of every backend, whatever cuDNN leaves there.
 
@@ -140,8 +142,8 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
             return_residual=True,
         )
 
-    out, lse = _first_order_only(
-        call, args.q, args.k, args.v, args.bias, args.q_seq_lengths, args.kv_seq_lengths
+    out, lse = _with_reference_derivative(
+        call, args, args.q, args.k, args.v, args.bias, args.q_seq_lengths, args.kv_seq_lengths
     )
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
     # The backend contract (output 0, LSE -inf, no gradient for rows without a key: the jbackends
@@ -153,44 +155,47 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
     return out, lse
 
 
-#: The error a second derivative through the cuDNN bridge raises (JAX's cuDNN backward has none).
-SECOND_ORDER_ERROR = (
-    "CUDNN_ATTENTION has no second derivative (JAX's cuDNN attention backward is not "
-    "differentiable): for grad of grad / Hessian-vector products run this call on another backend, "
-    "e.g. jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]) or "
-    "jb.with_backends(cudnn=False)"
-)
-
-
-def _first_order_only(f, *xs):
-    """``f(*xs)`` with ``f``'s own gradient, whose derivative in turn raises :data:`SECOND_ORDER_ERROR`
-    (instead of JAX's internal "Differentiation rule ... not implemented")."""
+def _with_reference_derivative(call, args: base.AttentionArgs, *xs):
+    """``call(*xs)`` (``xs = (q, k, v, bias, q_len, kv_len)``) with cuDNN's own gradient, whose
+    derivative in turn is the reference's (:func:`base.reference_vjp`), as for every other fast
+    backend: JAX's cuDNN backward is a custom call with no derivative, so grad of grad and
+    Hessian-vector products (reverse over reverse) differentiate the same function in plain jnp."""
+    # The static part of the call only (the arrays travel as arguments: no closed-over tracers).
+    # The bridge takes no mask, segment ids or dropout key (`unsupported`), so these are all.
+    template = args.replace(q=None, k=None, v=None, bias=None, q_seq_lengths=None, kv_seq_lengths=None)
 
     @jax.custom_vjp
     def g(*xs):
-        return f(*xs)
+        return call(*xs)
 
     def g_fwd(*xs):
-        return jax.vjp(f, *xs)  # (outputs, the vjp function: a pytree of cuDNN's residuals)
+        outs, vjp = jax.vjp(call, *xs)  # the vjp function is a pytree of cuDNN's residuals
+        return outs, (xs, vjp)
 
-    def g_bwd(vjp, ct):
-        return _no_derivative(vjp, ct)
+    def g_bwd(res, ct):
+        xs, vjp = res
+        return backward(xs, vjp, ct)
+
+    @jax.custom_vjp
+    def backward(xs, vjp, ct):
+        return vjp(ct)
+
+    def backward_fwd(xs, vjp, ct):
+        return vjp(ct), (xs, vjp, ct)
+
+    def backward_bwd(res, cts):
+        (q, k, v, bias, q_len, kv_len), vjp, (g_out, g_lse) = res
+
+        def grads(q, k, v, bias, g_out):
+            at = template.replace(q=q, k=k, v=v, bias=bias, q_seq_lengths=q_len, kv_seq_lengths=kv_len)
+            dq, dk, dv, db = base.reference_vjp(at, g_out)  # cuDNN's LSE output has no gradient
+            return dq, dk, dv, db
+
+        _, vjp_ref = jax.vjp(grads, q, k, v, bias, g_out)
+        dq, dk, dv, dbias, dg_out = vjp_ref(tuple(cts[:4]))
+        none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
+        return (dq, dk, dv, dbias, none(q_len), none(kv_len)), none(vjp), (dg_out, jnp.zeros_like(g_lse))
 
     g.defvjp(g_fwd, g_bwd)
+    backward.defvjp(backward_fwd, backward_bwd)
     return g(*xs)
-
-
-@jax.custom_vjp
-def _no_derivative(vjp, ct):
-    return vjp(ct)
-
-
-def _no_derivative_fwd(vjp, ct):
-    return vjp(ct), None
-
-
-def _no_derivative_bwd(_, __):
-    raise NotImplementedError(SECOND_ORDER_ERROR)
-
-
-_no_derivative.defvjp(_no_derivative_fwd, _no_derivative_bwd)

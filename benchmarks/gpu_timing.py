@@ -1,0 +1,96 @@
+"""Timing on an accelerator that a reader can trust: in-jit repetition for JAX, CUDA events for torch.
+
+Python wall clock around one call measures dispatch and launch latency as much as the kernel. Here:
+
+* :func:`jax_time` compiles one ``lax.fori_loop`` of ``iters`` *dependent* calls (each call's inputs
+  are nudged by ``eps * sum(previous output)``, with ``eps`` a run-time zero so XLA can neither fold it
+  away nor hoist the call out of the loop) and divides the loop's time by ``iters``; the nudge costs
+  one pass over the output, small next to the kernels timed here.
+* :func:`torch_time` times ``iters`` back-to-back launches between two CUDA events.
+
+Both take the median of ``repeats`` runs after a warm-up (compilation, autotuning, caches).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["jax_time", "torch_cuda", "torch_time", "ratio"]
+
+
+def _nudge(carry: Sequence[Any], out: Any, eps) -> tuple:
+    """``carry`` with its first array moved by ``eps * sum(first leaf of out)``: a data dependence of
+    the next call on this one that is numerically a no-op (``eps`` is zero at run time)."""
+    leaf = jax.tree.leaves(out)[0]
+    first = carry[0]
+    delta = (eps * jnp.sum(leaf.astype(jnp.float32))).astype(first.dtype)
+    return (first + delta,) + tuple(carry[1:])
+
+
+def jax_time(fn: Callable, args: Sequence[Any], iters: int = 20, repeats: int = 3) -> float:
+    """Seconds per call of ``fn(*args)`` on the default device, from one jitted loop of dependent calls.
+
+    Args:
+      fn: traceable; ``args[0]`` must be a floating array (it carries the dependence).
+      args: the inputs (device arrays).
+      iters: calls per timed loop (>= 1).
+      repeats: timed loops; the median is returned.
+    """
+    if iters < 1 or repeats < 1:
+        raise ValueError(f"jax_time: iters and repeats must be >= 1 (got {iters}, {repeats})")
+    args = tuple(args)
+
+    @jax.jit
+    def loop(args, eps):
+        def body(_, carry):
+            return _nudge(carry, fn(*carry), eps)
+
+        return jax.lax.fori_loop(0, iters, body, args)
+
+    eps = jnp.zeros((), jnp.float32)
+    jax.block_until_ready(loop(args, eps))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(args, eps))
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def torch_cuda() -> Optional[Any]:
+    """The ``torch`` module when torch with CUDA is importable and sees a GPU, else None."""
+    try:
+        import torch  # noqa: PLC0415 - optional peer
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def torch_time(fn: Callable[[], Any], iters: int = 20, repeats: int = 3) -> float:
+    """Seconds per call of ``fn()`` (torch, CUDA): ``iters`` launches between two CUDA events."""
+    torch = torch_cuda()
+    if torch is None:
+        raise RuntimeError("torch_time needs torch with CUDA")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / iters)
+    return float(np.median(times))
+
+
+def ratio(a: float, b: float) -> str:
+    """``a / b`` formatted as ``1.23x``, or ``-`` when either is missing."""
+    ok = a == a and b == b and b > 0  # NaN-safe
+    return f"{a / b:.2f}x" if ok else "-"

@@ -1,0 +1,199 @@
+"""GPU int4 matmul benchmark: our W4A16 / W4A8 kernels against dense bf16 and torch's tinygemm, by M.
+
+For (K x N) in {4096 x 4096, 4096 x 11008, 8192 x 28672} and M from decode (1) to prefill (2048),
+groupsize 128 unless ``--groupsize``, it times (inside one jit, a ``fori_loop`` of dependent calls;
+torch by CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.py``):
+
+* ``jb int4_matmul``: ``jb.quantized.int4_matmul`` (W4A16, bf16 activations; the engine dispatch picks),
+* ``jb dyn-quant``: ``jb.quantized.dyn_quant_matmul_4bit`` (W4A8, torch's numerics),
+* ``dense bf16``: ``jnp.dot`` on the dequantized bf16 weight (what an int4 matmul should cost at
+  prefill, and what it must beat at decode),
+* ``torch int4pack``: ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16 activations) when torch
+  with CUDA is importable, and ``torch dense bf16`` (``torch.mm``).
+
+Columns: microseconds per call, GB/s of packed weight (``N * K / 2`` bytes plus scales, for the int4
+rows), and the ratios to torch's int4 kernel and to dense bf16 (> 1: ours is faster). The engine each
+jb row ran (``jb.quantized.explain``) is printed. Writes a markdown table (``--md``) and a PNG of time
+vs M per shape (``--png``).
+
+    python benchmarks/int4_gpu.py --md int4_gpu.md --png int4_gpu.png     # on an NVIDIA GPU
+    python benchmarks/int4_gpu.py --smoke                                  # CPU: a check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jbackends.quantized as Q  # noqa: E402
+from benchmarks.gpu_timing import jax_time, ratio, torch_cuda, torch_time  # noqa: E402
+
+SHAPES = ((4096, 4096), (4096, 11008), (8192, 28672))
+MS = (1, 4, 16, 64, 256, 1024, 2048)
+ROWS = ("jb int4_matmul", "jb dyn-quant", "dense bf16", "torch int4pack", "torch dense bf16")
+
+
+def torch_operands(torch, q_packed, scales, K, N, groupsize):
+    """torch's tinygemm operands for our weight: ``w = (q - 8) * scale`` (zero 0)."""
+    q = np.asarray(q_packed)  # [N, K/2]: the low nibble is the even k, stored q + 8
+    lo, hi = q & 15, q >> 4
+    u8 = torch.tensor((lo << 4) | hi, dtype=torch.uint8, device="cuda")  # tinygemm: the even k high
+    w4 = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+    sz = torch.zeros(K // groupsize, N, 2, dtype=torch.float32)
+    sz[..., 0] = torch.tensor(np.asarray(scales, np.float32)).T
+    return w4, sz.to(torch.bfloat16).cuda()
+
+
+def run(shapes, ms, groupsize, iters, use_torch):
+    torch = torch_cuda() if use_torch else None
+    rng = np.random.default_rng(0)
+    rows = []
+    for K, N in shapes:
+        w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+        q, s = Q.quantize_4bit(w, groupsize)
+        packed = Q.dyn_quant_pack_4bit_weight(q, s, None, groupsize, K, N)
+        wbf = jnp.asarray(Q.dequantize_4bit(packed)).T.astype(jnp.bfloat16)  # [K, N]
+        int4_bytes = packed.nbytes
+        if torch is not None:
+            w4, sz = torch_operands(torch, q, s, K, N, groupsize)
+            tw = torch.from_dlpack(wbf)
+        for M in ms:
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+            xb = x.astype(jnp.bfloat16)
+            r = {}
+            for name, fn, args in (
+                ("jb int4_matmul", lambda x, p: Q.int4_matmul(x, p), (xb, packed)),
+                ("jb dyn-quant", lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N), (x, packed)),
+                ("dense bf16", jnp.dot, (xb, wbf)),
+            ):
+                try:
+                    r[name] = jax_time(fn, args, iters=iters)
+                except Exception as e:  # noqa: BLE001 - report, go on
+                    print(f"  {name} K={K} N={N} M={M}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                    r[name] = math.nan
+            if torch is not None:
+                tx = torch.from_dlpack(xb)
+                try:
+                    r["torch int4pack"] = torch_time(
+                        lambda: torch.ops.aten._weight_int4pack_mm(tx, w4, groupsize, sz), iters=iters
+                    )
+                    got = torch.ops.aten._weight_int4pack_mm(tx, w4, groupsize, sz).float().cpu().numpy()
+                    ours = np.asarray(Q.int4_matmul(xb, packed), np.float32)
+                    err = np.linalg.norm(got - ours) / max(np.linalg.norm(ours), 1e-30)
+                    if err > 2e-2:
+                        print(
+                            f"  note: torch int4pack differs from ours by {err:.2g} (layout?)",
+                            file=sys.stderr,
+                        )
+                except Exception as e:  # noqa: BLE001
+                    print(
+                        f"  torch int4pack K={K} N={N} M={M}: {type(e).__name__}: {str(e)[:160]}",
+                        file=sys.stderr,
+                    )
+                    r["torch int4pack"] = math.nan
+                r["torch dense bf16"] = torch_time(lambda: torch.mm(tx, tw), iters=iters)
+            engines = {
+                "jb int4_matmul": Q.explain(xb, packed, op="int4_matmul").implementation,
+                "jb dyn-quant": Q.explain(x, packed, op="dyn_quant_matmul_4bit").implementation,
+            }
+            rows.append(((K, N, M), r, engines, int4_bytes))
+            print(f"  done K={K} N={N} M={M}", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows, groupsize, use_torch):
+    names = [n for n in ROWS if use_torch or not n.startswith("torch")]
+    dev = jax.devices()[0].device_kind
+    tv = f", torch {torch_cuda().__version__}" if use_torch else ""
+    lines = [
+        f"int4 matmul on {dev}, groupsize {groupsize}, jax {jax.__version__}{tv}: microseconds per call "
+        "(packed-weight GB/s for the jb rows); `vs torch` / `vs dense`: time ratios (> 1: jb faster).",
+        "",
+        "| K x N | M | "
+        + " | ".join(names)
+        + " | W4A16 vs torch | W4A16 vs dense | W4A8 vs W4A16 | engines |",
+        "|" + "---|" * (len(names) + 6),
+    ]
+    for (K, N, M), r, engines, nbytes in rows:
+        cells = []
+        for n in names:
+            t = r.get(n, math.nan)
+            cell = f"{t * 1e6:.1f}" if t == t else "-"
+            if n.startswith("jb") and t == t:
+                cell += f" ({nbytes / t / 1e9:.0f} GB/s)"
+            cells.append(cell)
+        w16, w8 = r.get("jb int4_matmul", math.nan), r.get("jb dyn-quant", math.nan)
+        lines.append(
+            f"| {K}x{N} | {M} | "
+            + " | ".join(cells)
+            + f" | {ratio(r.get('torch int4pack', math.nan), w16)} | {ratio(r.get('dense bf16', math.nan), w16)}"
+            + f" | {ratio(w16, w8)} | {engines['jb int4_matmul']} / {engines['jb dyn-quant']} |"
+        )
+    return "\n".join(lines), names
+
+
+def write_png(rows, names, path, groupsize):
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib not installed: no PNG written", file=sys.stderr)
+        return
+    shapes = sorted({key[:2] for key, *_ in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.6), squeeze=False)
+    for ax, (K, N) in zip(axes[0], shapes):
+        sel = [(key[2], r) for key, r, *_ in rows if key[:2] == (K, N)]
+        for n in names:
+            ax.plot([m for m, _ in sel], [r.get(n, math.nan) * 1e6 for _, r in sel], marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"K={K} N={N}", fontsize=9)
+        ax.set_xlabel("M (rows of x)")
+        ax.set_ylabel("microseconds (lower is better)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"int4 matmul, {jax.devices()[0].device_kind}, groupsize {groupsize}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groupsize", type=int, default=128)
+    ap.add_argument("--ms", type=int, nargs="+", default=list(MS))
+    ap.add_argument("--shapes", nargs="+", default=None, help="KxN, e.g. 4096x11008")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--png", default="int4_gpu.png")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shapes")
+    a = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes] if a.shapes else list(SHAPES)
+    if a.smoke:
+        shapes, a.ms, a.iters, a.no_torch = [(256, 128)], [1, 16], 2, True
+    elif jax.default_backend() != "gpu":
+        sys.exit("int4_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
+    use_torch = not a.no_torch and torch_cuda() is not None
+    rows = run(shapes, a.ms, a.groupsize, a.iters, use_torch)
+    text, names = table(rows, a.groupsize, use_torch)
+    print("\n" + text)
+    if a.md:
+        with open(a.md, "w") as fh:
+            fh.write(text + "\n")
+    write_png(rows, names, a.png, a.groupsize)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The GPU lane for attention: every Pallas kernel *compiled* (``interpret=False``) and the cuDNN bridge,
+on the shared grid against the float32 reference, forward and gradients.
+
+Marked ``gpu``: skipped where JAX sees no GPU (CI); on a CUDA machine run
+``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu``. Interpret mode (the default suite) does not
+reproduce everything a compiled kernel does (block sizes from the heuristics, the MMA paths, masking
+at ragged edges), which is why these run the kernels with their default configs, not the tiny blocks
+the interpret tests use.
+
+Tolerances: on the GPU a float32 ``dot`` may run on TF32 tensor cores, so float32 is checked with
+half-precision-like tolerances there (``GPU_TOL``); bf16 / f16 keep the shared ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jbackends as jb
+from pallas_kernels.attention import base, cudnn, triton_decode, triton_flash, triton_mem_efficient
+from tests.attention.attention_base import GRID, TOL, AttentionTestBase, Case, make_case
+
+pytestmark = pytest.mark.gpu
+
+GPU_TOL = {**TOL, jnp.dtype(jnp.float32): (2e-3, 2e-3)}
+
+
+class _Compiled(AttentionTestBase):
+    tolerances = GPU_TOL
+
+
+class TestTritonFlashCompiled(_Compiled):
+    impl = staticmethod(functools.partial(triton_flash.attention, interpret=False))
+    supports_bias = False
+    supports_mask = False
+
+
+class TestTritonMemEfficientCompiled(_Compiled):
+    impl = staticmethod(functools.partial(triton_mem_efficient.attention, interpret=False))
+
+
+# The decode kernel serves queries of at most 16 rows: the grid with its queries shortened.
+_DECODE_GRID = [dataclasses.replace(c, T=t) for c, t in zip(GRID, (1, 5, 16, 3, 7, 9, 12, 2, 16, 1) * 2)]
+
+
+class TestTritonDecodeCompiled(_Compiled):
+    impl = staticmethod(functools.partial(triton_decode.attention, interpret=False))
+    supports_bias = False
+    supports_mask = False
+
+    @pytest.mark.parametrize("case", _DECODE_GRID, ids=[c.id for c in _DECODE_GRID])
+    def test_grid(self, case):
+        super().test_grid(case)
+
+    def test_fully_masked_rows_give_zero_output_and_grads(self):
+        pytest.skip("queries > 16 rows: not a decode shape")
+
+    def test_deterministic(self):
+        pytest.skip("queries > 16 rows: not a decode shape")
+
+    def test_vjp_wrt_outputs_and_lse(self):
+        pytest.skip("queries > 16 rows: not a decode shape")
+
+
+# cuDNN's envelope (half precision, head dims multiples of 8, causal only square and top-left, a bias
+# only with even lengths, no mask / dropout / soft cap / segment ids): a grid that reaches it.
+CUDNN_GRID = [
+    Case(dt, causal, T, T, H, g, mask, extra=extra, jit=jit)
+    for dt, causal, T, H, g, mask, extra, jit in (
+        ("bfloat16", "none", 64, 64, 1, "none", None, True),
+        ("bfloat16", "top_left", 128, 128, 2, "none", None, True),
+        ("float16", "top_left", 64, 64, 4, "none", None, False),
+        ("float16", "none", 96, 128, 1, "additive", None, True),
+        ("bfloat16", "top_left", 64, 64, 2, "additive", None, True),
+        ("bfloat16", "none", 80, 64, 2, "none", "lengths", True),
+        ("float16", "top_left", 64, 128, 1, "none", "lengths", True),
+        ("bfloat16", "top_left", 128, 64, 2, "none", "window", True),
+        ("bfloat16", "none", 256, 256, 1, "none", None, True),
+    )
+]
+
+
+class TestCudnnCompiled(_Compiled):
+    impl = staticmethod(cudnn.attention)
+    dtypes = ("bfloat16", "float16")
+    supports_lse_grad = False  # cuDNN's softmax statistic carries no gradient
+
+    def supports(self, args):
+        return not cudnn.unsupported(args, "cuda")
+
+    @pytest.mark.parametrize("case", CUDNN_GRID, ids=[c.id for c in CUDNN_GRID])
+    def test_grid(self, case):
+        args = make_case(case)
+        if case.extra == "window":  # cuDNN takes left windows only
+            args = args.replace(window=(6, 0))
+        assert self.supports(args), cudnn.unsupported(args, "cuda")  # the grid must reach cuDNN
+        self.check(args, jit=case.jit)
+
+    def test_fully_masked_rows_give_zero_output_and_grads(self):
+        pytest.skip("float32 case: cuDNN takes half precision only (padded rows: CUDNN_GRID lengths)")
+
+    def test_deterministic(self):
+        pytest.skip("float32 case: cuDNN takes half precision only")
+
+    def test_vjp_wrt_outputs_and_lse(self):
+        pytest.skip("float32 case: cuDNN takes half precision only")
+
+
+# ---- the public API on the GPU: the default choice, and that it is right -------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_dispatch_on_the_gpu_matches_jax_nn(dtype, causal):
+    """What a user gets with no flags: the default choice (cuDNN where measured faster, else our
+    kernels), forward and gradients, against jax.nn's XLA path on float32 inputs."""
+    rng = np.random.default_rng(0)
+    shape = (2, 1024, 4, 128) if dtype != "float32" else (2, 256, 4, 64)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype) for _ in range(3))
+    e = jb.attention.explain(q, k, v, is_causal=causal)
+    assert e.platform == "cuda" and e.chosen is not None, str(e)
+    if dtype != "float32" and float(jax.devices()[0].compute_capability) >= 9.0:
+        assert e.chosen == jb.SDPBackend.CUDNN_ATTENTION, str(e)
+
+    def loss(f, q, k, v):
+        out = f(q, k, v)
+        return (out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))).sum(), out
+
+    ours = jax.jit(
+        jax.value_and_grad(
+            lambda *a: loss(lambda q, k, v: jb.dot_product_attention(q, k, v, is_causal=causal), *a),
+            argnums=(0, 1, 2),
+            has_aux=True,
+        )
+    )
+    ref = jax.jit(
+        jax.value_and_grad(
+            lambda *a: loss(
+                lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"),
+                *a,
+            ),
+            argnums=(0, 1, 2),
+            has_aux=True,
+        )
+    )
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    (_, out), g = ours(q, k, v)
+    (_, want), gw = ref(f32(q), f32(k), f32(v))
+    tol = GPU_TOL[jnp.dtype(dtype)][0] * 2
+    np.testing.assert_allclose(np.asarray(f32(out)), np.asarray(want), atol=tol, rtol=tol)
+    for a, b in zip(g, gw):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(np.asarray(f32(a)) / scale, np.asarray(b) / scale, atol=3 * tol)
+
+
+def test_the_gpu_lane_reaches_the_compiled_kernels():
+    """The lane is not vacuous: on this GPU, the kernels above lower to real GPU code."""
+    x = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    hlo = jax.jit(lambda x: triton_flash.attention(base.make_args(x, x, x), interpret=False)[0]).lower(x)
+    assert "triton" in hlo.as_text().lower() or "__gpu$xla.gpu.triton" in hlo.as_text()
