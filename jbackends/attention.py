@@ -339,11 +339,10 @@ def dot_product_attention(
     segment ids mask like a boolean mask, and a fully masked row's mean of V is not dropped out.
 
     Differentiation: reverse mode (``grad`` / ``vjp``) on every backend, and second order (grad of
-    grad, Hessian-vector products by reverse over reverse) on every backend but cuDNN (jax's cuDNN
-    backward is a custom call with no derivative: a second derivative there raises
-    ``NotImplementedError`` naming the way out). The flash and memory-efficient
-    backends (C++, blockwise XLA, Pallas) are ``custom_vjp`` functions whose backward recomputes per
-    block; their backward is itself differentiable, with the math formulation as its derivative, so
+    grad, Hessian-vector products by reverse over reverse) on every backend. The flash and
+    memory-efficient backends (C++, blockwise XLA, Pallas) and the cuDNN bridge are ``custom_vjp``
+    functions whose backward is a kernel (recomputing per block; cuDNN's own); that backward is itself
+    differentiable, with the math formulation as its derivative, so
     the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
     (``jax.jvp``, ``jacfwd``, forward-over-reverse HVPs) raises JAX's custom_vjp error on those
     backends; use ``implementation="math"`` (or ``sdpa_kernel(SDPBackend.MATH)``) there. cuDNN's LSE
