@@ -17,11 +17,6 @@ from pallas_kernels import partition
 
 B, T, N, K, H = 4, 40, 4, 2, 16
 
-# On jax 0.10 (CI's oldest environment), compiling the sharded EFFICIENT call (bias + mask, value and
-# gradients) after another sharded attention compile in the same process did not finish in 10 min
-# (the same call compiles in 2 s in a fresh process, and on jax 0.12 in any order): skipped there.
-_OLD_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
-
 BACKENDS = {
     "math": dict(backends=[jb.SDPBackend.MATH]),
     "flash_cpp": dict(backends=[jb.SDPBackend.FLASH_ATTENTION], flash_cpu_kernel="auto"),
@@ -75,8 +70,6 @@ def _call(name, with_bias):
     "spec", [P("b"), P("b", None, "h"), P(None, None, "h")], ids=["batch", "batch+heads", "heads"]
 )
 def test_sharded_inputs_stay_sharded_with_no_all_gather(name, spec):
-    if name == "efficient" and _OLD_JAX:
-        pytest.skip("XLA compile hang on jax 0.10 (see the top of this file)")
     with_bias = name == "efficient"
     mesh = _mesh()
     q, k, v, bias, mask = _inputs()
@@ -102,8 +95,6 @@ def test_sharded_inputs_stay_sharded_with_no_all_gather(name, spec):
 @pytest.mark.parametrize("name", ["flash_cpp", "flash_xla", "efficient"])
 def test_explicit_sharding_mode(name):
     """``jax.make_mesh``'s Explicit axes (sharding in the types): the kernel runs under shard_map."""
-    if name == "efficient" and _OLD_JAX:
-        pytest.skip("XLA compile hang on jax 0.10 (see the top of this file)")
     with_bias = name == "efficient"
     mesh = _mesh("Explicit")
     q, k, v, bias, mask = _inputs(1)
