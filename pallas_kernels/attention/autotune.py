@@ -1,18 +1,20 @@
 """Autotuning for the Pallas attention kernels: time candidate configs on the GPU, cache the best.
 
-:func:`common.heuristics` / :func:`triton_flash_vjp.heuristics` / :func:`triton_decode.heuristics` give a good
-default without measuring; :func:`autotune` measures. The cache key is a *shape class*: the device
-kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the kernel, dtype, padded head dims, power-of-two buckets
-of the query / key lengths, the GQA group size and which features change the inner loop (causal,
-window, bias, mask, dropout, softcap). Candidates that fail to compile (e.g. too much shared
-memory) are skipped.
+Every kernel's config class follows one tuning protocol (:mod:`triton_tuning`):
+``Config.heuristics(args, device)`` gives a good default without measuring (the kernels use it when no
+config is passed) and ``Config.search_space(args)`` the candidates :func:`autotune` times. The cache
+key is a *shape class*: the device kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the kernel, dtype, padded
+head dims, power-of-two buckets of the query / key lengths, the GQA group size and which features
+change the inner loop (causal, window, bias, mask, dropout, softcap). Candidates that fail to compile
+(e.g. too much shared memory) are skipped. :func:`fastest` is the timing loop itself, for any kernel
+(the int4 Triton kernels' configs follow the same protocol).
 
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from pallas_kernels.attention import autotune, base, triton_flash
   >>> x = jnp.ones((1, 20, 1, 16))
   >>> args = base.make_args(x, x, x)
-  >>> cands = [common.Config(16, 16), common.Config(32, 16)]
+  >>> cands = [triton_flash.Config(16, 16), triton_flash.Config(32, 16)]
   >>> cfg = autotune.autotune(args, "flash", candidates=cands, interpret=True, repeats=1)
   >>> cfg in cands
   True
@@ -34,12 +36,20 @@ from pallas_kernels.attention import (
     triton_decode,
     triton_flash,
     triton_flash_vjp,
+    triton_tuning,
 )
 
-__all__ = ["KERNELS", "shape_class", "candidates", "autotune", "clear_cache", "cache"]
+__all__ = ["KERNELS", "CONFIGS", "shape_class", "candidates", "autotune", "fastest", "clear_cache", "cache"]
 
-#: Kernels :func:`autotune` can time ("*_bwd": the fused backward's config).
-KERNELS = ("flash", "flash_bwd", "mem_efficient", "mem_efficient_bwd", "decode")
+#: The config class of each kernel :func:`autotune` can time ("*_bwd": the fused backward's).
+CONFIGS = {
+    "flash": triton_tuning.Config,
+    "flash_bwd": triton_tuning.BackwardConfig,
+    "mem_efficient": triton_tuning.Config,
+    "mem_efficient_bwd": triton_tuning.BackwardConfig,
+    "decode": triton_tuning.DecodeConfig,
+}
+KERNELS = tuple(CONFIGS)
 
 _cache: dict = {}
 _lock = threading.Lock()
@@ -87,36 +97,11 @@ def shape_class(args: base.AttentionArgs, kernel: str, *, interpret: bool = Fals
 
 
 def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
-    """The default search space of ``kernel`` for a head dim / dtype."""
-    hp = common.pad_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize >= 4
-    if kernel in ("flash", "mem_efficient"):
-        out = []
-        for bq in (64, 128):
-            for bk in (32, 64, 128):
-                if hp >= 256 and (bq > 64 or bk > 64) or wide and bk > 64:
-                    continue
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        out.append(common.Config(bq, bk, warps, stages))
-        return out
-    if kernel in ("flash_bwd", "mem_efficient_bwd"):
-        out = []
-        for bq in (32, 64):
-            for bk in (32, 64, 128):
-                if hp >= 256 and bk > 32 or wide and bk > 64:
-                    continue
-                for warps in (4, 8):
-                    out.append(triton_flash_vjp.Config(bq, bk, warps, 2 if hp <= 128 else 1))
-        return out
-    if kernel == "decode":
-        return [
-            triton_decode.Config(bk, splits, warps, 2)
-            for bk in (32, 64)
-            for splits in (0, 4, 16, 32)
-            for warps in (4, 8)
-        ]
-    raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    """The search space of ``kernel`` (``CONFIGS[kernel].search_space``) for a head dim / dtype."""
+    if kernel not in CONFIGS:
+        raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    x = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
+    return CONFIGS[kernel].search_space(base.make_args(x, x, x))
 
 
 def _runner(kernel: str, args: base.AttentionArgs, config, interpret: bool) -> Callable:
@@ -150,14 +135,14 @@ def autotune(
     Args:
       args: a representative call (its arrays are used as the timing inputs).
       kernel: one of :data:`KERNELS`.
-      candidates: configs to try (default :func:`candidates`).
+      candidates: configs to try (default ``CONFIGS[kernel].search_space(args)``).
       interpret: time the Pallas interpreter instead (CPU testing of this function only: the
         timings mean nothing).
       repeats: timed runs per candidate after one warm-up (compile) run; the median counts.
       use_cache: return a cached result for the same :func:`shape_class`.
 
     Returns:
-      The fastest config (a ``common.Config``, ``triton_flash_vjp.Config`` or ``triton_decode.Config``).
+      The fastest config (an instance of ``CONFIGS[kernel]``).
 
     Raises:
       RuntimeError: no GPU (and not ``interpret``), or every candidate failed.
@@ -176,16 +161,29 @@ def autotune(
         with _lock:
             if key in _cache:
                 return _cache[key]
-    cands = list(candidates) if candidates is not None else candidates_default(kernel, args)
+    cands = list(candidates) if candidates is not None else CONFIGS[kernel].search_space(args)
+    best = fastest(lambda cfg: _runner(kernel, args, cfg, interpret), cands, (args,), repeats=repeats)
+    with _lock:
+        _cache[key] = best
+    return best
+
+
+def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5):
+    """The config whose ``make_fn(config)(*operands)`` runs fastest (median of ``repeats`` timed runs
+    after one warm-up run); a config that fails to compile or run is skipped.
+
+    Raises:
+      RuntimeError: every config failed (their errors are listed).
+    """
     best, best_t, errors = None, math.inf, []
-    for cfg in cands:
-        fn = _runner(kernel, args, cfg, interpret)
+    for cfg in configs:
+        fn = make_fn(cfg)
         try:
-            jax.block_until_ready(fn(args))
+            jax.block_until_ready(fn(*operands))
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                jax.block_until_ready(fn(args))
+                jax.block_until_ready(fn(*operands))
                 times.append(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
             errors.append(f"{cfg}: {type(e).__name__}: {e}"[:300])
@@ -195,10 +193,4 @@ def autotune(
             best, best_t = cfg, t
     if best is None:
         raise RuntimeError("autotune: every candidate failed:\n" + "\n".join(errors))
-    with _lock:
-        _cache[key] = best
     return best
-
-
-def candidates_default(kernel: str, args: base.AttentionArgs) -> list:
-    return candidates(kernel, max(args.head_dim, args.v_head_dim), args.dtype)

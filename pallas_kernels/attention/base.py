@@ -37,7 +37,7 @@ Example:
 
 from __future__ import annotations
 
-from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, check_prng_key, make_args
+from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, Statics, check_prng_key, make_args
 from pallas_kernels.attention.masking import (
     dropout_keep_from_seed,
     dropout_keep_mask,
@@ -61,6 +61,7 @@ from pallas_kernels.attention.reference import (
 
 __all__ = [
     "AttentionArgs",
+    "Statics",
     "make_args",
     "reference",
     "index_mask",
