@@ -1,4 +1,4 @@
-"""Autotuning for the Pallas attention kernels: time candidate configs on the GPU, cache the best.
+"""Autotuning of the Pallas Triton kernels: time candidate configs on the GPU, cache the fastest.
 
 Every kernel's config class follows one tuning protocol (:mod:`triton_tuning`):
 ``Config.heuristics(args, device)`` gives a good default without measuring (the kernels use it when no
@@ -6,8 +6,9 @@ config is passed) and ``Config.search_space(args)`` the candidates :func:`autotu
 key is a *shape class*: the device kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the kernel, dtype, padded
 head dims, power-of-two buckets of the query / key lengths, the GQA group size and which features
 change the inner loop (causal, window, bias, mask, dropout, softcap). Candidates that fail to compile
-(e.g. too much shared memory) are skipped. :func:`fastest` is the timing loop itself, for any kernel
-(the int4 Triton kernels' configs follow the same protocol).
+(e.g. too much shared memory) are skipped. :func:`autotune_int4` does the same for the Pallas Triton
+int4 kernels (whose ``pallas_config.Config`` follows the same protocol); :func:`fastest` is the timing
+loop of both.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -38,8 +39,19 @@ from pallas_kernels.attention import (
     triton_flash_vjp,
     triton_tuning,
 )
+from pallas_kernels.int4_matmul import base as int4_base, pallas as int4_pallas, pallas_config as int4_config
 
-__all__ = ["KERNELS", "CONFIGS", "shape_class", "candidates", "autotune", "fastest", "clear_cache", "cache"]
+__all__ = [
+    "KERNELS",
+    "CONFIGS",
+    "shape_class",
+    "candidates",
+    "autotune",
+    "autotune_int4",
+    "fastest",
+    "clear_cache",
+    "cache",
+]
 
 #: The config class of each kernel :func:`autotune` can time ("*_bwd": the fused backward's).
 CONFIGS = {
@@ -149,13 +161,7 @@ def autotune(
     """
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"`repeats` must be an int >= 1; got {repeats=}")
-    if not interpret and jax.default_backend() != "gpu":
-        raise RuntimeError(
-            "autotune times the Triton kernels on a GPU; the default backend is "
-            f"{jax.default_backend()!r} (pass interpret=True only to test autotune)"
-        )
+    _check_timing(repeats, interpret)
     key = shape_class(args, kernel, interpret=interpret)
     if use_cache:
         with _lock:
@@ -163,6 +169,54 @@ def autotune(
                 return _cache[key]
     cands = list(candidates) if candidates is not None else CONFIGS[kernel].search_space(args)
     best = fastest(lambda cfg: _runner(kernel, args, cfg, interpret), cands, (args,), repeats=repeats)
+    with _lock:
+        _cache[key] = best
+    return best
+
+
+def _check_timing(repeats, interpret) -> None:
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be an int >= 1; got {repeats=}")
+    if not interpret and jax.default_backend() != "gpu":
+        raise RuntimeError(
+            "autotune times the Triton kernels on a GPU; the default backend is "
+            f"{jax.default_backend()!r} (pass interpret=True only to test autotune)"
+        )
+
+
+def autotune_int4(
+    x,
+    packed: int4_base.PackedInt4Weight,
+    op: str = "weight_only",
+    *,
+    candidates: Optional[Sequence[Any]] = None,
+    interpret: bool = False,
+    repeats: int = 5,
+    use_cache: bool = True,
+):
+    """Times the Pallas Triton int4 kernel of ``op`` (``"weight_only"``: W4A16, ``"dyn_quant"``: W4A8)
+    on ``x`` and ``packed`` and returns (and caches) the fastest :class:`pallas_config.Config`.
+
+    ``candidates`` default to ``Config.search_space(call)``; the cache key is the device kind, ``op``,
+    the dtype of ``x``, the power-of-two bucket of its rows and the weight's shape and group size.
+    Same errors as :func:`autotune`.
+    """
+    call = int4_base.Int4Call.of(op, x, packed)
+    _check_timing(repeats, interpret)
+    key = (_device_kind(interpret), "int4_" + op, str(call.x_dtype), _bucket(call.rows))
+    key += (packed.out_features, packed.in_features, packed.groupsize)
+    if use_cache:
+        with _lock:
+            if key in _cache:
+                return _cache[key]
+    fn = int4_pallas.weight_only_matmul if op == "weight_only" else int4_pallas.dyn_quant_matmul
+    cands = list(candidates) if candidates is not None else int4_config.Config.search_space(call)
+    best = fastest(
+        lambda cfg: jax.jit(lambda a, p: fn(a, p, config=cfg, interpret=interpret)),
+        cands,
+        (x, packed),
+        repeats=repeats,
+    )
     with _lock:
         _cache[key] = best
     return best
