@@ -162,13 +162,22 @@ def autotune(
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
     _check_timing(repeats, interpret)
-    key = shape_class(args, kernel, interpret=interpret)
+    cands = list(candidates) if candidates is not None else None
+
+    def measure():
+        space = cands if cands is not None else CONFIGS[kernel].search_space(args)
+        return fastest(lambda cfg: _runner(kernel, args, cfg, interpret), space, (args,), repeats=repeats)
+
+    return _cached(shape_class(args, kernel, interpret=interpret), use_cache, measure)
+
+
+def _cached(key, use_cache: bool, measure: Callable):
+    """The cached config of ``key`` (when ``use_cache``), else ``measure()``, cached."""
     if use_cache:
         with _lock:
             if key in _cache:
                 return _cache[key]
-    cands = list(candidates) if candidates is not None else CONFIGS[kernel].search_space(args)
-    best = fastest(lambda cfg: _runner(kernel, args, cfg, interpret), cands, (args,), repeats=repeats)
+    best = measure()
     with _lock:
         _cache[key] = best
     return best
@@ -205,21 +214,14 @@ def autotune_int4(
     _check_timing(repeats, interpret)
     key = (_device_kind(interpret), "int4_" + op, str(call.x_dtype), _bucket(call.rows))
     key += (packed.out_features, packed.in_features, packed.groupsize)
-    if use_cache:
-        with _lock:
-            if key in _cache:
-                return _cache[key]
     fn = int4_pallas.weight_only_matmul if op == "weight_only" else int4_pallas.dyn_quant_matmul
     cands = list(candidates) if candidates is not None else int4_config.Config.search_space(call)
-    best = fastest(
-        lambda cfg: jax.jit(lambda a, p: fn(a, p, config=cfg, interpret=interpret)),
-        cands,
-        (x, packed),
-        repeats=repeats,
-    )
-    with _lock:
-        _cache[key] = best
-    return best
+
+    def measure():
+        run = lambda cfg: jax.jit(lambda a, p: fn(a, p, config=cfg, interpret=interpret))  # noqa: E731
+        return fastest(run, cands, (x, packed), repeats=repeats)
+
+    return _cached(key, use_cache, measure)
 
 
 def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5):

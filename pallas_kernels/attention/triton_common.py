@@ -251,19 +251,13 @@ def key_block_range(spec: Spec, q_start, q_stop, block_k: int, *, q_len=None, kv
 
 def query_block_range(spec: Spec, k_start, k_stop, block_q: int, *, q_len=None, kv_len=None):
     """Query blocks ``[lo, hi)`` whose rows may attend to keys ``[k_start, k_stop)``."""
-    d = spec.diag_offset
-    lo, hi = jnp.int32(0), jnp.int32(spec.T)
-    if spec.causal:
-        lo = jnp.maximum(lo, k_start - d)
-    if spec.window is not None:
-        left, right = spec.window
-        lo = jnp.maximum(lo, k_start - d - right)
-        hi = jnp.minimum(hi, k_stop - d + left)
+    lo, hi = base.query_range(
+        k_start, k_stop, spec.T, causal=spec.causal, diag_offset=spec.diag_offset, window=spec.window
+    )
     if q_len is not None:
         hi = jnp.minimum(hi, q_len)
     if kv_len is not None:
         hi = jnp.where(k_start >= kv_len, 0, hi)
-    lo = jnp.clip(lo, 0, spec.T)
     return block_range(lo, hi, block_q)
 
 

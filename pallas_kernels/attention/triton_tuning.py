@@ -58,14 +58,14 @@ def _widest(args: base.AttentionArgs) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Tile sizes and launch parameters of the forward kernel.
+class _Tiles:
+    """Tile sizes and launch parameters of a Triton attention kernel.
 
     Attributes:
-      block_q: query rows per program (power of two >= 16; shrunk to the sequence when shorter).
-      block_k: keys per inner step (power of two >= 16).
+      block_q: query rows per program / tile (power of two >= 16; shrunk to the sequence when shorter).
+      block_k: keys per inner step / tile (power of two >= 16).
       num_warps: Triton warps per program.
-      num_stages: Triton software-pipelining stages of the key loop.
+      num_stages: Triton software-pipelining stages.
     """
 
     block_q: int = 128
@@ -75,6 +75,11 @@ class Config:
 
     def __post_init__(self):
         _check_launch(self, ("block_q", "block_k"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(_Tiles):
+    """Tiles of the forward kernel (fields: :class:`_Tiles`; the stages pipeline the key loop)."""
 
     @classmethod
     def heuristics(cls, args: base.AttentionArgs, device: Optional[Mapping[str, Any]] = None) -> "Config":
@@ -127,23 +132,10 @@ def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[i
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardConfig:
-    """Tile sizes and launch parameters of the fused backward kernel.
-
-    Attributes:
-      block_q: query rows per tile (power of two >= 16).
-      block_k: keys per tile (power of two >= 16).
-      num_warps: Triton warps per program.
-      num_stages: Triton pipelining stages.
-    """
+class BackwardConfig(_Tiles):
+    """Tiles of the fused backward kernel (fields: :class:`_Tiles`); smaller default tiles."""
 
     block_q: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        _check_launch(self, ("block_q", "block_k"))
 
     @classmethod
     def heuristics(
@@ -203,8 +195,7 @@ class DecodeConfig:
       block_k: keys per inner step (power of two >= 16).
       num_splits: key chunks processed in parallel (0 = choose from the shape, see
         :func:`decode_heuristics`).
-      num_warps: Triton warps per program.
-      num_stages: Triton pipelining stages.
+      num_warps, num_stages: Triton warps per program and pipelining stages.
     """
 
     block_k: int = 64

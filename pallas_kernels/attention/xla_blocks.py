@@ -166,15 +166,7 @@ def bwd_ranges(st, j, bq, bk):
     off = st.diag_offset
     ks = j * bk
     ke = jnp.minimum(ks + bk, st.S)
-    lo = jnp.asarray(0, jnp.int32)
-    hi = jnp.asarray(st.T, jnp.int32)
-    if st.causal:
-        lo = jnp.maximum(lo, ks - off)
-    if st.window is not None:
-        left, right = st.window
-        lo = jnp.maximum(lo, ks - off - right)
-        hi = jnp.minimum(hi, ke - off + left)
-    lo = jnp.clip(lo, 0, st.T)
+    lo, hi = base.query_range(ks, ke, st.T, causal=st.causal, diag_offset=off, window=st.window)
     hi = jnp.clip(hi, lo, st.T)
     ilo = lo // bq
     ihi = jnp.where(hi > lo, (hi + bq - 1) // bq, ilo)
