@@ -23,6 +23,11 @@ can run the call (flag ``flash_cpu_kernel``). The algorithm is FlashAttention-2 
 Peak memory is ``O((T + S) * H + block_q * block_k * N)`` for both passes, against ``O(T * S * N)``
 for the math path.
 
+This module holds the implementation's :class:`Config` (tiles, with the ``heuristics`` /
+``search_space`` tuning protocol), :func:`unsupported` and :func:`attention`; the engine itself (forward
+and backward passes) is :mod:`xla_blockwise`, its block layouts, ranges and per-block logits
+:mod:`xla_blocks`.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from pallas_kernels.attention import base, xla_flash
