@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import jax
 
-__all__ = ["GPU_PLATFORMS", "cuda_target", "compute_capability", "compute_capability_of_kind"]
+__all__ = [
+    "GPU_PLATFORMS",
+    "cuda_target",
+    "compute_capability",
+    "compute_capability_of",
+    "compute_capability_of_kind",
+]
 
 #: Lowering-platform names that mean an NVIDIA GPU (``"gpu"`` is JAX's device platform name).
 GPU_PLATFORMS = ("cuda", "gpu")
@@ -84,6 +90,21 @@ def compute_capability() -> Optional[int]:
         return int(str(local.compute_capability).replace(".", ""))
     except Exception:  # noqa: BLE001 - no GPU backend, or a device without the attribute
         return None
+
+
+def compute_capability_of(device: Mapping[str, Any]) -> Optional[int]:
+    """The compute capability (e.g. ``90``) a device record names (its ``compute_capability``, ``9.0``
+    as the dispatcher writes it or ``90``); None when it names none.
+
+    Example:
+      >>> from pallas_kernels import gpu
+      >>> gpu.compute_capability_of({"compute_capability": 9.0}), gpu.compute_capability_of({})
+      (90, None)
+    """
+    cc = device.get("compute_capability")
+    if cc is None:
+        return None
+    return int(round(float(cc) * 10)) if float(cc) < 20 else int(cc)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import numpy as np
 
 Array = Any
 
-__all__ = ["AttentionArgs", "make_args", "check_prng_key", "SUPPORTED_DTYPES"]
+__all__ = ["AttentionArgs", "Statics", "make_args", "check_prng_key", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (
     jnp.dtype(jnp.float32),
@@ -38,6 +38,66 @@ _ARRAY_FIELDS = (
     "dropout_rng",
 )
 _STATIC_FIELDS = ("scale", "causal", "diag_offset", "window", "logits_soft_cap", "dropout_rate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Statics:
+    """Everything static about one attention call (hashable): :meth:`AttentionArgs.statics`.
+
+    The one record every kernel reads its shapes and options from. A kernel that needs more static
+    values (tile sizes, ``allow_tf32``) subclasses it or keeps them next to it in its own config.
+
+    Attributes:
+      B, T, S, N, K, H, Hv: batch, query / key lengths, query / key-value heads, head dims of q / k
+        and of v.
+      scale, causal, diag_offset, window, softcap, dropout_rate: the options of :class:`AttentionArgs`
+        (``softcap`` is its ``logits_soft_cap``).
+      has_q_len, has_kv_len, has_segments: which index-mask arrays are present.
+      bias_shape, bias_dtype, mask_shape: shapes (and the bias dtype) of the dense inputs; None when
+        absent.
+      dtype: the dtype name of q, k and v (e.g. ``"bfloat16"``).
+    """
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hv: int
+    scale: float
+    causal: bool
+    diag_offset: int
+    window: Optional[Tuple[int, int]]
+    softcap: Optional[float]
+    dropout_rate: float
+    has_q_len: bool
+    has_kv_len: bool
+    has_segments: bool
+    bias_shape: Optional[Tuple[int, ...]]
+    bias_dtype: Optional[str]
+    mask_shape: Optional[Tuple[int, ...]]
+    dtype: str
+
+    @property
+    def G(self) -> int:
+        """Query heads per key / value head."""
+        return self.N // self.K
+
+    @property
+    def structural(self) -> bool:
+        """Whether a causal or window mask shapes which blocks are seen."""
+        return self.causal or self.window is not None
+
+    @property
+    def keep_scale(self) -> float:
+        """The factor kept probabilities are scaled by under dropout."""
+        return 1.0 / (1.0 - self.dropout_rate)
+
+    def fields(self) -> dict:
+        """The record's fields by name: ``Extended(**statics.fields(), extra=...)`` builds a kernel's
+        subclass that adds its own static values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Statics)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -119,6 +179,41 @@ class AttentionArgs:
 
     def replace(self, **changes) -> "AttentionArgs":
         return dataclasses.replace(self, **changes)
+
+    def statics(self) -> Statics:
+        """The static description of this call (shapes, options, which arrays are present).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from pallas_kernels.attention import base
+          >>> x = jnp.ones((2, 8, 4, 16))
+          >>> st = base.make_args(x, x[:, :, :2], x[:, :, :2], is_causal=True).statics()
+          >>> (st.B, st.T, st.N, st.K, st.G, st.causal, st.dtype)
+          (2, 8, 4, 2, 2, True, 'float32')
+        """
+        bias, mask = self.bias, self.mask
+        return Statics(
+            B=self.batch,
+            T=self.q_len,
+            S=self.kv_len,
+            N=self.num_heads,
+            K=self.num_kv_heads,
+            H=self.head_dim,
+            Hv=self.v_head_dim,
+            scale=self.scale,
+            causal=self.causal,
+            diag_offset=self.diag_offset,
+            window=self.window,
+            softcap=self.logits_soft_cap,
+            dropout_rate=self.dropout_rate,
+            has_q_len=self.q_seq_lengths is not None,
+            has_kv_len=self.kv_seq_lengths is not None,
+            has_segments=self.q_segment_ids is not None,
+            bias_shape=None if bias is None else tuple(bias.shape),
+            bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name,
+            mask_shape=None if mask is None else tuple(mask.shape),
+            dtype=jnp.dtype(self.dtype).name,
+        )
 
 
 jax.tree_util.register_dataclass(

@@ -1,18 +1,21 @@
-"""Autotuning for the Pallas attention kernels: time candidate configs on the GPU, cache the best.
+"""Autotuning of the Pallas Triton kernels: time candidate configs on the GPU, cache the fastest.
 
-:func:`common.heuristics` / :func:`triton_flash_vjp.heuristics` / :func:`triton_decode.heuristics` give a good
-default without measuring; :func:`autotune` measures. The cache key is a *shape class*: the device
-kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the kernel, dtype, padded head dims, power-of-two buckets
-of the query / key lengths, the GQA group size and which features change the inner loop (causal,
-window, bias, mask, dropout, softcap). Candidates that fail to compile (e.g. too much shared
-memory) are skipped.
+Every kernel's config class follows one tuning protocol (:mod:`triton_tuning`):
+``Config.heuristics(args, device)`` gives a good default without measuring (the kernels use it when no
+config is passed) and ``Config.search_space(args)`` the candidates :func:`autotune` times. The cache
+key is a *shape class*: the device kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the kernel, dtype, padded
+head dims, power-of-two buckets of the query / key lengths, the GQA group size and which features
+change the inner loop (causal, window, bias, mask, dropout, softcap). Candidates that fail to compile
+(e.g. too much shared memory) are skipped. :func:`autotune_int4` does the same for the Pallas Triton
+int4 kernels (whose ``pallas_config.Config`` follows the same protocol); :func:`fastest` is the timing
+loop of both.
 
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from pallas_kernels.attention import autotune, base, triton_flash
   >>> x = jnp.ones((1, 20, 1, 16))
   >>> args = base.make_args(x, x, x)
-  >>> cands = [common.Config(16, 16), common.Config(32, 16)]
+  >>> cands = [triton_flash.Config(16, 16), triton_flash.Config(32, 16)]
   >>> cfg = autotune.autotune(args, "flash", candidates=cands, interpret=True, repeats=1)
   >>> cfg in cands
   True
@@ -34,12 +37,31 @@ from pallas_kernels.attention import (
     triton_decode,
     triton_flash,
     triton_flash_vjp,
+    triton_tuning,
 )
+from pallas_kernels.int4_matmul import base as int4_base, pallas as int4_pallas, pallas_config as int4_config
 
-__all__ = ["KERNELS", "shape_class", "candidates", "autotune", "clear_cache", "cache"]
+__all__ = [
+    "KERNELS",
+    "CONFIGS",
+    "shape_class",
+    "candidates",
+    "autotune",
+    "autotune_int4",
+    "fastest",
+    "clear_cache",
+    "cache",
+]
 
-#: Kernels :func:`autotune` can time ("*_bwd": the fused backward's config).
-KERNELS = ("flash", "flash_bwd", "mem_efficient", "mem_efficient_bwd", "decode")
+#: The config class of each kernel :func:`autotune` can time ("*_bwd": the fused backward's).
+CONFIGS = {
+    "flash": triton_tuning.Config,
+    "flash_bwd": triton_tuning.BackwardConfig,
+    "mem_efficient": triton_tuning.Config,
+    "mem_efficient_bwd": triton_tuning.BackwardConfig,
+    "decode": triton_tuning.DecodeConfig,
+}
+KERNELS = tuple(CONFIGS)
 
 _cache: dict = {}
 _lock = threading.Lock()
@@ -87,36 +109,11 @@ def shape_class(args: base.AttentionArgs, kernel: str, *, interpret: bool = Fals
 
 
 def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
-    """The default search space of ``kernel`` for a head dim / dtype."""
-    hp = common.pad_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize >= 4
-    if kernel in ("flash", "mem_efficient"):
-        out = []
-        for bq in (64, 128):
-            for bk in (32, 64, 128):
-                if hp >= 256 and (bq > 64 or bk > 64) or wide and bk > 64:
-                    continue
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        out.append(common.Config(bq, bk, warps, stages))
-        return out
-    if kernel in ("flash_bwd", "mem_efficient_bwd"):
-        out = []
-        for bq in (32, 64):
-            for bk in (32, 64, 128):
-                if hp >= 256 and bk > 32 or wide and bk > 64:
-                    continue
-                for warps in (4, 8):
-                    out.append(triton_flash_vjp.Config(bq, bk, warps, 2 if hp <= 128 else 1))
-        return out
-    if kernel == "decode":
-        return [
-            triton_decode.Config(bk, splits, warps, 2)
-            for bk in (32, 64)
-            for splits in (0, 4, 16, 32)
-            for warps in (4, 8)
-        ]
-    raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    """The search space of ``kernel`` (``CONFIGS[kernel].search_space``) for a head dim / dtype."""
+    if kernel not in CONFIGS:
+        raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    x = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype)
+    return CONFIGS[kernel].search_space(base.make_args(x, x, x))
 
 
 def _runner(kernel: str, args: base.AttentionArgs, config, interpret: bool) -> Callable:
@@ -150,20 +147,43 @@ def autotune(
     Args:
       args: a representative call (its arrays are used as the timing inputs).
       kernel: one of :data:`KERNELS`.
-      candidates: configs to try (default :func:`candidates`).
+      candidates: configs to try (default ``CONFIGS[kernel].search_space(args)``).
       interpret: time the Pallas interpreter instead (CPU testing of this function only: the
         timings mean nothing).
       repeats: timed runs per candidate after one warm-up (compile) run; the median counts.
       use_cache: return a cached result for the same :func:`shape_class`.
 
     Returns:
-      The fastest config (a ``common.Config``, ``triton_flash_vjp.Config`` or ``triton_decode.Config``).
+      The fastest config (an instance of ``CONFIGS[kernel]``).
 
     Raises:
       RuntimeError: no GPU (and not ``interpret``), or every candidate failed.
     """
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}; got {kernel!r}")
+    _check_timing(repeats, interpret)
+    cands = list(candidates) if candidates is not None else None
+
+    def measure():
+        space = cands if cands is not None else CONFIGS[kernel].search_space(args)
+        return fastest(lambda cfg: _runner(kernel, args, cfg, interpret), space, (args,), repeats=repeats)
+
+    return _cached(shape_class(args, kernel, interpret=interpret), use_cache, measure)
+
+
+def _cached(key, use_cache: bool, measure: Callable):
+    """The cached config of ``key`` (when ``use_cache``), else ``measure()``, cached."""
+    if use_cache:
+        with _lock:
+            if key in _cache:
+                return _cache[key]
+    best = measure()
+    with _lock:
+        _cache[key] = best
+    return best
+
+
+def _check_timing(repeats, interpret) -> None:
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"`repeats` must be an int >= 1; got {repeats=}")
     if not interpret and jax.default_backend() != "gpu":
@@ -171,21 +191,55 @@ def autotune(
             "autotune times the Triton kernels on a GPU; the default backend is "
             f"{jax.default_backend()!r} (pass interpret=True only to test autotune)"
         )
-    key = shape_class(args, kernel, interpret=interpret)
-    if use_cache:
-        with _lock:
-            if key in _cache:
-                return _cache[key]
-    cands = list(candidates) if candidates is not None else candidates_default(kernel, args)
+
+
+def autotune_int4(
+    x,
+    packed: int4_base.PackedInt4Weight,
+    op: str = "weight_only",
+    *,
+    candidates: Optional[Sequence[Any]] = None,
+    interpret: bool = False,
+    repeats: int = 5,
+    use_cache: bool = True,
+):
+    """Times the Pallas Triton int4 kernel of ``op`` (``"weight_only"``: W4A16, ``"dyn_quant"``: W4A8)
+    on ``x`` and ``packed`` and returns (and caches) the fastest :class:`pallas_config.Config`.
+
+    ``candidates`` default to ``Config.search_space(call)``; the cache key is the device kind, ``op``,
+    the dtype of ``x``, the power-of-two bucket of its rows and the weight's shape and group size.
+    Same errors as :func:`autotune`.
+    """
+    call = int4_base.Int4Call.of(op, x, packed)
+    _check_timing(repeats, interpret)
+    key = (_device_kind(interpret), "int4_" + op, str(call.x_dtype), _bucket(call.rows))
+    key += (packed.out_features, packed.in_features, packed.groupsize)
+    fn = int4_pallas.weight_only_matmul if op == "weight_only" else int4_pallas.dyn_quant_matmul
+    cands = list(candidates) if candidates is not None else int4_config.Config.search_space(call)
+
+    def measure():
+        run = lambda cfg: jax.jit(lambda a, p: fn(a, p, config=cfg, interpret=interpret))  # noqa: E731
+        return fastest(run, cands, (x, packed), repeats=repeats)
+
+    return _cached(key, use_cache, measure)
+
+
+def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5):
+    """The config whose ``make_fn(config)(*operands)`` runs fastest (median of ``repeats`` timed runs
+    after one warm-up run); a config that fails to compile or run is skipped.
+
+    Raises:
+      RuntimeError: every config failed (their errors are listed).
+    """
     best, best_t, errors = None, math.inf, []
-    for cfg in cands:
-        fn = _runner(kernel, args, cfg, interpret)
+    for cfg in configs:
+        fn = make_fn(cfg)
         try:
-            jax.block_until_ready(fn(args))
+            jax.block_until_ready(fn(*operands))
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                jax.block_until_ready(fn(args))
+                jax.block_until_ready(fn(*operands))
                 times.append(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
             errors.append(f"{cfg}: {type(e).__name__}: {e}"[:300])
@@ -195,10 +249,4 @@ def autotune(
             best, best_t = cfg, t
     if best is None:
         raise RuntimeError("autotune: every candidate failed:\n" + "\n".join(errors))
-    with _lock:
-        _cache[key] = best
     return best
-
-
-def candidates_default(kernel: str, args: base.AttentionArgs) -> list:
-    return candidates(kernel, max(args.head_dim, args.v_head_dim), args.dtype)

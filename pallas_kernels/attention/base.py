@@ -37,7 +37,7 @@ Example:
 
 from __future__ import annotations
 
-from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, check_prng_key, make_args
+from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, Statics, check_prng_key, make_args
 from pallas_kernels.attention.masking import (
     dropout_keep_from_seed,
     dropout_keep_mask,
@@ -45,6 +45,7 @@ from pallas_kernels.attention.masking import (
     dropout_threshold,
     index_mask,
     key_range,
+    query_range,
     manual_axis_type,
     out_struct,
     softcap,
@@ -61,10 +62,12 @@ from pallas_kernels.attention.reference import (
 
 __all__ = [
     "AttentionArgs",
+    "Statics",
     "make_args",
     "reference",
     "index_mask",
     "key_range",
+    "query_range",
     "softcap",
     "dropout_seed",
     "dropout_keep_mask",

@@ -233,17 +233,7 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
 
 def _prepare(args, cfg):
     """The kernel's attributes and its integer operands (lengths, segment ids; (0,) when absent)."""
-    window = args.window
-    st = _Static(
-        scale=float(args.scale),
-        causal=bool(args.causal),
-        diag_offset=int(args.diag_offset),
-        window=None if window is None else (int(window[0]), int(window[1])),
-        has_q_len=args.q_seq_lengths is not None,
-        has_kv_len=args.kv_seq_lengths is not None,
-        has_seg=args.q_segment_ids is not None,
-        cfg=cfg,
-    )
+    st = _Static(**args.statics().fields(), cfg=cfg)
     B = args.q.shape[0]
     z = jnp.zeros((0,), jnp.int32)
     ql = z if args.q_seq_lengths is None else jnp.broadcast_to(args.q_seq_lengths, (B,)).astype(jnp.int32)
@@ -254,15 +244,10 @@ def _prepare(args, cfg):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    scale: float
-    causal: bool
-    diag_offset: int
-    window: Optional[tuple]
-    has_q_len: bool
-    has_kv_len: bool
-    has_seg: bool
-    cfg: Config
+class _Static(base.Statics):
+    """The call's :class:`base.Statics` plus the kernel's tiles."""
+
+    cfg: Config = Config()
 
     def attrs(self, backward: bool):
         left, right = self.window or (0, 0)
@@ -278,7 +263,7 @@ class _Static:
             right=np.int64(right),
             has_q_len=self.has_q_len,
             has_kv_len=self.has_kv_len,
-            has_seg=self.has_seg,
+            has_seg=self.has_segments,
             block_q=np.int64(bq),
             block_k=np.int64(bk),
         )

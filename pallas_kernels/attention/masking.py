@@ -16,6 +16,7 @@ __all__ = [
     "softcap",
     "index_mask",
     "key_range",
+    "query_range",
     "manual_axis_type",
     "out_struct",
     "dropout_seed",
@@ -100,6 +101,30 @@ def key_range(
     lo = mn(mx(lo, 0), kv_len)
     hi = mx(hi, lo)
     return lo, hi
+
+
+def query_range(
+    k_start,
+    k_stop,
+    q_len: int,
+    *,
+    causal: bool,
+    diag_offset: int = 0,
+    window: Optional[Tuple[int, int]] = None,
+):
+    """Query rows ``[lo, hi)`` that can attend to some key of ``[k_start, k_stop)`` (traced int32).
+
+    The mirror of :func:`key_range`: static structure only (causal / window); ``lo`` lies in
+    ``[0, q_len]``, and the range is empty when ``hi <= lo``.
+    """
+    lo, hi = jnp.int32(0), jnp.int32(q_len)
+    if causal:
+        lo = jnp.maximum(lo, k_start - diag_offset)
+    if window is not None:
+        left, right = window
+        lo = jnp.maximum(lo, k_start - diag_offset - right)
+        hi = jnp.minimum(hi, k_stop - diag_offset + left)
+    return jnp.clip(lo, 0, q_len), hi
 
 
 def _u32(x):

@@ -1,11 +1,11 @@
-"""What every Pallas Triton attention kernel here shares: constants, the forward tile config, the
-static description of a call (:class:`Spec`), kernel-body helpers on tiles (loads and stores with
-ragged edges, masks from indices, scores, dropout bits, block ranges), the multi-platform lowering of a
-Triton ``pallas_call`` (:func:`triton_call`) and the constraints every kernel has
-(:func:`common_unsupported`).
+"""What every Pallas Triton attention kernel here shares: constants, the static description of a call
+(:class:`Spec`: the shared :class:`base.Statics` plus ``allow_tf32``), kernel-body helpers on tiles
+(loads and stores with ragged edges, masks from indices, scores, dropout bits, block ranges), the
+multi-platform lowering of a Triton ``pallas_call`` (:func:`triton_call`) and the constraints every
+kernel has (:func:`common_unsupported`).
 
-Used by :mod:`triton_flash`, :mod:`triton_flash_vjp`, :mod:`triton_decode` and
-:mod:`triton_mem_efficient`; imports none of them.
+Used by :mod:`triton_flash`, :mod:`triton_flash_vjp`, :mod:`triton_decode`,
+:mod:`triton_mem_efficient` and :mod:`triton_tuning` (the tile configs); imports none of them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,62 +38,6 @@ _MAX_HEAD_DIM = 256
 _KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tile sizes and launch parameters of the forward kernel.
-
-    Attributes:
-      block_q: query rows per program (power of two >= 16; shrunk to the sequence when shorter).
-      block_k: keys per inner step (power of two >= 16).
-      num_warps: Triton warps per program.
-      num_stages: Triton software-pipelining stages of the key loop.
-    """
-
-    block_q: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"Config.{name} must be a power of two >= 16; got {name}={v!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"Config.num_warps must be one of 1, 2, 4, 8, 16; got {self.num_warps=}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"Config.num_stages must be an int >= 1; got {self.num_stages=}")
-
-
-def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[int] = None) -> Config:
-    """A sensible forward :class:`Config` by head dim, dtype and GPU generation.
-
-    Args:
-      head_dim: the (unpadded) query/key head dim.
-      dtype: input dtype; float32 tiles take twice the shared memory, so they get smaller blocks.
-      compute_capability: e.g. 75 (T4), 80 (A100), 90 (H100); None means "Ampere or newer".
-
-    Example:
-      >>> from pallas_kernels.attention import triton_common
-      >>> triton_common.heuristics(64).block_q
-      128
-    """
-    cc = 80 if compute_capability is None else compute_capability
-    hp = pad_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize >= 4
-    if cc < 80:  # Turing: 64 KiB shared memory, no async copies.
-        if hp > 128 and wide:
-            return Config(block_q=32, block_k=16, num_warps=4, num_stages=1)
-        return Config(block_q=64, block_k=32 if hp > 64 or wide else 64, num_warps=4, num_stages=1)
-    if hp <= 64:
-        return Config(block_q=128, block_k=64 if wide else 128, num_warps=4, num_stages=3 if cc >= 90 else 2)
-    if hp <= 128:
-        return Config(block_q=128, block_k=32 if wide else 64, num_warps=8 if cc >= 90 else 4, num_stages=2)
-    if wide:  # float32 at head dim 256: 1 KiB per row
-        return Config(block_q=32, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
-    return Config(block_q=64, block_k=32, num_warps=8 if cc >= 90 else 4, num_stages=2)
-
-
 @functools.lru_cache(maxsize=None)
 def local_compute_capability() -> Optional[int]:
     """Compute capability of the GPU being lowered for (e.g. 90): see :func:`pallas_kernels.gpu.compute_capability`."""
@@ -115,32 +59,15 @@ def block(requested: int, length: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Spec:
-    """Everything static a kernel body needs (hashable; derived from :class:`base.AttentionArgs`)."""
+class Spec(base.Statics):
+    """What a Triton kernel body needs: the call's :class:`base.Statics` plus ``allow_tf32``."""
 
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    Hv: int
-    scale: float
-    causal: bool
-    diag_offset: int
-    window: Optional[Tuple[int, int]]
-    softcap: Optional[float]
-    dropout_rate: float
-    has_q_len: bool
-    has_kv_len: bool
-    has_segments: bool
-    bias_shape: Optional[Tuple[int, int, int, int]]
-    mask_shape: Optional[Tuple[int, int, int, int]]
-    allow_tf32: bool
+    allow_tf32: bool = False
 
-    @property
-    def G(self) -> int:
-        return self.N // self.K
+    @classmethod
+    def of(cls, args: base.AttentionArgs, *, allow_tf32: bool = False) -> "Spec":
+        """The spec of ``args`` (TF32 applies to float32 inputs only)."""
+        return cls(**args.statics().fields(), allow_tf32=bool(allow_tf32 and args.dtype == jnp.float32))
 
     @property
     def Hp(self) -> int:
@@ -155,36 +82,8 @@ class Spec:
         return lax.Precision.HIGH if self.allow_tf32 else None
 
     @property
-    def keep_scale(self) -> float:
-        return 1.0 / (1.0 - self.dropout_rate)
-
-    @property
     def dropout_threshold(self) -> int:
         return base.dropout_threshold(self.dropout_rate)
-
-
-def make_spec(args: base.AttentionArgs, *, allow_tf32: bool = False) -> Spec:
-    return Spec(
-        B=args.batch,
-        T=args.q_len,
-        S=args.kv_len,
-        N=args.num_heads,
-        K=args.num_kv_heads,
-        H=args.head_dim,
-        Hv=args.v_head_dim,
-        scale=args.scale,
-        causal=args.causal,
-        diag_offset=args.diag_offset,
-        window=args.window,
-        softcap=args.logits_soft_cap,
-        dropout_rate=args.dropout_rate,
-        has_q_len=args.q_seq_lengths is not None,
-        has_kv_len=args.kv_seq_lengths is not None,
-        has_segments=args.q_segment_ids is not None,
-        bias_shape=None if args.bias is None else tuple(args.bias.shape),
-        mask_shape=None if args.mask is None else tuple(args.mask.shape),
-        allow_tf32=bool(allow_tf32 and args.dtype == jnp.float32),
-    )
 
 
 def dropout_seed_words(args: base.AttentionArgs):
@@ -352,19 +251,13 @@ def key_block_range(spec: Spec, q_start, q_stop, block_k: int, *, q_len=None, kv
 
 def query_block_range(spec: Spec, k_start, k_stop, block_q: int, *, q_len=None, kv_len=None):
     """Query blocks ``[lo, hi)`` whose rows may attend to keys ``[k_start, k_stop)``."""
-    d = spec.diag_offset
-    lo, hi = jnp.int32(0), jnp.int32(spec.T)
-    if spec.causal:
-        lo = jnp.maximum(lo, k_start - d)
-    if spec.window is not None:
-        left, right = spec.window
-        lo = jnp.maximum(lo, k_start - d - right)
-        hi = jnp.minimum(hi, k_stop - d + left)
+    lo, hi = base.query_range(
+        k_start, k_stop, spec.T, causal=spec.causal, diag_offset=spec.diag_offset, window=spec.window
+    )
     if q_len is not None:
         hi = jnp.minimum(hi, q_len)
     if kv_len is not None:
         hi = jnp.where(k_start >= kv_len, 0, hi)
-    lo = jnp.clip(lo, 0, spec.T)
     return block_range(lo, hi, block_q)
 
 

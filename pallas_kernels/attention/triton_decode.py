@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -37,6 +36,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_backend
 from pallas_kernels.attention import base, triton_common as common, triton_flash_vjp
+from pallas_kernels.attention.triton_tuning import DecodeConfig as Config
+from pallas_kernels.attention.triton_tuning import decode_heuristics as heuristics
 
 __all__ = ["Config", "heuristics", "unsupported", "attention", "forward", "MAX_QUERY_LEN"]
 
@@ -44,62 +45,6 @@ __all__ = ["Config", "heuristics", "unsupported", "attention", "forward", "MAX_Q
 MAX_QUERY_LEN = 16
 _LOG2E = common.LOG2E
 _LN2 = common.LN2
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Launch parameters of the split-K decode kernel.
-
-    Attributes:
-      block_k: keys per inner step (power of two >= 16).
-      num_splits: key chunks processed in parallel (0 = choose from the shape, see :func:`heuristics`).
-      num_warps: Triton warps per program.
-      num_stages: Triton pipelining stages.
-    """
-
-    block_k: int = 64
-    num_splits: int = 0
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        v = self.block_k
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"Config.block_k must be a power of two >= 16; got block_k={v!r}")
-        if not isinstance(self.num_splits, int) or self.num_splits < 0:
-            raise ValueError(f"Config.num_splits must be an int >= 0 (0 = auto); got {self.num_splits=}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"Config.num_warps must be one of 1, 2, 4, 8, 16; got {self.num_warps=}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"Config.num_stages must be an int >= 1; got {self.num_stages=}")
-
-
-def heuristics(
-    head_dim: int,
-    dtype=jnp.bfloat16,
-    compute_capability: Optional[int] = None,
-    *,
-    batch_kv_heads: int = 1,
-    kv_len: int = 4096,
-    num_sms: int = 108,
-) -> Config:
-    """A decode :class:`Config`: enough splits for ~2 waves of programs, >= 4 key blocks per split.
-
-    Example:
-      >>> from pallas_kernels.attention import triton_decode
-      >>> triton_decode.heuristics(128, batch_kv_heads=8, kv_len=32768).num_splits
-      27
-    """
-    cc = 80 if compute_capability is None else compute_capability
-    hp = common.pad_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize >= 4
-    block_k = 32 if (hp > 128 or wide or cc < 80) else 64
-    max_splits = max(1, pl.cdiv(kv_len, 4 * block_k))
-    want = max(1, pl.cdiv(2 * num_sms, max(1, batch_kv_heads)))
-    splits = int(min(max_splits, want, 128))
-    return Config(
-        block_k=block_k, num_splits=splits, num_warps=4 if hp <= 128 else 8, num_stages=2 if cc >= 80 else 1
-    )
 
 
 def _decode_kernel(
@@ -193,9 +138,9 @@ def forward(
     allow_tf32: bool = False,
 ):
     """Split-K forward: ``(out [B, T, N, Hv], lse [B, N, T] float32)``."""
-    spec = common.make_spec(args, allow_tf32=allow_tf32)
+    spec = common.Spec.of(args, allow_tf32=allow_tf32)
     B, T, S, N, K, G = spec.B, spec.T, spec.S, spec.N, spec.K, spec.G
-    auto = heuristics(spec.H, args.dtype, common.local_compute_capability(), batch_kv_heads=B * K, kv_len=S)
+    auto = Config.heuristics(args)
     cfg = config or auto
     block_k = common.block(cfg.block_k, S)
     splits = cfg.num_splits or auto.num_splits

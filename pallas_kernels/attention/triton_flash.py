@@ -53,9 +53,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_backend
 from pallas_kernels.attention import base, triton_flash_vjp
+from pallas_kernels.attention.triton_tuning import Config, heuristics
 from pallas_kernels.attention.triton_common import (
     GPU_PLATFORMS,
-    Config,
     LN2,
     LOG2E,
     Spec,
@@ -64,15 +64,12 @@ from pallas_kernels.attention.triton_common import (
     common_unsupported,
     dropout_keep,
     dropout_seed_words,
-    heuristics,
     key_block_range,
     load_bias_like,
     load_rows,
     load_scalar,
     load_tile,
-    local_compute_capability,
     logits_mask,
-    make_spec,
     scores,
     store_tile,
     triton_call,
@@ -222,8 +219,8 @@ def forward(
 
     Returns ``(out [B, T, N, Hv] in q.dtype, lse [B, N, T] float32)``.
     """
-    spec = make_spec(args, allow_tf32=allow_tf32)
-    cfg = config or heuristics(spec.H, args.dtype, local_compute_capability())
+    spec = Spec.of(args, allow_tf32=allow_tf32)
+    cfg = config or Config.heuristics(args)
     block_q = block(cfg.block_q, spec.T)
     block_k = block(cfg.block_k, spec.S)
     G = spec.G

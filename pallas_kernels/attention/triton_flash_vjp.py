@@ -24,7 +24,6 @@ never fails at grad time.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
@@ -36,58 +35,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import triton_backend
 from pallas_kernels.attention import base, sharded, triton_common as common
+from pallas_kernels.attention.triton_tuning import BackwardConfig as Config
+from pallas_kernels.attention.triton_tuning import backward_heuristics as heuristics
 
 Array = Any
 
 __all__ = ["Config", "heuristics", "backward", "differentiable"]
 
 _LOG2E = common.LOG2E
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tile sizes and launch parameters of the fused backward kernel.
-
-    Attributes:
-      block_q: query rows per tile (power of two >= 16).
-      block_k: keys per tile (power of two >= 16).
-      num_warps: Triton warps per program.
-      num_stages: Triton pipelining stages.
-    """
-
-    block_q: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-    __post_init__ = common.Config.__post_init__
-
-
-def heuristics(head_dim: int, dtype=jnp.bfloat16, compute_capability: Optional[int] = None) -> Config:
-    """A sensible backward :class:`Config` by head dim, dtype and GPU generation.
-
-    The backward keeps K, V, dK, dV and a Q / dO tile on chip, so its tiles are smaller than the
-    forward's.
-
-    Example:
-      >>> from pallas_kernels.attention import triton_flash_vjp
-      >>> triton_flash_vjp.heuristics(128).num_warps
-      8
-    """
-    cc = 80 if compute_capability is None else compute_capability
-    hp = common.pad_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize >= 4
-    if cc < 80:  # Turing: 64 KiB shared memory
-        if hp > 128 and wide:
-            return Config(block_q=16, block_k=16, num_warps=4, num_stages=1)
-        return Config(block_q=32, block_k=32, num_warps=4, num_stages=1)
-    if hp <= 64:
-        return Config(block_q=64, block_k=64 if not wide else 32, num_warps=4, num_stages=2)
-    if hp <= 128:
-        return Config(
-            block_q=64 if not wide else 32, block_k=64 if not wide else 32, num_warps=8, num_stages=2
-        )
-    return Config(block_q=32, block_k=32, num_warps=8, num_stages=1)
 
 
 def _dbias_mode(bias_shape, T: int, S: int) -> Optional[str]:
@@ -324,8 +279,8 @@ def backward(
     Returns:
       ``(dq, dk, dv, dbias)`` with ``dbias`` None without bias or when not needed.
     """
-    spec = common.make_spec(args, allow_tf32=allow_tf32)
-    cfg = config or heuristics(spec.H, args.dtype, common.local_compute_capability())
+    spec = common.Spec.of(args, allow_tf32=allow_tf32)
+    cfg = config or Config.heuristics(args)
     block_q = common.block(cfg.block_q, spec.T)
     block_k = common.block(cfg.block_k, spec.S)
     nq, nk = pl.cdiv(spec.T, block_q), pl.cdiv(spec.S, block_k)

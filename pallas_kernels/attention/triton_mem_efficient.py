@@ -31,7 +31,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from pallas_kernels.attention import base, triton_common as common, triton_flash, triton_flash_vjp
-from pallas_kernels.attention.triton_common import Config, heuristics
+from pallas_kernels.attention.triton_tuning import Config, heuristics
 
 __all__ = ["Config", "heuristics", "unsupported", "attention"]
 
@@ -71,7 +71,7 @@ def attention(
 
     Args:
       args: canonical arguments (:func:`base.make_args`).
-      config: forward :class:`common.Config` (default :func:`common.heuristics`).
+      config: forward :class:`triton_tuning.Config` (default :meth:`Config.heuristics`).
       interpret: run the kernels in the Pallas interpreter (CPU testing).
       allow_tf32: float32 inputs use TF32 tensor-core dots.
       bwd_config: backward :class:`triton_flash_vjp.Config`.

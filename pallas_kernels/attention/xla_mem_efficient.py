@@ -1,7 +1,7 @@
 """Memory-efficient attention in plain XLA: the flash tiling plus additive-bias / boolean-mask tiles.
 
 The CPU path of ``SDPBackend.EFFICIENT_ATTENTION``. It is the blockwise engine of
-:mod:`xla_flash` (FlashAttention-2 online softmax, recomputing ``custom_vjp`` backward) with two
+:mod:`xla_blockwise` (FlashAttention-2 online softmax, recomputing ``custom_vjp`` backward) with two
 more per-tile inputs, in the spirit of xFormers' memory-efficient kernel (Rabe & Staats, 2021,
 arXiv:2112.05682, "Self-attention does not need O(n^2) memory"):
 
@@ -29,21 +29,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels.attention import base
-from pallas_kernels.attention import xla_flash
+from pallas_kernels.attention import base, xla_blockwise, xla_flash
 
 __all__ = ["Config", "attention", "unsupported"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(xla_flash.Config):
-    """Tile sizes (see :class:`xla_flash.Config`)."""
-
-    @classmethod
-    def heuristics(cls, args: base.AttentionArgs, platform: str = "cpu") -> "Config":
-        """The flash tiles (:meth:`xla_flash.Config.heuristics`)."""
-        c = xla_flash.Config.heuristics(args, platform)
-        return cls(**dataclasses.asdict(c))
+    """Tile sizes: the flash tiles, chosen the same way (:meth:`xla_flash.Config.heuristics`,
+    :meth:`xla_flash.Config.search_space`)."""
 
 
 def unsupported(args: base.AttentionArgs, platform: str) -> list:
@@ -55,4 +49,4 @@ def unsupported(args: base.AttentionArgs, platform: str) -> list:
 def attention(args: base.AttentionArgs, *, config: Optional[xla_flash.Config] = None, **opts):
     """``(out [B, T, N, Hv], lse [B, N, T] float32)``; differentiable w.r.t. q, k, v and bias."""
     del opts
-    return xla_flash.blockwise_attention(args, config or Config.heuristics(args))
+    return xla_blockwise.blockwise_attention(args, config or Config.heuristics(args))

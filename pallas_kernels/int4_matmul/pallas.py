@@ -26,12 +26,12 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
   FMA contraction (`base.rounded_mul`), again bit-exact.
 
 Both kernels take ``interpret: bool``: ``interpret=True`` runs them on CPU
-through the Pallas interpreter (tests); on a GPU leave it False.
+through the Pallas interpreter (tests); on a GPU leave it False. Their tiles
+(`Config`, its ``heuristics`` and ``search_space``) live in `pallas_config`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,6 +44,7 @@ from pallas_kernels import triton_backend
 
 from . import base
 from .base import PackedInt4Weight
+from .pallas_config import DECODE_M, MIN_INT8_DOT_K, Config, heuristics
 
 __all__ = [
     "Config",
@@ -55,105 +56,7 @@ __all__ = [
     "MIN_INT8_DOT_K",
 ]
 
-DECODE_M = 16
-"""Rows up to which the decode configs (split-K) are used."""
-
-MIN_INT8_DOT_K = 32
-"""The narrowest int8 dot Triton compiles correctly on NVIDIA GPUs (its ``min_dot_size`` for 8-bit
-operands; the int8 MMA instructions are k32). Pallas does not check it: a narrower dot compiles and
-returns wrong sums."""
-
 _GPU_PLATFORMS = ("cuda", "rocm", "gpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tile sizes of one launch.
-
-    Attributes:
-      block_m: rows of x per program (>= 16: the MMA minimum).
-      block_n: output features per program.
-      block_k: k per inner step, a power of two: W4A16 >= 32 and dividing
-        groupsize; W4A8 >= 64 (each nibble plane of a step is an int8 dot
-        over block_k / 2 >= `MIN_INT8_DOT_K` k), dividing groupsize where it
-        can (otherwise the steps of a group overlap and are masked).
-      split_k: programs along K (W4A16: k-steps, W4A8 decode: groups); it
-        divides the number of steps (groups).
-      num_warps: Triton warps per program.
-      num_stages: software-pipelining depth.
-    """
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"Config.{name} must be a power of two >= 16, got {name}={v}")
-        if self.block_k < 32:
-            raise ValueError(
-                f"Config.block_k must be >= 32 (two nibble planes of >= 16 k; W4A8 needs >= 64), "
-                f"got block_k={self.block_k}"
-            )
-        if self.split_k < 1:
-            raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
-
-
-def _pow2_divisor(groupsize: int, cap: int) -> int:
-    b = 32
-    while b * 2 <= cap and groupsize % (b * 2) == 0:
-        b *= 2
-    return b
-
-
-def _largest_divisor(n: int, cap: int) -> int:
-    for d in range(max(1, min(n, cap)), 0, -1):
-        if n % d == 0:
-            return d
-    return 1
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def heuristics(M: int, N: int, K: int, groupsize: int, *, mode: str = "w4a16", num_sms: int = 132) -> Config:
-    """Tiles by M: decode (``M <= 16``: thin tiles + split-K) vs prefill.
-
-    Args:
-      M: rows of x (all leading dims flattened).
-      N: out_features.
-      K: in_features.
-      groupsize: quantization group.
-      mode: "w4a16" or "w4a8".
-      num_sms: streaming multiprocessors to fill (H100: 132).
-
-    Example:
-      >>> heuristics(1, 11008, 4096, 128).split_k > 1
-      True
-    """
-    if mode not in ("w4a16", "w4a8"):
-        raise ValueError(f"mode must be 'w4a16' or 'w4a8', got {mode=}")
-    if M <= DECODE_M:
-        block_m, block_n, cap_k, warps, stages = 16, 64, 256, 4, 3
-    else:
-        block_m = min(128, max(32, _next_pow2(M)))
-        block_n, cap_k, warps, stages = 128, 64, 8 if block_m >= 128 else 4, 3
-    block_k = _pow2_divisor(groupsize, cap_k)
-    if mode == "w4a8":
-        block_k = max(block_k, 2 * MIN_INT8_DOT_K)
-    split = 1
-    if M <= DECODE_M:
-        tiles = -(-N // block_n)
-        want = max(1, -(-2 * num_sms // tiles))
-        steps = K // block_k if mode == "w4a16" else K // groupsize
-        split = _largest_divisor(steps, min(want, 32))
-    return Config(block_m, block_n, block_k, split, warps, stages)
 
 
 def unsupported(call: base.Int4Call, platform: str | None) -> list[str]:
@@ -379,7 +282,7 @@ def dyn_quant_matmul(
     Args:
       x: float32 or bfloat16 ``[..., K]``.
       packed: the packed weight.
-      config: tiles; `heuristics` when None.
+      config: tiles; ``Config.heuristics`` when None.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Example:
@@ -395,7 +298,7 @@ def dyn_quant_matmul(
         raise NotImplementedError("; ".join(why))
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
-    cfg = config or heuristics(M, packed.out_features, packed.in_features, packed.groupsize, mode="w4a8")
+    cfg = config or Config.heuristics(base.Int4Call.of("dyn_quant", x, packed))
     qa, zp, recip = base.quantize_activations(x2, packed.channelwise)
     if M == 0:
         out = jnp.zeros((0, packed.out_features), jnp.float32)
@@ -436,7 +339,7 @@ def weight_only_matmul(
       packed: the packed weight.
       compute_dtype: MMA operand dtype (default: x.dtype; float32 uses IEEE
         dots).
-      config: tiles; `heuristics` when None.
+      config: tiles; ``Config.heuristics`` when None.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Example:
@@ -454,7 +357,7 @@ def weight_only_matmul(
     x2 = x.reshape(-1, x.shape[-1])
     M, K = x2.shape
     N, g = packed.out_features, packed.groupsize
-    cfg = config or heuristics(M, N, K, g, mode="w4a16")
+    cfg = config or Config.heuristics(base.Int4Call.of("weight_only", x, packed))
     if g % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide groupsize={g}")
     steps = K // cfg.block_k

@@ -11,6 +11,7 @@ import pytest
 from pallas_kernels.attention import (
     autotune,
     base,
+    triton_common as common,
     triton_decode,
     triton_flash,
     triton_flash_vjp,
@@ -136,3 +137,42 @@ def test_autotune_interpret_picks_a_candidate_and_caches():
     assert all(isinstance(c, triton_flash_vjp.Config) for c in autotune.candidates("flash_bwd", 128))
     assert all(isinstance(c, triton_decode.Config) for c in autotune.candidates("decode", 64))
     autotune.clear_cache()
+
+
+def test_statics_is_one_hashable_record_every_path_extends():
+    sds = jax.ShapeDtypeStruct
+    args = base.make_args(
+        sds((2, 8, 4, 16), jnp.bfloat16),
+        sds((2, 12, 2, 16), jnp.bfloat16),
+        sds((2, 12, 2, 24), jnp.bfloat16),
+        bias=jnp.zeros((1, 4, 8, 1)),
+        is_causal=True,
+        window=(3, 1),
+        logits_soft_cap=5.0,
+        q_seq_lengths=jnp.array([3, 8], jnp.int32),
+    )
+    st = args.statics()
+    assert (st.B, st.T, st.S, st.N, st.K, st.H, st.Hv, st.G) == (2, 8, 12, 4, 2, 16, 24, 2)
+    assert (st.causal, st.window, st.softcap, st.dtype) == (True, (3, 1), 5.0, "bfloat16")
+    assert (st.bias_shape, st.bias_dtype, st.mask_shape) == ((1, 4, 8, 1), "float32", None)
+    assert (st.has_q_len, st.has_kv_len, st.has_segments) == (True, False, False)
+    assert hash(st) == hash(args.statics()) and st == args.statics()
+    assert st != args.replace(causal=False).statics()
+    spec = common.Spec.of(args, allow_tf32=True)
+    assert isinstance(spec, base.Statics) and spec.fields() == st.fields()
+    assert not spec.allow_tf32  # TF32 applies to float32 inputs only
+
+
+def test_every_triton_config_follows_the_tuning_protocol():
+    args = _args(H=64, S=4096)
+    dev = {"compute_capability": 9.0}
+    assert triton_flash.Config.heuristics(args, dev) == triton_flash.heuristics(64, jnp.bfloat16, 90)
+    assert triton_flash_vjp.Config.heuristics(args, dev) == triton_flash_vjp.heuristics(64, jnp.bfloat16, 90)
+    assert triton_decode.Config.heuristics(args, {"compute_capability": 75, "num_sms": 40}) == (
+        triton_decode.heuristics(64, jnp.bfloat16, 75, batch_kv_heads=1, kv_len=4096, num_sms=40)
+    )
+    for name, cls in autotune.CONFIGS.items():
+        space = cls.search_space(args)
+        assert space and all(isinstance(c, cls) for c in space), name
+        assert len(set(space)) == len(space), name
+    assert triton_mem_efficient.Config is triton_flash.Config

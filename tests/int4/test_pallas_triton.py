@@ -179,3 +179,40 @@ def test_gpu_w4a16_compiled_near_float64(K, N, g):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max(), err_msg=f"M={M}")
         got16 = np.asarray(fn(x.astype(jnp.bfloat16), p), np.float64)
         assert np.linalg.norm(got16 - want) / np.linalg.norm(want) < 2e-2, (M, K, N, g)
+
+
+@pytest.mark.parametrize("op,mode", [("weight_only", "w4a16"), ("dyn_quant", "w4a8")])
+@pytest.mark.parametrize("M", [2, 40])
+def test_config_protocol_search_space_is_accepted_by_the_kernel(op, mode, M):
+    x, p = make_case(M, 128, 16, 32, False)
+    call = base.Int4Call.of(op, x, p)
+    assert pallas.Config.heuristics(call) == pallas.heuristics(M, 16, 128, 32, mode=mode)
+    assert pallas.Config.heuristics(call, {"num_sms": 8}) == pallas.heuristics(
+        M, 16, 128, 32, mode=mode, num_sms=8
+    )
+    space = pallas.Config.search_space(call)
+    assert space and all(isinstance(c, pallas.Config) for c in space)
+    fn = pallas.weight_only_matmul if op == "weight_only" else pallas.dyn_quant_matmul
+    for tiles in {(c.block_m, c.block_n, c.block_k, c.split_k) for c in space}:
+        out = jax.eval_shape(lambda x, p: fn(x, p, config=pallas.Config(*tiles), interpret=True), x, p)
+        assert out.shape == (M, 16)
+
+
+def test_autotune_int4_interpret_picks_a_candidate_and_caches():
+    from pallas_kernels.attention import autotune
+
+    x, p = make_case(2, 128, 16, 32, False)
+    cands = [
+        pallas.Config(block_m=16, block_n=16, block_k=64),
+        pallas.Config(block_m=16, block_n=32, block_k=64),
+    ]
+    autotune.clear_cache()
+    best = autotune.autotune_int4(x, p, "dyn_quant", candidates=cands, interpret=True, repeats=1)
+    assert best in cands
+    # Cached: no candidate is run again (an empty candidate list would otherwise fail).
+    assert autotune.autotune_int4(x, p, "dyn_quant", candidates=[], interpret=True) == best
+    got = pallas.dyn_quant_matmul(x, p, config=best, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
+    with pytest.raises(ValueError, match="op"):
+        autotune.autotune_int4(x, p, "nope", interpret=True)
+    autotune.clear_cache()
