@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jbackends as jb  # noqa: E402
-from benchmarks.gpu_timing import jax_time, ratio, torch_cuda, torch_time  # noqa: E402
+from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time  # noqa: E402
 from pallas_kernels.attention import base, triton_flash  # noqa: E402
 
 JAX_IMPLS = ("jb", "jb_pallas", "cudnn", "jax_xla", "mgpu_example", "tokamax")
@@ -287,13 +287,8 @@ def main(argv=None):
 
 
 def write_png(rows, names, a, device, dtype):
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no PNG written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     panels = sorted({(r[1], r[2], r[4]) for r in rows if r[0] == "train"})
     decode = [r for r in rows if r[0] == "decode"]

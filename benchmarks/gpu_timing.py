@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["jax_time", "torch_cuda", "torch_time", "ratio"]
+__all__ = ["jax_time", "torch_cuda", "torch_time", "ratio", "pyplot"]
 
 
 def _nudge(carry: Sequence[Any], out: Any, eps) -> tuple:
@@ -94,3 +94,18 @@ def ratio(a: float, b: float) -> str:
     """``a / b`` formatted as ``1.23x``, or ``-`` when either is missing."""
     ok = a == a and b == b and b > 0  # NaN-safe
     return f"{a / b:.2f}x" if ok else "-"
+
+
+def pyplot() -> Optional[Any]:
+    """``matplotlib.pyplot`` on the Agg backend, or None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        import sys  # noqa: PLC0415
+
+        print("matplotlib not installed: no PNG written", file=sys.stderr)
+        return None
+    return plt

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jbackends.quantized as Q  # noqa: E402
-from benchmarks.gpu_timing import jax_time, ratio, torch_cuda, torch_time  # noqa: E402
+from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 11008), (8192, 28672))
 MS = (1, 4, 16, 64, 256, 1024, 2048)
@@ -141,13 +141,8 @@ def table(rows, groupsize, use_torch):
 
 
 def write_png(rows, names, path, groupsize):
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no PNG written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     shapes = sorted({key[:2] for key, *_ in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.6), squeeze=False)

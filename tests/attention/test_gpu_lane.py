@@ -23,7 +23,7 @@ import pytest
 
 import jbackends as jb
 from pallas_kernels.attention import base, cudnn, triton_decode, triton_flash, triton_mem_efficient
-from tests.attention.attention_base import GRID, TOL, AttentionTestBase, Case, make_case
+from tests.attention.attention_base import GRID, TOL, AttentionTestBase, Case, DecodeTestBase, make_case
 
 pytestmark = pytest.mark.gpu
 
@@ -48,23 +48,13 @@ class TestTritonMemEfficientCompiled(_Compiled):
 _DECODE_GRID = [dataclasses.replace(c, T=t) for c, t in zip(GRID, (1, 5, 16, 3, 7, 9, 12, 2, 16, 1) * 2)]
 
 
-class TestTritonDecodeCompiled(_Compiled):
+class TestTritonDecodeCompiled(DecodeTestBase):
     impl = staticmethod(functools.partial(triton_decode.attention, interpret=False))
-    supports_bias = False
-    supports_mask = False
+    tolerances = GPU_TOL
 
     @pytest.mark.parametrize("case", _DECODE_GRID, ids=[c.id for c in _DECODE_GRID])
     def test_grid(self, case):
         super().test_grid(case)
-
-    def test_fully_masked_rows_give_zero_output_and_grads(self):
-        pytest.skip("queries > 16 rows: not a decode shape")
-
-    def test_deterministic(self):
-        pytest.skip("queries > 16 rows: not a decode shape")
-
-    def test_vjp_wrt_outputs_and_lse(self):
-        pytest.skip("queries > 16 rows: not a decode shape")
 
 
 # cuDNN's envelope (half precision, head dims multiples of 8, causal only square and top-left, a bias

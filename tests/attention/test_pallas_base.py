@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from pallas_kernels.attention import triton_decode, triton_flash, triton_flash_vjp, triton_mem_efficient
-from tests.attention.attention_base import GRID, AttentionTestBase
+from tests.attention.attention_base import GRID, AttentionTestBase, DecodeTestBase
 
 # Blocks of 16 so the grid's 29..64-long sequences span several ragged blocks.
 CFG = triton_flash.Config(block_q=16, block_k=16)
@@ -46,24 +46,11 @@ _DECODE_GRID = [
 DEC = triton_decode.Config(block_k=16, num_splits=3)
 
 
-class TestPallasDecodeInterpret(AttentionTestBase):
+class TestPallasDecodeInterpret(DecodeTestBase):
     impl = staticmethod(
         functools.partial(triton_decode.attention, config=DEC, bwd_config=BWD, interpret=True)
     )
-    supports_bias = False
-    supports_mask = False
 
     @pytest.mark.parametrize("case", _DECODE_GRID, ids=[c.id for c in _DECODE_GRID])
     def test_grid(self, case):
         super().test_grid(case)
-
-    # The shared property tests use queries longer than 16 rows: decode refuses them at choice time
-    # (tested in test_pallas_unsupported.py); fully masked rows and the LSE vjp are in _DECODE_GRID.
-    def test_fully_masked_rows_give_zero_output_and_grads(self):
-        pytest.skip("queries > 16 rows: not a decode shape")
-
-    def test_deterministic(self):
-        pytest.skip("queries > 16 rows: not a decode shape")
-
-    def test_vjp_wrt_outputs_and_lse(self):
-        pytest.skip("queries > 16 rows: not a decode shape")
