@@ -533,7 +533,247 @@ const char* BlockDotsName() {
   return "scalar";
 }
 
+// ------------------------------------------- group path (groupsize % 128 == 0)
+//
+// The block path above reduces every 32-k block and sums the blocks of a group
+// in scalar code. When a group is whole 64-byte chunks (groupsize a multiple
+// of 128) the integer dot of a group accumulates in one vector instead, with
+// the zero point folded into the same dot:
+//   sum (qa - zp) (u - 8) = sum qa u + (-zp) sum u + c_g,
+//   c_g = -8 sum_{k in g} qa + 8 zp groupsize (per input row, computed once),
+// where (-zp) sum u is one more u8 x s8 dot of (lo + hi) against -zp (split as
+// 127 + 1 when zp = -128). 16 group vectors are reduced at once, and the float
+// tail (products with the scales in one multiply, then the in-order fp32 sum)
+// follows torch's order exactly. MR input rows share every weight load.
+
+// The per-row constants of the group path.
+struct GroupRow {
+  const int8_t* even;
+  const int8_t* odd;
+  const int32_t* c;  // [G] c_g
+  int8_t nz1, nz2;   // nz1 + nz2 = -zp, both int8
+};
+
+#if JB_X86
+// Sixteen 16 x int32 vectors (src + 16 i) -> the 16 full sums in order.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i Reduce16(const int32_t* src) {
+  __m512i r[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a = _mm512_load_si512(src + 64 * q);
+    const __m512i b = _mm512_load_si512(src + 64 * q + 16);
+    const __m512i c = _mm512_load_si512(src + 64 * q + 32);
+    const __m512i d = _mm512_load_si512(src + 64 * q + 48);
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    // r[q][4 l + i] = sum of 128-bit lane l of vector 4 q + i
+    r[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  }
+  const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(r[0], r[1], 0x44),
+                                       _mm512_shuffle_i32x4(r[0], r[1], 0xEE));
+  const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(r[2], r[3], 0x44),
+                                       _mm512_shuffle_i32x4(r[2], r[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(u01, u23, 0x88), _mm512_shuffle_i32x4(u01, u23, 0xDD));
+}
+
+struct VnniDot {
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot3(
+      __m512i acc, __m512i lo, __m512i ae, __m512i hi, __m512i ao, __m512i su, __m512i nz) {
+    acc = _mm512_dpbusd_epi32(acc, lo, ae);
+    acc = _mm512_dpbusd_epi32(acc, hi, ao);
+    return _mm512_dpbusd_epi32(acc, su, nz);
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot1(
+      __m512i acc, __m512i su, __m512i nz) {
+    return _mm512_dpbusd_epi32(acc, su, nz);
+  }
+};
+
+// Without VNNI: |lo ae| + |hi ao| pairs <= 2 * 3840, |su nz| pairs <= 7680:
+// the int16 sum of the three vpmaddubsw cannot wrap.
+struct BwDot {
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m512i Dot3(
+      __m512i acc, __m512i lo, __m512i ae, __m512i hi, __m512i ao, __m512i su, __m512i nz) {
+    const __m512i p = _mm512_add_epi16(
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, ae), _mm512_maddubs_epi16(hi, ao)),
+        _mm512_maddubs_epi16(su, nz));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m512i Dot1(
+      __m512i acc, __m512i su, __m512i nz) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(su, nz), _mm512_set1_epi16(1)));
+  }
+};
+
+// isum[m * Gp + g] = exact sum over group g of (qa - zp)(u - 8), for MR rows
+// and one weight row w (K / 2 bytes). Gp = RoundUp(G, 16). One body, compiled
+// for each target (the dot's instructions must not leak into the other).
+#define JB_DEFINE_GROUP_SUMS(NAME, TARGET, D)                                        \
+  template <int MR>                                                                  \
+  __attribute__((target(TARGET))) void NAME(const uint8_t* w, const GroupRow* rows,  \
+                                            int64_t K, int64_t groupsize,            \
+                                            int32_t* isum) {                         \
+    const int64_t cpg = groupsize / 128; /* 64-byte chunks per group */              \
+    const int64_t G = K / groupsize;                                                 \
+    const int64_t Gp = RoundUp(G, 16);                                               \
+    const __m512i mask4 = _mm512_set1_epi8(0x0F);                                    \
+    alignas(64) int32_t buf[MR][16 * 16];                                            \
+    __m512i nz[MR], nz2[MR];                                                         \
+    bool two[MR];                                                                    \
+    for (int m = 0; m < MR; ++m) {                                                   \
+      nz[m] = _mm512_set1_epi8(rows[m].nz1);                                         \
+      nz2[m] = _mm512_set1_epi8(rows[m].nz2);                                        \
+      two[m] = rows[m].nz2 != 0;                                                     \
+    }                                                                                \
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {                                         \
+      const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));                \
+      for (int gi = 0; gi < 16; ++gi) {                                              \
+        __m512i acc[MR];                                                             \
+        for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();                \
+        if (gi < ng) {                                                               \
+          const int64_t off0 = (g0 + gi) * cpg * 64;                                 \
+          for (int64_t c = 0; c < cpg; ++c) {                                        \
+            const int64_t off = off0 + 64 * c;                                       \
+            const __m512i wv = _mm512_loadu_si512(w + off);                          \
+            const __m512i lo = _mm512_and_si512(wv, mask4);                          \
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);    \
+            const __m512i su = _mm512_add_epi8(lo, hi); /* <= 30 */                  \
+            for (int m = 0; m < MR; ++m) {                                           \
+              acc[m] = D::Dot3(acc[m], lo, _mm512_loadu_si512(rows[m].even + off),   \
+                               hi, _mm512_loadu_si512(rows[m].odd + off), su,        \
+                               nz[m]);                                               \
+              if (two[m]) acc[m] = D::Dot1(acc[m], su, nz2[m]);                      \
+            }                                                                        \
+          }                                                                          \
+        }                                                                            \
+        for (int m = 0; m < MR; ++m) _mm512_store_si512(buf[m] + 16 * gi, acc[m]);   \
+      }                                                                              \
+      const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);                   \
+      for (int m = 0; m < MR; ++m)                                                   \
+        _mm512_storeu_si512(isum + m * Gp + g0,                                      \
+                            _mm512_add_epi32(Reduce16(buf[m]),                       \
+                                             _mm512_maskz_loadu_epi32(gm, rows[m].c + g0))); \
+    }                                                                                \
+  }
+
+JB_DEFINE_GROUP_SUMS(GroupSumsVnni, "avx512f,avx512bw,avx512vl,avx512vnni", VnniDot)
+JB_DEFINE_GROUP_SUMS(GroupSumsBw, "avx512f,avx512bw,avx512vl", BwDot)
+#undef JB_DEFINE_GROUP_SUMS
+
+// out = clamp((sum_g float(isum_g) * s_g, in order) * recip + bias): torch's
+// tail (the products in one vector multiply, exactly rounded as the scalar
+// ones; the sum in order, no FMA).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline float GroupTailAvx512(
+    const int32_t* isum, int64_t G, const float* s, float recip, const float* bias) {
+  alignas(64) float prod[16];
+  float acc = 0.0f;
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));
+    const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);
+    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + g0)),
+                                   _mm512_maskz_loadu_ps(gm, s + g0));
+    _mm512_store_ps(prod, p);
+    if (G == 1) {
+      acc = prod[0];  // channel-wise: no 0 + (keeps the sign of a zero)
+    } else {
+      for (int i = 0; i < ng; ++i) acc += prod[i];
+    }
+  }
+  acc = acc * recip;
+  if (bias) acc += *bias;
+  acc = std::max(acc, -FLT_MAX);
+  return std::min(acc, FLT_MAX);
+}
+#endif  // JB_X86
+
 // ---------------------------------------------------------------- dyn quant
+
+// Group sums of nm <= kGroupRows rows (the group path); nullptr: no group path
+// on this code path (scalar), the block path runs.
+constexpr int kGroupRows = 4;
+using GroupSumsFn = void (*)(const uint8_t*, const GroupRow*, int, int64_t, int64_t, int32_t*);
+
+#if JB_X86
+#define JB_GROUP_SUMS_N(NAME, IMPL)                                                      \
+  void NAME(const uint8_t* w, const GroupRow* r, int nm, int64_t K, int64_t gs,          \
+            int32_t* isum) {                                                             \
+    switch (nm) {                                                                        \
+      case 1: return IMPL<1>(w, r, K, gs, isum);                                         \
+      case 2: return IMPL<2>(w, r, K, gs, isum);                                         \
+      case 3: return IMPL<3>(w, r, K, gs, isum);                                         \
+      default: return IMPL<4>(w, r, K, gs, isum);                                        \
+    }                                                                                    \
+  }
+JB_GROUP_SUMS_N(GroupSumsVnniN, GroupSumsVnni)
+JB_GROUP_SUMS_N(GroupSumsBwN, GroupSumsBw)
+#undef JB_GROUP_SUMS_N
+#endif
+
+GroupSumsFn PickGroupSums() {
+#if JB_X86
+  if (HasAvx512()) return HasAvx512Vnni() ? &GroupSumsVnniN : &GroupSumsBwN;
+#endif
+  return nullptr;
+}
+
+std::atomic<GroupSumsFn> g_group_sums{PickGroupSums()};
+
+// Weight rows per tile: the tile (8 x K/2 bytes) stays in L1/L2 while every
+// block of input rows passes over it, and each block of input rows stays in
+// L1 across the tile.
+constexpr int64_t kTileN = 8;
+
+// Runs f(n0, n1, thread) over [0, N) in chunks of whole tiles handed out in
+// order (about 8 chunks per thread, so that a thread slowed down by another
+// process on its core leaves its share to the others).
+template <typename F>
+void ForTiles(int64_t N, int threads, F&& f) {
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int64_t per = std::max<int64_t>(1, tiles / (8 * static_cast<int64_t>(threads)));
+  const int64_t chunks = (tiles + per - 1) / per;
+  jb::ParallelTasks(chunks, threads, [&](int64_t t, int id) {
+    f(std::min(N, t * per * kTileN), std::min(N, (t + 1) * per * kTileN), id);
+  });
+}
+
+#if JB_X86
+void DynQuantGroups(const std::vector<QRow>& rows, const uint8_t* w, const float* scales,
+                    const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                    int64_t groupsize, GroupSumsFn group_sums) {
+  const int64_t G = K / groupsize;
+  const int64_t Gp = RoundUp(G, 16);
+  const int64_t per_group = groupsize / 32;
+  std::vector<int32_t> consts(M * Gp, 0);
+  std::vector<GroupRow> gr(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const QRow& r = rows[m];
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sq = 0;
+      for (int64_t j = 0; j < per_group; ++j) sq += r.block_sum[g * per_group + j];
+      consts[m * Gp + g] = -8 * sq + 8 * r.zp * static_cast<int32_t>(groupsize);
+    }
+    const int nz = -r.zp;  // -127 .. 128
+    gr[m] = {r.even.data(), r.odd.data(), consts.data() + m * Gp,
+             static_cast<int8_t>(std::min(nz, 127)), static_cast<int8_t>(nz - std::min(nz, 127))};
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
+  std::vector<std::vector<int32_t>> scratch(std::max(threads, 1), std::vector<int32_t>(kGroupRows * Gp));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    int32_t* isum = scratch[id].data();
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+      const int64_t t1 = std::min(n1, t0 + kTileN);
+      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+        const int nm = static_cast<int>(std::min<int64_t>(kGroupRows, M - m0));
+        for (int64_t n = t0; n < t1; ++n) {
+          group_sums(w + n * (K / 2), gr.data() + m0, nm, K, groupsize, isum);
+          for (int i = 0; i < nm; ++i)
+            out[(m0 + i) * N + n] = GroupTailAvx512(isum + i * Gp, G, scales + n * G,
+                                                    rows[m0 + i].recip, bias ? bias + n : nullptr);
+        }
+      }
+    }
+  });
+}
+#endif  // JB_X86
 
 void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
                     const float* bias, float* out, int64_t M, int64_t N,
@@ -545,6 +785,13 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   const int64_t per_group = groupsize / 32;
   std::vector<QRow> rows(M);
   for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
+#if JB_X86
+  const GroupSumsFn group_sums = g_group_sums.load();
+  if (group_sums != nullptr && groupsize % 128 == 0) {
+    DynQuantGroups(rows, w, scales, bias, out, M, N, K, groupsize, group_sums);
+    return;
+  }
+#endif
   const BlockDotsFn block_dots = g_block_dots.load();
   const TailFn tail = g_tail.load();
   jb::ParallelFor(N, NumThreads(M * N * K / 2), 16, [&](int64_t n0, int64_t n1) {
@@ -888,6 +1135,7 @@ extern "C" int JbInt4SetIsa(const char* name) {
   if (n == "scalar") {
     g_block_dots = &BlockDotsScalar;
     g_tail = &TailScalar;
+    g_group_sums = nullptr;
     g_wo_row = &WeightOnlyRowScalar;
     return 0;
   }
@@ -895,12 +1143,14 @@ extern "C" int JbInt4SetIsa(const char* name) {
   if (HasAvx512() && (n == "avx512bw" || (n == "avx512vnni" && HasAvx512Vnni()))) {
     g_block_dots = n == "avx512bw" ? &BlockDotsAvx512Bw : &BlockDotsAvx512Vnni;
     g_tail = &TailAvx512;
+    g_group_sums = n == "avx512bw" ? &GroupSumsBwN : &GroupSumsVnniN;
     g_wo_row = &WeightOnlyRowAvx512;
     return 0;
   }
   if (HasAvx2() && n == "avx2") {
     g_block_dots = &BlockDotsAvx2;
     g_tail = &TailAvx2;
+    g_group_sums = nullptr;
     g_wo_row = &WeightOnlyRowAvx2;
     return 0;
   }
