@@ -889,6 +889,68 @@ __attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
   for (; m < nm; ++m) DotRowsAvx512<1>(ue, uo, xe + m * half, xo + m * half, half, out + m);
 }
 
+// out[m] = sum_k x[m, k] q[k] s[group(k)] for MR <= 4 rows, the weights
+// dequantized in registers: 16 bytes widen to 16 int32 lanes whose low 4 bits
+// index a 16-float table of (q - 8) * s[g] (vpermps reads only those bits; the
+// high nibbles after a shift), then one FMA per plane and row. Two 16-byte
+// steps per iteration (4 FMA chains per row) when the group allows.
+template <int MR>
+__attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, const float* xe,
+                                                              const float* xo, int64_t half,
+                                                              int64_t K, int64_t groupsize,
+                                                              const float* s, float* out) {
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
+                                      3.f, 4.f, 5.f, 6.f, 7.f);
+  const int64_t gb = groupsize / 2;
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / groupsize; ++g) {
+    const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[g]));
+    const int64_t end = (g + 1) * gb;
+    int64_t c = g * gb;
+    for (; c + 32 <= end; c += 32) {
+      const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
+      const __m512i v1 =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c + 16)));
+      const __m512 l0 = _mm512_permutexvar_ps(v0, ts);
+      const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ts);
+      const __m512 l1 = _mm512_permutexvar_ps(v1, ts);
+      const __m512 h1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), ts);
+      for (int m = 0; m < MR; ++m) {
+        const float* e = xe + m * half + c;
+        const float* o = xo + m * half + c;
+        acc[m][0] = _mm512_fmadd_ps(l0, _mm512_loadu_ps(e), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(h0, _mm512_loadu_ps(o), acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(l1, _mm512_loadu_ps(e + 16), acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(h1, _mm512_loadu_ps(o + 16), acc[m][3]);
+      }
+    }
+    for (; c < end; c += 16) {  // groupsize 32, 96, ...
+      const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
+      const __m512 l0 = _mm512_permutexvar_ps(v0, ts);
+      const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ts);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(l0, _mm512_loadu_ps(xe + m * half + c), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(h0, _mm512_loadu_ps(xo + m * half + c), acc[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    out[m] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
+void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t half, int nm,
+                   int64_t K, int64_t groupsize, const float* s, float* out) {
+  switch (nm) {
+    case 1: return WoRowsAvx512<1>(w, xe, xo, half, K, groupsize, s, out);
+    case 2: return WoRowsAvx512<2>(w, xe, xo, half, K, groupsize, s, out);
+    case 3: return WoRowsAvx512<3>(w, xe, xo, half, K, groupsize, s, out);
+    default: return WoRowsAvx512<4>(w, xe, xo, half, K, groupsize, s, out);
+  }
+}
+
 // The same on AVX2 + FMA: 8 bytes (16 k, within one group) per step.
 __attribute__((target("avx2,fma"))) void UnpackScaledRowAvx2(const uint8_t* w, int64_t K,
                                                              int64_t groupsize, const float* s,
@@ -1037,6 +1099,29 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
       xo[m * (K / 2) + k] = x[m * K + 2 * k + 1];
     }
   const WoRowFn row_fn = g_wo_row.load();
+#if JB_X86
+  if (row_fn == &WeightOnlyRowAvx512) {
+    // Weights dequantized in registers, tiles of weight rows shared by blocks of 4 input rows.
+    const int64_t half = K / 2;
+    const int threads =
+        static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+    ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
+      float res[4];
+      for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+        const int64_t t1 = std::min(n1, t0 + kTileN);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
+          for (int64_t n = t0; n < t1; ++n) {
+            WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm, K,
+                          groupsize, scales + n * G, res);
+            for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] = bias ? res[i] + bias[n] : res[i];
+          }
+        }
+      }
+    });
+    return;
+  }
+#endif
   jb::ParallelFor(N, NumThreads(M * N * K), 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> ue(K / 2), uo(K / 2), res(kWoRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kWoRowBlock) {
