@@ -608,7 +608,7 @@ struct BwDot {
 // and one weight row w (K / 2 bytes). Gp = RoundUp(G, 16). One body, compiled
 // for each target (the dot's instructions must not leak into the other).
 #define JB_DEFINE_GROUP_SUMS(NAME, TARGET, D)                                        \
-  template <int MR>                                                                  \
+  template <int MR, bool kTwo>                                                       \
   __attribute__((target(TARGET))) void NAME(const uint8_t* w, const GroupRow* rows,  \
                                             int64_t K, int64_t groupsize,            \
                                             int32_t* isum) {                         \
@@ -618,31 +618,30 @@ struct BwDot {
     const __m512i mask4 = _mm512_set1_epi8(0x0F);                                    \
     alignas(64) int32_t buf[MR][16 * 16];                                            \
     __m512i nz[MR], nz2[MR];                                                         \
-    bool two[MR];                                                                    \
+    const int8_t* ev[MR];                                                            \
+    const int8_t* od[MR];                                                            \
     for (int m = 0; m < MR; ++m) {                                                   \
       nz[m] = _mm512_set1_epi8(rows[m].nz1);                                         \
       nz2[m] = _mm512_set1_epi8(rows[m].nz2);                                        \
-      two[m] = rows[m].nz2 != 0;                                                     \
+      ev[m] = rows[m].even;                                                          \
+      od[m] = rows[m].odd;                                                           \
     }                                                                                \
     for (int64_t g0 = 0; g0 < G; g0 += 16) {                                         \
       const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));                \
       for (int gi = 0; gi < 16; ++gi) {                                              \
         __m512i acc[MR];                                                             \
         for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();                \
-        if (gi < ng) {                                                               \
-          const int64_t off0 = (g0 + gi) * cpg * 64;                                 \
-          for (int64_t c = 0; c < cpg; ++c) {                                        \
-            const int64_t off = off0 + 64 * c;                                       \
-            const __m512i wv = _mm512_loadu_si512(w + off);                          \
-            const __m512i lo = _mm512_and_si512(wv, mask4);                          \
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);    \
-            const __m512i su = _mm512_add_epi8(lo, hi); /* <= 30 */                  \
-            for (int m = 0; m < MR; ++m) {                                           \
-              acc[m] = D::Dot3(acc[m], lo, _mm512_loadu_si512(rows[m].even + off),   \
-                               hi, _mm512_loadu_si512(rows[m].odd + off), su,        \
-                               nz[m]);                                               \
-              if (two[m]) acc[m] = D::Dot1(acc[m], su, nz2[m]);                      \
-            }                                                                        \
+        const int64_t off0 = (g0 + gi) * cpg * 64;                                   \
+        const int64_t off1 = gi < ng ? off0 + cpg * 64 : off0;                       \
+        for (int64_t off = off0; off < off1; off += 64) {                            \
+          const __m512i wv = _mm512_loadu_si512(w + off);                            \
+          const __m512i lo = _mm512_and_si512(wv, mask4);                            \
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);      \
+          const __m512i su = _mm512_add_epi8(lo, hi); /* <= 30 */                    \
+          for (int m = 0; m < MR; ++m) {                                             \
+            acc[m] = D::Dot3(acc[m], lo, _mm512_loadu_si512(ev[m] + off), hi,        \
+                             _mm512_loadu_si512(od[m] + off), su, nz[m]);            \
+            if (kTwo) acc[m] = D::Dot1(acc[m], su, nz2[m]);                          \
           }                                                                          \
         }                                                                            \
         for (int m = 0; m < MR; ++m) _mm512_store_si512(buf[m] + 16 * gi, acc[m]);   \
@@ -696,11 +695,17 @@ using GroupSumsFn = void (*)(const uint8_t*, const GroupRow*, int, int64_t, int6
 #define JB_GROUP_SUMS_N(NAME, IMPL)                                                      \
   void NAME(const uint8_t* w, const GroupRow* r, int nm, int64_t K, int64_t gs,          \
             int32_t* isum) {                                                             \
-    switch (nm) {                                                                        \
-      case 1: return IMPL<1>(w, r, K, gs, isum);                                         \
-      case 2: return IMPL<2>(w, r, K, gs, isum);                                         \
-      case 3: return IMPL<3>(w, r, K, gs, isum);                                         \
-      default: return IMPL<4>(w, r, K, gs, isum);                                        \
+    bool two = false; /* a row with zp = -128 needs the second zero-point dot */         \
+    for (int m = 0; m < nm; ++m) two |= r[m].nz2 != 0;                                   \
+    switch (nm + (two ? 4 : 0)) {                                                        \
+      case 1: return IMPL<1, false>(w, r, K, gs, isum);                                  \
+      case 2: return IMPL<2, false>(w, r, K, gs, isum);                                  \
+      case 3: return IMPL<3, false>(w, r, K, gs, isum);                                  \
+      case 4: return IMPL<4, false>(w, r, K, gs, isum);                                  \
+      case 5: return IMPL<1, true>(w, r, K, gs, isum);                                   \
+      case 6: return IMPL<2, true>(w, r, K, gs, isum);                                   \
+      case 7: return IMPL<3, true>(w, r, K, gs, isum);                                   \
+      default: return IMPL<4, true>(w, r, K, gs, isum);                                  \
     }                                                                                    \
   }
 JB_GROUP_SUMS_N(GroupSumsVnniN, GroupSumsVnni)
