@@ -792,7 +792,12 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
 #if JB_X86
   const GroupSumsFn group_sums = g_group_sums.load();
-  if (group_sums != nullptr && groupsize % 128 == 0) {
+  // The group path folds -zp into int8 dots: a zero point outside -128..127
+  // (a row with NaN or inf) takes the block path, whose int32 arithmetic wraps
+  // as torch's does.
+  const bool zp_in_range = std::all_of(rows.begin(), rows.end(),
+                                       [](const QRow& r) { return r.zp >= -128 && r.zp <= 127; });
+  if (group_sums != nullptr && groupsize % 128 == 0 && zp_in_range) {
     DynQuantGroups(rows, w, scales, bias, out, M, N, K, groupsize, group_sums);
     return;
   }
