@@ -833,6 +833,7 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
 // -------------------------------------------------------------- weight only
 
 constexpr int kWoRowBlock = 8;  // rows sharing one unpacked weight row (L1)
+constexpr int64_t kWoSliceBytes = 512;  // weight bytes per K slice above 4 rows
 
 #if JB_X86
 // One weight row -> the dequantized (q * scale) float32 even-k and odd-k
@@ -899,26 +900,27 @@ __attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
   for (; m < nm; ++m) DotRowsAvx512<1>(ue, uo, xe + m * half, xo + m * half, half, out + m);
 }
 
-// out[m] = sum_k x[m, k] q[k] s[group(k)] for MR <= 4 rows, the weights
-// dequantized in registers: 16 bytes widen to 16 int32 lanes whose low 4 bits
-// index a 16-float table of (q - 8) * s[g] (vpermps reads only those bits; the
-// high nibbles after a shift), then one FMA per plane and row. Two 16-byte
-// steps per iteration (4 FMA chains per row) when the group allows.
+// out[m] = sum_k x[m, k] q[k] s[group(k)] over the weight bytes [c0, c1) (k
+// in [2 c0, 2 c1)) for MR <= 4 rows, the weights dequantized in registers:
+// 16 bytes widen to 16 int32 lanes whose low 4 bits index a 16-float table of
+// (q - 8) * s[g] (vpermps reads only those bits; the high nibbles after a
+// shift), then one FMA per plane and row. Two 16-byte steps per iteration (4
+// FMA chains per row) where the group allows.
 template <int MR>
 __attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, const float* xe,
                                                               const float* xo, int64_t half,
-                                                              int64_t K, int64_t groupsize,
-                                                              const float* s, float* out) {
+                                                              int64_t c0, int64_t c1,
+                                                              int64_t groupsize, const float* s,
+                                                              float* out) {
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
                                       3.f, 4.f, 5.f, 6.f, 7.f);
   const int64_t gb = groupsize / 2;
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < K / groupsize; ++g) {
+  for (int64_t c = c0, g = c0 / gb; c < c1; ++g) {  // one group (or its part in the slice)
     const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[g]));
-    const int64_t end = (g + 1) * gb;
-    int64_t c = g * gb;
+    const int64_t end = std::min(c1, (g + 1) * gb);
     for (; c + 32 <= end; c += 32) {
       const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
       const __m512i v1 =
@@ -952,12 +954,12 @@ __attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, 
 }
 
 void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t half, int nm,
-                   int64_t K, int64_t groupsize, const float* s, float* out) {
+                   int64_t c0, int64_t c1, int64_t groupsize, const float* s, float* out) {
   switch (nm) {
-    case 1: return WoRowsAvx512<1>(w, xe, xo, half, K, groupsize, s, out);
-    case 2: return WoRowsAvx512<2>(w, xe, xo, half, K, groupsize, s, out);
-    case 3: return WoRowsAvx512<3>(w, xe, xo, half, K, groupsize, s, out);
-    default: return WoRowsAvx512<4>(w, xe, xo, half, K, groupsize, s, out);
+    case 1: return WoRowsAvx512<1>(w, xe, xo, half, c0, c1, groupsize, s, out);
+    case 2: return WoRowsAvx512<2>(w, xe, xo, half, c0, c1, groupsize, s, out);
+    case 3: return WoRowsAvx512<3>(w, xe, xo, half, c0, c1, groupsize, s, out);
+    default: return WoRowsAvx512<4>(w, xe, xo, half, c0, c1, groupsize, s, out);
   }
 }
 
@@ -1111,20 +1113,29 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
   const WoRowFn row_fn = g_wo_row.load();
 #if JB_X86
   if (row_fn == &WeightOnlyRowAvx512) {
-    // Weights dequantized in registers, tiles of weight rows shared by blocks of 4 input rows.
+    // Weights dequantized in registers, tiles of weight rows shared by blocks of
+    // 4 input rows. Above 4 rows K is split into slices of kWoSliceBytes weight
+    // bytes, so that a block of input rows (4 x 2 x 4 KiB of float32) stays in
+    // L1 while the tile passes over it; the partial sums add up in `out`.
     const int64_t half = K / 2;
+    const int64_t slice = M <= 4 ? half : kWoSliceBytes;
     const int threads =
         static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
     ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
       float res[4];
-      for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
-        const int64_t t1 = std::min(n1, t0 + kTileN);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
-          for (int64_t n = t0; n < t1; ++n) {
-            WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm, K,
-                          groupsize, scales + n * G, res);
-            for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] = bias ? res[i] + bias[n] : res[i];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) out[m * N + n] = bias ? bias[n] : 0.0f;
+      for (int64_t t0 = n0; t0 < n1; t0 += 2 * kTileN) {
+        const int64_t t1 = std::min(n1, t0 + 2 * kTileN);
+        for (int64_t c0 = 0; c0 < half; c0 += slice) {
+          const int64_t c1 = std::min(half, c0 + slice);
+          for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
+            for (int64_t n = t0; n < t1; ++n) {
+              WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm,
+                            c0, c1, groupsize, scales + n * G, res);
+              for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] += res[i];
+            }
           }
         }
       }
