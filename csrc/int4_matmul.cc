@@ -833,7 +833,8 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
 // -------------------------------------------------------------- weight only
 
 constexpr int kWoRowBlock = 8;  // rows sharing one unpacked weight row (L1)
-constexpr int64_t kWoSliceBytes = 512;  // weight bytes per K slice above 4 rows
+constexpr int64_t kWoSliceBytes = 512;     // weight bytes per K slice (blocked path)
+constexpr int64_t kWoRowPathBytes = 16384;  // activations of a row block that take the row path
 
 #if JB_X86
 // One weight row -> the dequantized (q * scale) float32 even-k and odd-k
@@ -1114,11 +1115,13 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
 #if JB_X86
   if (row_fn == &WeightOnlyRowAvx512) {
     // Weights dequantized in registers, tiles of weight rows shared by blocks of
-    // 4 input rows. Above 4 rows K is split into slices of kWoSliceBytes weight
-    // bytes, so that a block of input rows (4 x 2 x 4 KiB of float32) stays in
-    // L1 while the tile passes over it; the partial sums add up in `out`.
+    // 4 input rows. The row path runs over all of K when a block of input rows
+    // fits in L1 (kWoRowPathBytes of float32: decode); above, the blocked path
+    // splits K into slices of kWoSliceBytes weight bytes, so that a block of
+    // input rows (4 x 2 x 4 KiB) stays in L1 while the tile passes over it; the
+    // partial sums add up in `out`.
     const int64_t half = K / 2;
-    const int64_t slice = M <= 4 ? half : kWoSliceBytes;
+    const int64_t slice = std::min<int64_t>(M, 4) * K * 4 <= kWoRowPathBytes ? half : kWoSliceBytes;
     const int threads =
         static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
     ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {

@@ -33,6 +33,8 @@ __all__ = [
     "weight_only_matmul",
     "unsupported",
     "WEIGHT_ONLY_MAX_ROWS",
+    "WEIGHT_ONLY_MAX_ROWS_AVX512",
+    "weight_only_max_rows",
 ]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
@@ -72,8 +74,17 @@ def set_isa(name: str) -> bool:
     return lib is not None and lib.JbInt4SetIsa(name.encode()) == 0
 
 
-#: Weight-only rows above which these kernels lose to XLA's GEMM on the dequantized weight.
+#: Weight-only rows above which these kernels lose to XLA's GEMM on the dequantized weight: the AVX2 and
+#: scalar kernels. Measured crossovers (K=4096, N=4096 and 11008, groupsize 128).
 WEIGHT_ONLY_MAX_ROWS = 16
+#: The same for the AVX-512 kernels (weights dequantized in registers; K-sliced weight tiles shared by
+#: blocks of rows above the decode sizes).
+WEIGHT_ONLY_MAX_ROWS_AVX512 = 128
+
+
+def weight_only_max_rows() -> int:
+    """The weight-only row limit of the code path in use here (see `WEIGHT_ONLY_MAX_ROWS`)."""
+    return WEIGHT_ONLY_MAX_ROWS_AVX512 if isa().startswith("avx512") else WEIGHT_ONLY_MAX_ROWS
 
 
 def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
@@ -86,8 +97,11 @@ def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
         why.append("the C++ extension is not built (pip install -e . with a C++ compiler)")
     if call.packed.in_features % 32:
         why.append(f"in_features={call.packed.in_features} is not a multiple of 32")
-    if call.op == "weight_only" and call.rows > WEIGHT_ONLY_MAX_ROWS:
-        why.append(f"M={call.rows} > {WEIGHT_ONLY_MAX_ROWS}: XLA's GEMM on the dequantized weight is faster")
+    if call.op == "weight_only" and call.rows > (limit := weight_only_max_rows()):
+        why.append(
+            f"M={call.rows} > {limit} ({isa()} kernels): XLA's GEMM on the dequantized weight is faster "
+            "(measured crossover)"
+        )
     return why
 
 

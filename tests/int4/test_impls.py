@@ -146,3 +146,22 @@ def test_cpp_group_path_every_isa(isa, M, K, N, g):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1))
     finally:
         cpu.set_isa(default)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+def test_cpp_weight_only_crossover_is_explained():
+    """Weight-only rows up to the measured crossover of this code path run in C++; above it, XLA's GEMM,
+    and explain says why."""
+    import jax
+
+    import jbackends as jb
+    from tests.int4.int4_base import make_case
+
+    _, p = make_case(1, 128, 16, 32, False)
+    limit = cpu.weight_only_max_rows()
+    assert limit == (cpu.WEIGHT_ONLY_MAX_ROWS_AVX512 if cpu.isa().startswith("avx512") else cpu.WEIGHT_ONLY_MAX_ROWS)
+    with jb.with_backends(quantized_engine="auto"):
+        at = jb.quantized.explain(jax.ShapeDtypeStruct((limit, 128), jnp.float32), p, platform="cpu")
+        above = jb.quantized.explain(jax.ShapeDtypeStruct((limit + 1, 128), jnp.float32), p, platform="cpu")
+    assert at.implementation == "cpp", str(at)
+    assert above.implementation == "xla" and "crossover" in above.reasons["cpp"], str(above)
