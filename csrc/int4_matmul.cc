@@ -684,6 +684,151 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float GroupTailAvx51
 }
 #endif  // JB_X86
 
+// ------------------------------------- blocked group path (16 rows per vector)
+//
+// For many input rows the lanes run over rows instead of k: the activations
+// are packed [k2 / 4][16 rows][4 bytes] per plane (even / odd k), a weight
+// tile is unpacked once into bytes, and each u8 x s8 dot multiplies 4 bytes of
+// one weight row (broadcast) by 4 k of 16 rows, so a group's integer sums of
+// 16 rows land in one vector with no reduction, and torch's float tail (in
+// order over the groups) runs with one lane per row. The zero-point term is
+// exact int32: zp * sum_g u (sum_g u once per weight row and group).
+
+struct VnniDot2 {
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot(
+      __m512i acc, __m512i u, __m512i a) {
+    return _mm512_dpbusd_epi32(acc, u, a);
+  }
+};
+struct BwDot2 {
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m512i Dot(
+      __m512i acc, __m512i u, __m512i a) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)));
+  }
+};
+
+// One block of input rows for the blocked path.
+struct RowBlock16 {
+  const int8_t* a;     // [2][K / 8][16][4]: even plane then odd plane
+  const int32_t* c;    // [G][16] c_g per row
+  const int32_t* zp;   // [16]
+  const float* recip;  // [16]
+  int rows;            // valid rows (<= 16)
+};
+
+// out[m, n] for the NR weight rows of `ut` (unpacked: [NR][K] bytes, chunk c
+// = 64 low-nibble bytes then 64 high-nibble bytes) and the MR row blocks.
+#define JB_DEFINE_ROWS16(NAME, TARGET, D)                                                     \
+  template <int NR, int MR>                                                                   \
+  __attribute__((target(TARGET))) void NAME(                                                  \
+      const uint8_t* ut, const int32_t* su, const RowBlock16* blk, int64_t K, int64_t groupsize, \
+      const float* s, const float* bias, int64_t n0, float* out, int64_t N) {                 \
+    const int64_t G = K / groupsize;                                                          \
+    const int64_t cpg = groupsize / 128;                                                      \
+    const int64_t plane = K / 2 * 16; /* bytes of one plane of a row block */                 \
+    __m512 f[NR][MR];                                                                         \
+    for (int n = 0; n < NR; ++n)                                                              \
+      for (int r = 0; r < MR; ++r) f[n][r] = _mm512_setzero_ps();                             \
+    for (int64_t g = 0; g < G; ++g) {                                                         \
+      __m512i acc[NR][MR];                                                                    \
+      for (int n = 0; n < NR; ++n)                                                            \
+        for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_si512();                      \
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {                                     \
+        for (int h = 0; h < 2; ++h) { /* even plane (low nibbles), odd plane */               \
+          for (int j = 0; j < 16; ++j) {                                                      \
+            __m512i a[MR];                                                                    \
+            for (int r = 0; r < MR; ++r)                                                      \
+              a[r] = _mm512_loadu_si512(blk[r].a + h * plane + (c * 16 + j) * 64);           \
+            for (int n = 0; n < NR; ++n) {                                                    \
+              int32_t u4;                                                                     \
+              std::memcpy(&u4, ut + n * K + c * 128 + h * 64 + 4 * j, 4);                     \
+              const __m512i ub = _mm512_set1_epi32(u4);                                       \
+              for (int r = 0; r < MR; ++r) acc[n][r] = D::Dot(acc[n][r], ub, a[r]);            \
+            }                                                                                 \
+          }                                                                                   \
+        }                                                                                     \
+      }                                                                                       \
+      for (int r = 0; r < MR; ++r) {                                                          \
+        const __m512i cg = _mm512_loadu_si512(blk[r].c + g * 16);                             \
+        const __m512i zp = _mm512_loadu_si512(blk[r].zp);                                     \
+        for (int n = 0; n < NR; ++n) {                                                        \
+          const __m512i iv = _mm512_sub_epi32(_mm512_add_epi32(acc[n][r], cg),                \
+                                              _mm512_mullo_epi32(zp, _mm512_set1_epi32(su[n * G + g]))); \
+          const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_set1_ps(s[n * G + g])); \
+          f[n][r] = G == 1 ? p : _mm512_add_ps(f[n][r], p);                                   \
+        }                                                                                     \
+      }                                                                                       \
+    }                                                                                         \
+    alignas(64) float tmp[16];                                                                \
+    for (int r = 0; r < MR; ++r) {                                                            \
+      const __m512 rc = _mm512_loadu_ps(blk[r].recip);                                        \
+      for (int n = 0; n < NR; ++n) {                                                          \
+        __m512 v = _mm512_mul_ps(f[n][r], rc);                                                \
+        if (bias) v = _mm512_add_ps(v, _mm512_set1_ps(bias[n]));                              \
+        v = _mm512_max_ps(_mm512_set1_ps(-FLT_MAX), v);                                       \
+        v = _mm512_min_ps(_mm512_set1_ps(FLT_MAX), v);                                        \
+        _mm512_store_ps(tmp, v);                                                              \
+        for (int i = 0; i < blk[r].rows; ++i) out[i * N + n0 + n + r * 16 * N] = tmp[i];      \
+      }                                                                                       \
+    }                                                                                         \
+  }
+
+#if JB_X86
+JB_DEFINE_ROWS16(Rows16Vnni, "avx512f,avx512bw,avx512vl,avx512vnni", VnniDot2)
+JB_DEFINE_ROWS16(Rows16Bw, "avx512f,avx512bw,avx512vl", BwDot2)
+#endif
+#undef JB_DEFINE_ROWS16
+
+#if JB_X86
+// Unpacks NR weight rows (K / 2 bytes each) into ut ([NR][K] bytes) and the
+// per-group sums of u into su ([NR][G]).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void UnpackTile(const uint8_t* w, int nr,
+                                                                     int64_t K, int64_t groupsize,
+                                                                     uint8_t* ut, int32_t* su) {
+  const int64_t G = K / groupsize;
+  const int64_t cpg = groupsize / 128;
+  const __m512i mask4 = _mm512_set1_epi8(0x0F);
+  for (int n = 0; n < nr; ++n) {
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i sacc = _mm512_setzero_si512();
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+        const __m512i wv = _mm512_loadu_si512(w + n * (K / 2) + c * 64);
+        const __m512i lo = _mm512_and_si512(wv, mask4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);
+        _mm512_storeu_si512(ut + n * K + c * 128, lo);
+        _mm512_storeu_si512(ut + n * K + c * 128 + 64, hi);
+        sacc = _mm512_add_epi64(sacc, _mm512_sad_epu8(_mm512_add_epi8(lo, hi), _mm512_setzero_si512()));
+      }
+      su[n * G + g] = static_cast<int32_t>(_mm512_reduce_add_epi64(sacc));
+    }
+  }
+}
+#endif  // JB_X86
+
+using Rows16Fn = void (*)(const uint8_t*, const int32_t*, const RowBlock16*, int, int, int64_t,
+                          int64_t, const float*, const float*, int64_t, float*, int64_t);
+
+#if JB_X86
+#define JB_ROWS16_N(NAME, IMPL)                                                                \
+  void NAME(const uint8_t* ut, const int32_t* su, const RowBlock16* blk, int nr, int mr,       \
+            int64_t K, int64_t gs, const float* s, const float* bias, int64_t n0, float* out,  \
+            int64_t N) {                                                                       \
+    switch (nr * 2 + mr - 1) { /* nr 1..4 (2 * nr + mr - 1: 2..9) */                         \
+      case 2: return IMPL<1, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 3: return IMPL<1, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 4: return IMPL<2, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 5: return IMPL<2, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 6: return IMPL<3, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 7: return IMPL<3, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 8: return IMPL<4, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      default: return IMPL<4, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                     \
+    }                                                                                          \
+  }
+JB_ROWS16_N(Rows16VnniN, Rows16Vnni)
+JB_ROWS16_N(Rows16BwN, Rows16Bw)
+#undef JB_ROWS16_N
+#endif
+
 // ---------------------------------------------------------------- dyn quant
 
 // Group sums of nm <= kGroupRows rows (the group path); nullptr: no group path
@@ -780,6 +925,72 @@ void DynQuantGroups(const std::vector<QRow>& rows, const uint8_t* w, const float
 }
 #endif  // JB_X86
 
+Rows16Fn PickRows16() {
+#if JB_X86
+  if (HasAvx512()) return HasAvx512Vnni() ? &Rows16VnniN : &Rows16BwN;
+#endif
+  return nullptr;
+}
+std::atomic<Rows16Fn> g_rows16{PickRows16()};
+
+// Rows from which the blocked group path (16 rows per vector) runs instead of
+// the row path: measured crossover (K = 4096, N = 4096 / 11008, groupsize 128).
+constexpr int64_t kRows16MinRows = 16;
+
+#if JB_X86
+void DynQuantRows16(const std::vector<QRow>& rows, const uint8_t* w, const float* scales,
+                    const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                    int64_t groupsize, Rows16Fn fn) {
+  const int64_t G = K / groupsize;
+  const int64_t per_group = groupsize / 32;
+  const int64_t Mb = (M + 15) / 16;
+  const int64_t plane = K / 2 * 16;
+  std::vector<int8_t> apack(Mb * 2 * plane, 0);
+  std::vector<int32_t> cpk(Mb * G * 16, 0), zpk(Mb * 16, 0);
+  std::vector<float> rpk(Mb * 16, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const QRow& r = rows[m];
+    const int64_t b = m / 16, i = m % 16;
+    int8_t* ae = apack.data() + b * 2 * plane;
+    int8_t* ao = ae + plane;
+    for (int64_t j = 0; j < K / 2; ++j) {
+      const int64_t idx = (j / 4) * 64 + i * 4 + j % 4;
+      ae[idx] = r.even[j];
+      ao[idx] = r.odd[j];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sq = 0;
+      for (int64_t q = 0; q < per_group; ++q) sq += r.block_sum[g * per_group + q];
+      cpk[(b * G + g) * 16 + i] = -8 * sq + 8 * r.zp * static_cast<int32_t>(groupsize);
+    }
+    zpk[b * 16 + i] = r.zp;
+    rpk[b * 16 + i] = r.recip;
+  }
+  std::vector<RowBlock16> blk(Mb);
+  for (int64_t b = 0; b < Mb; ++b)
+    blk[b] = {apack.data() + b * 2 * plane, cpk.data() + b * G * 16, zpk.data() + b * 16,
+              rpk.data() + b * 16, static_cast<int>(std::min<int64_t>(16, M - 16 * b))};
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
+  std::vector<std::vector<uint8_t>> ut(std::max(threads, 1), std::vector<uint8_t>(kTileN * K));
+  std::vector<std::vector<int32_t>> su(std::max(threads, 1), std::vector<int32_t>(kTileN * G));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTileN, n1 - t0));
+      UnpackTile(w + t0 * (K / 2), nt, K, groupsize, ut[id].data(), su[id].data());
+      for (int64_t b0 = 0; b0 < Mb; b0 += 2) {
+        const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+        for (int q = 0; q < nt; q += 4) {
+          const int nr = std::min(4, nt - q);
+          fn(ut[id].data() + q * K, su[id].data() + q * G, blk.data() + b0, nr, mr, K, groupsize,
+             scales + (t0 + q) * G, bias ? bias + t0 + q : nullptr, t0 + q, out + b0 * 16 * N, N);
+        }
+      }
+    }
+  });
+}
+#endif  // JB_X86
+
 void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
                     const float* bias, float* out, int64_t M, int64_t N,
                     int64_t K, int64_t groupsize) {
@@ -797,6 +1008,11 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   // as torch's does.
   const bool zp_in_range = std::all_of(rows.begin(), rows.end(),
                                        [](const QRow& r) { return r.zp >= -128 && r.zp <= 127; });
+  const Rows16Fn rows16 = g_rows16.load();
+  if (rows16 != nullptr && M >= kRows16MinRows && groupsize % 128 == 0 && zp_in_range) {
+    DynQuantRows16(rows, w, scales, bias, out, M, N, K, groupsize, rows16);
+    return;
+  }
   if (group_sums != nullptr && groupsize % 128 == 0 && zp_in_range) {
     DynQuantGroups(rows, w, scales, bias, out, M, N, K, groupsize, group_sums);
     return;
@@ -1245,6 +1461,7 @@ extern "C" int JbInt4SetIsa(const char* name) {
     g_block_dots = &BlockDotsScalar;
     g_tail = &TailScalar;
     g_group_sums = nullptr;
+    g_rows16 = nullptr;
     g_wo_row = &WeightOnlyRowScalar;
     return 0;
   }
@@ -1253,6 +1470,7 @@ extern "C" int JbInt4SetIsa(const char* name) {
     g_block_dots = n == "avx512bw" ? &BlockDotsAvx512Bw : &BlockDotsAvx512Vnni;
     g_tail = &TailAvx512;
     g_group_sums = n == "avx512bw" ? &GroupSumsBwN : &GroupSumsVnniN;
+    g_rows16 = n == "avx512bw" ? &Rows16BwN : &Rows16VnniN;
     g_wo_row = &WeightOnlyRowAvx512;
     return 0;
   }
@@ -1260,6 +1478,7 @@ extern "C" int JbInt4SetIsa(const char* name) {
     g_block_dots = &BlockDotsAvx2;
     g_tail = &TailAvx2;
     g_group_sums = nullptr;
+    g_rows16 = nullptr;
     g_wo_row = &WeightOnlyRowAvx2;
     return 0;
   }

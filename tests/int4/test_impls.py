@@ -111,11 +111,21 @@ def test_long_channelwise_rows_exact():
             np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), want)
 
 
-# The C++ group path (groupsize a multiple of 128): more than 16 groups with a ragged last block of
-# 16, N not a multiple of the 8-row weight tile, 64-byte chunks per group > 1 (groupsize 256,
+# The C++ group paths (groupsize a multiple of 128; the row path and, from 16 rows, the blocked one):
+# more than 16 groups with a ragged last block of 16, N not a multiple of the 8-row weight tile, 64-byte chunks per group > 1 (groupsize 256,
 # channel-wise K = 256), 1 to 4 rows per block plus a remainder, and rows whose zero point is -128
 # (all-positive rows: the second zero-point dot) next to ordinary ones in the same block of rows.
-_GROUP_CASES = [(1, 2176, 37, 128), (2, 2304, 19, 256), (5, 256, 13, 256), (9, 640, 24, 128), (6, 128, 9, 128)]
+_GROUP_CASES = [
+    (1, 2176, 37, 128),
+    (2, 2304, 19, 256),
+    (5, 256, 13, 256),
+    (9, 640, 24, 128),
+    (6, 128, 9, 128),
+    # 16 rows and more: the blocked path (16 rows per vector), ragged row blocks and weight quads
+    (16, 256, 13, 256),
+    (33, 2176, 37, 128),
+    (50, 384, 8, 128),
+]
 
 
 @pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
