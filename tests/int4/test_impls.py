@@ -119,12 +119,13 @@ _GROUP_CASES = [
     (1, 2176, 37, 128),
     (2, 2304, 19, 256),
     (5, 256, 13, 256),
-    (9, 640, 24, 128),
+    (8, 640, 24, 128),
     (6, 128, 9, 128),
     # 16 rows and more: the blocked path (16 rows per vector), ragged row blocks and weight quads
     (16, 256, 13, 256),
     (33, 2176, 37, 128),
     (50, 384, 8, 128),
+    (9, 256, 11, 128),  # the first blocked size
 ]
 
 
