@@ -1317,11 +1317,122 @@ WoRowFn PickWoRow() {
 // one, so that the tests reach every path this CPU runs.
 std::atomic<WoRowFn> g_wo_row{PickWoRow()};
 
+#if JB_X86
+// ------------------------- weight-only blocked path (16 rows per vector)
+//
+// The float GEMM form: the activations packed [plane][K / 2][16 rows], a tile
+// of weight rows dequantized once into float32 planes ([n][even k, odd k]),
+// and each FMA multiplies one broadcast weight by 16 rows.
+
+// out rows of MR blocks (a: [2][K / 2][16] each) x the NR dequantized weight
+// rows of bt ([NR][K]: the even-k plane then the odd-k plane).
+template <int NR, int MR>
+__attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const float* const* a,
+                                                          const int* nrows, int64_t K,
+                                                          const float* bias, int64_t n0,
+                                                          float* out, int64_t N) {
+  __m512 acc[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = _mm512_loadu_ps(a[r] + k * 16);
+    for (int n = 0; n < NR; ++n) {
+      const __m512 b = _mm512_set1_ps(bt[n * K + k]);
+      for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_fmadd_ps(b, av[r], acc[n][r]);
+    }
+  }
+  alignas(64) float tmp[16];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) {
+      __m512 v = acc[n][r];
+      if (bias) v = _mm512_add_ps(v, _mm512_set1_ps(bias[n]));
+      _mm512_store_ps(tmp, v);
+      for (int i = 0; i < nrows[r]; ++i) out[(r * 16 + i) * N + n0 + n] = tmp[i];
+    }
+}
+
+void WoRows16N(const float* bt, const float* const* a, const int* nrows, int nr, int mr, int64_t K,
+               const float* bias, int64_t n0, float* out, int64_t N) {
+  switch (nr * 2 + mr - 1) {
+    case 2: return WoRows16<1, 1>(bt, a, nrows, K, bias, n0, out, N);
+    case 3: return WoRows16<1, 2>(bt, a, nrows, K, bias, n0, out, N);
+    case 4: return WoRows16<2, 1>(bt, a, nrows, K, bias, n0, out, N);
+    case 5: return WoRows16<2, 2>(bt, a, nrows, K, bias, n0, out, N);
+    case 6: return WoRows16<3, 1>(bt, a, nrows, K, bias, n0, out, N);
+    case 7: return WoRows16<3, 2>(bt, a, nrows, K, bias, n0, out, N);
+    case 8: return WoRows16<4, 1>(bt, a, nrows, K, bias, n0, out, N);
+    default: return WoRows16<4, 2>(bt, a, nrows, K, bias, n0, out, N);
+  }
+}
+
+// nr weight rows -> bt ([nr][K] float32: (q - 8) * s, even-k plane then odd-k plane).
+__attribute__((target("avx512f,avx512bw"))) void DequantTile(const uint8_t* w, int nr, int64_t K,
+                                                             int64_t groupsize, const float* s,
+                                                             float* bt) {
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
+                                      3.f, 4.f, 5.f, 6.f, 7.f);
+  const int64_t half = K / 2, gb = groupsize / 2, G = K / groupsize;
+  for (int n = 0; n < nr; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
+      for (int64_t c = g * gb; c < (g + 1) * gb; c += 16) {
+        const __m512i v =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
+        _mm512_storeu_ps(bt + n * K + c, _mm512_permutexvar_ps(v, ts));
+        _mm512_storeu_ps(bt + n * K + half + c, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts));
+      }
+    }
+}
+
+void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, const float* bias,
+                      float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
+  const int64_t G = K / groupsize, half = K / 2;
+  const int64_t Mb = (M + 15) / 16;
+  std::vector<float> xpk(Mb * K * 16, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    float* a = xpk.data() + (m / 16) * K * 16 + m % 16;
+    for (int64_t j = 0; j < half; ++j) {
+      a[j * 16] = x[m * K + 2 * j];
+      a[(half + j) * 16] = x[m * K + 2 * j + 1];
+    }
+  }
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kTileN * K));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    float* b = bt[id].data();
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTileN, n1 - t0));
+      DequantTile(w + t0 * half, nt, K, groupsize, scales + t0 * G, b);
+      for (int64_t b0 = 0; b0 < Mb; b0 += 2) {
+        const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+        const float* a[2] = {xpk.data() + b0 * K * 16, xpk.data() + std::min(b0 + 1, Mb - 1) * K * 16};
+        const int rows[2] = {static_cast<int>(std::min<int64_t>(16, M - 16 * b0)),
+                             static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, M - 16 * (b0 + 1))))};
+        for (int q = 0; q < nt; q += 4)
+          WoRows16N(b + q * K, a, rows, std::min(4, nt - q), mr, K, bias ? bias + t0 + q : nullptr,
+                    t0 + q, out + b0 * 16 * N, N);
+      }
+    }
+  });
+}
+#endif  // JB_X86
+
+// Rows from which the AVX-512 weight-only kernel takes the blocked path.
+constexpr int64_t kWoRows16MinRows = 16;
+
 void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
                       const float* bias, float* out, int64_t M, int64_t N,
                       int64_t K, int64_t groupsize) {
   if (M == 0 || N == 0) return;
   const int64_t G = K / groupsize;
+#if JB_X86
+  if (M >= kWoRows16MinRows && g_wo_row.load() == &WeightOnlyRowAvx512) {
+    WeightOnlyRows16(x, w, scales, bias, out, M, N, K, groupsize);
+    return;
+  }
+#endif
   // De-interleave the activations once: even k pair with low nibbles.
   std::vector<float> xe(M * (K / 2)), xo(M * (K / 2));
   for (int64_t m = 0; m < M; ++m)
