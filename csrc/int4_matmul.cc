@@ -1324,17 +1324,17 @@ std::atomic<WoRowFn> g_wo_row{PickWoRow()};
 // of weight rows dequantized once into float32 planes ([n][even k, odd k]),
 // and each FMA multiplies one broadcast weight by 16 rows.
 
-// out rows of MR blocks (a: [2][K / 2][16] each) x the NR dequantized weight
-// rows of bt ([NR][K]: the even-k plane then the odd-k plane).
+// acc[n][r] (c: [NR][MR][16], loaded and stored back) += rows of the MR
+// blocks (a: [K][16] each, from k0 to k1) x the NR dequantized weight rows of
+// bt ([NR][K]: the even-k plane then the odd-k plane).
 template <int NR, int MR>
 __attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const float* const* a,
-                                                          const int* nrows, int64_t K,
-                                                          const float* bias, int64_t n0,
-                                                          float* out, int64_t N) {
+                                                          int64_t K, int64_t k0, int64_t k1,
+                                                          float* c) {
   __m512 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
-    for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_loadu_ps(c + (n * MR + r) * 16);
+  for (int64_t k = k0; k < k1; ++k) {
     __m512 av[MR];
     for (int r = 0; r < MR; ++r) av[r] = _mm512_loadu_ps(a[r] + k * 16);
     for (int n = 0; n < NR; ++n) {
@@ -1342,27 +1342,21 @@ __attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const
       for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_fmadd_ps(b, av[r], acc[n][r]);
     }
   }
-  alignas(64) float tmp[16];
-  for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NR; ++n) {
-      __m512 v = acc[n][r];
-      if (bias) v = _mm512_add_ps(v, _mm512_set1_ps(bias[n]));
-      _mm512_store_ps(tmp, v);
-      for (int i = 0; i < nrows[r]; ++i) out[(r * 16 + i) * N + n0 + n] = tmp[i];
-    }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + (n * MR + r) * 16, acc[n][r]);
 }
 
-void WoRows16N(const float* bt, const float* const* a, const int* nrows, int nr, int mr, int64_t K,
-               const float* bias, int64_t n0, float* out, int64_t N) {
+void WoRows16N(const float* bt, const float* const* a, int nr, int mr, int64_t K, int64_t k0,
+               int64_t k1, float* c) {
   switch (nr * 2 + mr - 1) {
-    case 2: return WoRows16<1, 1>(bt, a, nrows, K, bias, n0, out, N);
-    case 3: return WoRows16<1, 2>(bt, a, nrows, K, bias, n0, out, N);
-    case 4: return WoRows16<2, 1>(bt, a, nrows, K, bias, n0, out, N);
-    case 5: return WoRows16<2, 2>(bt, a, nrows, K, bias, n0, out, N);
-    case 6: return WoRows16<3, 1>(bt, a, nrows, K, bias, n0, out, N);
-    case 7: return WoRows16<3, 2>(bt, a, nrows, K, bias, n0, out, N);
-    case 8: return WoRows16<4, 1>(bt, a, nrows, K, bias, n0, out, N);
-    default: return WoRows16<4, 2>(bt, a, nrows, K, bias, n0, out, N);
+    case 2: return WoRows16<1, 1>(bt, a, K, k0, k1, c);
+    case 3: return WoRows16<1, 2>(bt, a, K, k0, k1, c);
+    case 4: return WoRows16<2, 1>(bt, a, K, k0, k1, c);
+    case 5: return WoRows16<2, 2>(bt, a, K, k0, k1, c);
+    case 6: return WoRows16<3, 1>(bt, a, K, k0, k1, c);
+    case 7: return WoRows16<3, 2>(bt, a, K, k0, k1, c);
+    case 8: return WoRows16<4, 1>(bt, a, K, k0, k1, c);
+    default: return WoRows16<4, 2>(bt, a, K, k0, k1, c);
   }
 }
 
@@ -1397,22 +1391,46 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
       a[(half + j) * 16] = x[m * K + 2 * j + 1];
     }
   }
+  // Tiles of kWoTileN weight rows (dequantized: kWoTileN x K x 4 bytes, L2);
+  // K in slices of kWoSliceK so that a pair of row blocks (2 x kWoSliceK x 64
+  // bytes) stays in L1 while every weight row of the tile passes over it; the
+  // accumulators of the tile ([row pair][n][2][16]) are kept between slices.
+  constexpr int64_t kWoTileN = 32, kWoSliceK = 256;
   const int threads =
       static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
-  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kTileN * K));
+  const int64_t pairs = (Mb + 1) / 2;
+  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kWoTileN * K));
+  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(pairs * kWoTileN * 32));
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
     float* b = bt[id].data();
-    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
-      const int nt = static_cast<int>(std::min<int64_t>(kTileN, n1 - t0));
+    float* cacc = acc[id].data();
+    for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
       DequantTile(w + t0 * half, nt, K, groupsize, scales + t0 * G, b);
-      for (int64_t b0 = 0; b0 < Mb; b0 += 2) {
+      std::fill(cacc, cacc + pairs * kWoTileN * 32, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
+        const int64_t k1 = std::min(K, k0 + kWoSliceK);
+        for (int64_t p = 0; p < pairs; ++p) {
+          const int64_t b0 = 2 * p;
+          const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+          const float* a[2] = {xpk.data() + b0 * K * 16, xpk.data() + std::min(b0 + 1, Mb - 1) * K * 16};
+          for (int q = 0; q < nt; q += 4)
+            WoRows16N(b + q * K, a, std::min(4, nt - q), mr, K, k0, k1,
+                      cacc + (p * kWoTileN + q) * 32);
+        }
+      }
+      // acc of (pair p, weight row q + j, block r) at cacc + (p * kWoTileN + q) * 32 + (j * mr + r) * 16;
+      // written row by row (contiguous in out).
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t b0 = 2 * p;
         const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
-        const float* a[2] = {xpk.data() + b0 * K * 16, xpk.data() + std::min(b0 + 1, Mb - 1) * K * 16};
-        const int rows[2] = {static_cast<int>(std::min<int64_t>(16, M - 16 * b0)),
-                             static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, M - 16 * (b0 + 1))))};
-        for (int q = 0; q < nt; q += 4)
-          WoRows16N(b + q * K, a, rows, std::min(4, nt - q), mr, K, bias ? bias + t0 + q : nullptr,
-                    t0 + q, out + b0 * 16 * N, N);
+        for (int r = 0; r < mr; ++r)
+          for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
+            float* o = out + ((b0 + r) * 16 + i) * N + t0;
+            const float* cp = cacc + p * kWoTileN * 32 + r * 16 + i;
+            for (int n = 0; n < nt; ++n)
+              o[n] = cp[(n & ~3) * 32 + (n & 3) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
+          }
       }
     }
   });
