@@ -694,6 +694,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float GroupTailAvx51
 // order over the groups) runs with one lane per row. The zero-point term is
 // exact int32: zp * sum_g u (sum_g u once per weight row and group).
 
+#if JB_X86
 struct VnniDot2 {
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot(
       __m512i acc, __m512i u, __m512i a) {
@@ -706,6 +707,7 @@ struct BwDot2 {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)));
   }
 };
+#endif  // JB_X86
 
 // One block of input rows for the blocked path.
 struct RowBlock16 {
