@@ -888,6 +888,39 @@ void ForTiles(int64_t N, int threads, F&& f) {
 }
 
 #if JB_X86
+// GroupTailAvx512 for one input row and cnt <= 16 weight rows at once, one
+// lane per weight row: the products of 16 groups are transposed (lanes = n)
+// and summed in order with the same operations per lane, so that the serial
+// fp32 chain is shared by 16 outputs. isum: [16][Gp]; out: cnt floats.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void GroupTail16(
+    const int32_t* isum, int64_t G, int64_t Gp, const float* s, int cnt, float recip,
+    const float* bias, float* out) {
+  alignas(64) float prod[16 * 16];
+  alignas(64) int32_t tr[16 * kRowBlock];
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));
+    const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);
+    for (int i = 0; i < 16; ++i) {
+      const __m512 p = i < cnt ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + i * Gp + g0)),
+                                               _mm512_maskz_loadu_ps(gm, s + i * G + g0))
+                               : _mm512_setzero_ps();
+      _mm512_store_ps(prod + 16 * i, p);
+    }
+    StoreTransposed16(reinterpret_cast<const int32_t*>(prod), tr, ng);
+    for (int g = 0; g < ng; ++g) {
+      const __m512 t = _mm512_castsi512_ps(_mm512_loadu_si512(tr + g * kRowBlock));
+      acc = G == 1 ? t : _mm512_add_ps(acc, t);
+    }
+  }
+  const __mmask16 nmask = static_cast<__mmask16>((1u << cnt) - 1);
+  acc = _mm512_mul_ps(acc, _mm512_set1_ps(recip));
+  if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(nmask, bias));
+  acc = _mm512_max_ps(_mm512_set1_ps(-FLT_MAX), acc);
+  acc = _mm512_min_ps(_mm512_set1_ps(FLT_MAX), acc);
+  _mm512_mask_storeu_ps(out, nmask, acc);
+}
+
 void DynQuantGroups(const std::vector<QRow>& rows, const uint8_t* w, const float* scales,
                     const float* bias, float* out, int64_t M, int64_t N, int64_t K,
                     int64_t groupsize, GroupSumsFn group_sums) {
@@ -908,9 +941,19 @@ void DynQuantGroups(const std::vector<QRow>& rows, const uint8_t* w, const float
              static_cast<int8_t>(std::min(nz, 127)), static_cast<int8_t>(nz - std::min(nz, 127))};
   }
   const int threads = static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
-  std::vector<std::vector<int32_t>> scratch(std::max(threads, 1), std::vector<int32_t>(kGroupRows * Gp));
+  std::vector<std::vector<int32_t>> scratch(std::max(threads, 1), std::vector<int32_t>(16 * Gp));
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
     int32_t* isum = scratch[id].data();
+    if (M == 1) {  // decode: 16 weight rows share one tail
+      for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+        const int cnt = static_cast<int>(std::min<int64_t>(16, n1 - t0));
+        for (int i = 0; i < cnt; ++i)
+          group_sums(w + (t0 + i) * (K / 2), gr.data(), 1, K, groupsize, isum + i * Gp);
+        GroupTail16(isum, G, Gp, scales + t0 * G, cnt, rows[0].recip, bias ? bias + t0 : nullptr,
+                    out + t0);
+      }
+      return;
+    }
     for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
       const int64_t t1 = std::min(n1, t0 + kTileN);
       for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {

@@ -117,6 +117,7 @@ def test_long_channelwise_rows_exact():
 # (all-positive rows: the second zero-point dot) next to ordinary ones in the same block of rows.
 _GROUP_CASES = [
     (1, 2176, 37, 128),
+    (1, 256, 21, 256),  # channel-wise decode
     (2, 2304, 19, 256),
     (5, 256, 13, 256),
     (8, 640, 24, 128),
