@@ -1374,7 +1374,7 @@ std::atomic<WoRowFn> g_wo_row{PickWoRow()};
 // bt ([NR][K]: the even-k plane then the odd-k plane).
 template <int NR, int MR>
 __attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const float* const* a,
-                                                          int64_t K, int64_t k0, int64_t k1,
+                                                          int64_t ldb, int64_t k0, int64_t k1,
                                                           float* c) {
   __m512 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
@@ -1383,7 +1383,7 @@ __attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const
     __m512 av[MR];
     for (int r = 0; r < MR; ++r) av[r] = _mm512_loadu_ps(a[r] + k * 16);
     for (int n = 0; n < NR; ++n) {
-      const __m512 b = _mm512_set1_ps(bt[n * K + k]);
+      const __m512 b = _mm512_set1_ps(bt[n * ldb + k]);
       for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_fmadd_ps(b, av[r], acc[n][r]);
     }
   }
@@ -1401,27 +1401,43 @@ void WoRows16N(const float* bt, const float* const* a, int nr, int mr, int64_t K
     case 6: return WoRows16<3, 1>(bt, a, K, k0, k1, c);
     case 7: return WoRows16<3, 2>(bt, a, K, k0, k1, c);
     case 8: return WoRows16<4, 1>(bt, a, K, k0, k1, c);
-    default: return WoRows16<4, 2>(bt, a, K, k0, k1, c);
+    case 9: return WoRows16<4, 2>(bt, a, K, k0, k1, c);
+    case 10: return WoRows16<5, 1>(bt, a, K, k0, k1, c);
+    case 12: return WoRows16<6, 1>(bt, a, K, k0, k1, c);
+    case 14: return WoRows16<7, 1>(bt, a, K, k0, k1, c);
+    default: return WoRows16<8, 1>(bt, a, K, k0, k1, c);
   }
 }
 
-// nr weight rows -> bt ([nr][K] float32: (q - 8) * s, even-k plane then odd-k plane).
-__attribute__((target("avx512f,avx512bw"))) void DequantTile(const uint8_t* w, int nr, int64_t K,
-                                                             int64_t groupsize, const float* s,
-                                                             float* bt) {
+// Weight rows per call of WoRows16N: 8 with one row block (8 FMA chains), 4
+// with two.
+inline int WoQuad(int mr) { return mr == 1 ? 8 : 4; }
+
+// nr weight rows, k in [k0, k1) of one plane (the even-k plane is k < K / 2,
+// the odd-k plane K / 2 + k2) -> bt ([nr][256] float32 (q - 8) * s).
+__attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, int nr, int64_t K,
+                                                              int64_t groupsize, const float* s,
+                                                              int64_t k0, int64_t k1, float* bt) {
+  constexpr int64_t kSlice = 256;  // kWoSliceK
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
                                       3.f, 4.f, 5.f, 6.f, 7.f);
   const int64_t half = K / 2, gb = groupsize / 2, G = K / groupsize;
-  for (int n = 0; n < nr; ++n)
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
-      for (int64_t c = g * gb; c < (g + 1) * gb; c += 16) {
-        const __m512i v =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
-        _mm512_storeu_ps(bt + n * K + c, _mm512_permutexvar_ps(v, ts));
-        _mm512_storeu_ps(bt + n * K + half + c, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts));
+  const bool odd = k0 >= half;
+  const int64_t c0 = odd ? k0 - half : k0, c1 = odd ? k1 - half : k1;  // weight bytes
+  for (int n = 0; n < nr; ++n) {
+    int64_t g = c0 / gb;
+    __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
+    for (int64_t c = c0; c < c1; c += 16) {
+      if (c >= (g + 1) * gb) {
+        g = c / gb;
+        ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
       }
+      __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
+      if (odd) v = _mm512_srli_epi32(v, 4);
+      _mm512_storeu_ps(bt + n * kSlice + (c - c0), _mm512_permutexvar_ps(v, ts));
     }
+  }
 }
 
 void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, const float* bias,
@@ -1436,45 +1452,50 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
       a[(half + j) * 16] = x[m * K + 2 * j + 1];
     }
   }
-  // Tiles of kWoTileN weight rows (dequantized: kWoTileN x K x 4 bytes, L2);
-  // K in slices of kWoSliceK so that a pair of row blocks (2 x kWoSliceK x 64
-  // bytes) stays in L1 while every weight row of the tile passes over it; the
-  // accumulators of the tile ([row pair][n][2][16]) are kept between slices.
+  // Tiles of kWoTileN weight rows; K in slices of kWoSliceK (within one
+  // plane), each slice of the tile dequantized once (kWoTileN x kWoSliceK x 4
+  // bytes) and kept in L1 with a pair of row blocks (2 x kWoSliceK x 64 bytes)
+  // while every weight row of the tile passes over it; the accumulators of the
+  // tile ([row pair][n][2][16]) are kept between slices.
   constexpr int64_t kWoTileN = 32, kWoSliceK = 256;
   const int threads =
       static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
   const int64_t pairs = (Mb + 1) / 2;
-  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kWoTileN * K));
+  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kWoTileN * kWoSliceK));
   std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(pairs * kWoTileN * 32));
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
     float* b = bt[id].data();
     float* cacc = acc[id].data();
     for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
       const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
-      DequantTile(w + t0 * half, nt, K, groupsize, scales + t0 * G, b);
       std::fill(cacc, cacc + pairs * kWoTileN * 32, 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
-        const int64_t k1 = std::min(K, k0 + kWoSliceK);
+        // slices within one plane: [k0, k1) of the even (k0 < half) or odd plane
+        const int64_t k1 = std::min(k0 < half ? half : K, k0 + kWoSliceK);
+        DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
         for (int64_t p = 0; p < pairs; ++p) {
           const int64_t b0 = 2 * p;
           const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
           const float* a[2] = {xpk.data() + b0 * K * 16, xpk.data() + std::min(b0 + 1, Mb - 1) * K * 16};
-          for (int q = 0; q < nt; q += 4)
-            WoRows16N(b + q * K, a, std::min(4, nt - q), mr, K, k0, k1,
+          const int qn = WoQuad(mr);
+          for (int q = 0; q < nt; q += qn)
+            WoRows16N(b - k0 + q * kWoSliceK, a, std::min(qn, nt - q), mr, kWoSliceK, k0, k1,
                       cacc + (p * kWoTileN + q) * 32);
         }
+        if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
       }
-      // acc of (pair p, weight row q + j, block r) at cacc + (p * kWoTileN + q) * 32 + (j * mr + r) * 16;
-      // written row by row (contiguous in out).
+      // acc of (pair p, weight row q + j, block r) at cacc + (p * kWoTileN + q) * 32 + (j * mr + r) * 16
+      // (q a multiple of WoQuad(mr)); written row by row (contiguous in out).
       for (int64_t p = 0; p < pairs; ++p) {
         const int64_t b0 = 2 * p;
         const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+        const int qn = WoQuad(mr);
         for (int r = 0; r < mr; ++r)
           for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
             float* o = out + ((b0 + r) * 16 + i) * N + t0;
             const float* cp = cacc + p * kWoTileN * 32 + r * 16 + i;
             for (int n = 0; n < nt; ++n)
-              o[n] = cp[(n & ~3) * 32 + (n & 3) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
+              o[n] = cp[(n / qn * qn) * 32 + (n % qn) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
           }
       }
     }
