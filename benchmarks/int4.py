@@ -6,8 +6,12 @@ when torch is installed its ``_dyn_quant_matmul_4bit`` (x86: a scalar single-thr
 ``_weight_int4pack_mm_for_cpu`` (AVX-512 tinygemm; timed with bfloat16 activations, its fast path).
 
 Columns: median time, effective GB/s of weight traffic (the bytes of the weight the op reads:
-packed nibbles + scales for int4, 4 or 2 bytes per weight for dense), and speed-ups (>1 is faster)
-of each row over dense f32, dense bf16, torch dyn-quant and torch int4pack.
+packed nibbles + scales for int4, 4 or 2 bytes per weight for dense) and its fraction of a measured
+memory copy rate ("%copy"), GFLOP/s (2 M N K) and its fraction of a measured XLA float32 GEMM rate
+("%gemm"), and speed-ups (>1 is faster) of each row over dense f32, dense bf16, torch dyn-quant and
+torch int4pack. The two roofs are measured at the start (and printed): the copy rate is the best of
+numpy's single-threaded copy and XLA's multi-threaded one, counting the bytes read and written; the
+GEMM rate is XLA's float32 ``jnp.dot`` on 512 x 4096 x 4096.
 
     python benchmarks/int4.py                 # the full table (a few minutes on 2 cores)
     python benchmarks/int4.py --quick         # M=1 only
@@ -50,7 +54,23 @@ def _jax(f, *args):
     return lambda: jax.block_until_ready(f(*args))
 
 
-def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
+def measure_roofs(budget_s: float = 1.0) -> tuple[float, float]:
+    """(copy GB/s, XLA float32 GEMM GFLOP/s) on this machine now: the roofs of the table's fractions."""
+    n = 256 << 20
+    a = np.ones(n, np.uint8)
+    b = np.empty_like(a)
+    t_np = _time(lambda: np.copyto(b, a), budget_s=budget_s)
+    xa = jnp.ones((n // 4,), jnp.float32)
+    t_xla = _time(_jax(lambda v: v + 1.0, xa), budget_s=budget_s)
+    copy_gbs = 2 * n / min(t_np, t_xla) / 1e9
+    M, K, N = 512, 4096, 4096
+    xm = jnp.ones((M, K), jnp.float32)
+    wm = jnp.ones((K, N), jnp.float32)
+    t_gemm = _time(_jax(jnp.dot, xm, wm), budget_s=budget_s)
+    return copy_gbs, 2 * M * N * K / t_gemm / 1e9
+
+
+def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s, roofs=(None, None)):
     rows = []
     rng = np.random.default_rng(0)
     for K, N in shapes:
@@ -97,8 +117,12 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
                 _time(_jax(lambda x, p: Q.int4_matmul(x, p), x, packed), budget_s=budget_s),
                 int4_bytes,
             )
-            r["dense f32 jnp.dot"] = (_time(_jax(jnp.dot, x, wt32), budget_s=budget_s), N * K * 4)
             xb = x.astype(jnp.bfloat16)
+            r["jb int4_matmul (auto, bf16 x)"] = (
+                _time(_jax(lambda x, p: Q.int4_matmul(x, p), xb, packed), budget_s=budget_s),
+                int4_bytes,
+            )
+            r["dense f32 jnp.dot"] = (_time(_jax(jnp.dot, x, wt32), budget_s=budget_s), N * K * 4)
             r["dense bf16 jnp.dot"] = (_time(_jax(jnp.dot, xb, wt16), budget_s=budget_s), N * K * 2)
             if torch is not None:
                 tx = torch.tensor(np.asarray(x))
@@ -122,25 +146,30 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s):
                     int4_bytes,
                 )
             rows.append(((K, N, M), r))
-            _print_block((K, N, M), r)
+            _print_block((K, N, M), r, roofs)
     return rows
 
 
-def _print_block(key, r):
+def _print_block(key, r, roofs=(None, None)):
     K, N, M = key
+    copy_gbs, gemm_gflops = roofs
     f32 = r["dense f32 jnp.dot"][0]
     bf16 = r["dense bf16 jnp.dot"][0]
     tdyn = next((v[0] for k, v in r.items() if k.startswith("torch _dyn")), None)
     t4 = r.get("torch _weight_int4pack_mm (bf16 x)", (None,))[0]
     print(f"\nK={K} N={N} M={M}")
     print(
-        f"  {'impl':38s} {'ms':>9s} {'GB/s':>7s} {'vs f32':>7s} {'vs bf16':>8s} {'vs t.dyn':>9s} {'vs t.i4pk':>9s}"
+        f"  {'impl':38s} {'ms':>9s} {'GB/s':>7s} {'%copy':>6s} {'GFLOP/s':>8s} {'%gemm':>6s} "
+        f"{'vs f32':>7s} {'vs bf16':>8s} {'vs t.dyn':>9s} {'vs t.i4pk':>9s}"
     )
     for name, (t, nbytes) in r.items():
         ratio = lambda ref: f"{ref / t:.2f}x" if ref else "-"
+        gbs = nbytes / t / 1e9
+        gflops = 2 * M * N * K / t / 1e9
+        frac = lambda v, roof: f"{100 * v / roof:5.0f}%" if roof else "    -"
         print(
-            f"  {name:38s} {t * 1e3:9.3f} {nbytes / t / 1e9:7.1f} {ratio(f32):>7s} {ratio(bf16):>8s} "
-            f"{ratio(tdyn):>9s} {ratio(t4):>9s}"
+            f"  {name:38s} {t * 1e3:9.3f} {gbs:7.1f} {frac(gbs, copy_gbs):>6s} {gflops:8.1f} "
+            f"{frac(gflops, gemm_gflops):>6s} {ratio(f32):>7s} {ratio(bf16):>8s} {ratio(tdyn):>9s} {ratio(t4):>9s}"
         )
 
 
@@ -162,7 +191,9 @@ def main():
         f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpu.isa()}, "
         f"torch: {getattr(torch, '__version__', 'absent')}, groupsize={a.groupsize}"
     )
-    run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget)
+    roofs = measure_roofs(a.budget)
+    print(f"roofs: memory copy {roofs[0]:.1f} GB/s (read + write), XLA float32 GEMM {roofs[1]:.1f} GFLOP/s")
+    run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget, roofs)
 
 
 if __name__ == "__main__":

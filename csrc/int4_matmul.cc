@@ -533,7 +533,510 @@ const char* BlockDotsName() {
   return "scalar";
 }
 
+// ------------------------------------------- group path (groupsize % 128 == 0)
+//
+// The block path above reduces every 32-k block and sums the blocks of a group
+// in scalar code. When a group is whole 64-byte chunks (groupsize a multiple
+// of 128) the integer dot of a group accumulates in one vector instead, with
+// the zero point folded into the same dot:
+//   sum (qa - zp) (u - 8) = sum qa u + (-zp) sum u + c_g,
+//   c_g = -8 sum_{k in g} qa + 8 zp groupsize (per input row, computed once),
+// where (-zp) sum u is one more u8 x s8 dot of (lo + hi) against -zp (split as
+// 127 + 1 when zp = -128). 16 group vectors are reduced at once, and the float
+// tail (products with the scales in one multiply, then the in-order fp32 sum)
+// follows torch's order exactly. MR input rows share every weight load.
+
+// The per-row constants of the group path.
+struct GroupRow {
+  const int8_t* even;
+  const int8_t* odd;
+  const int32_t* c;  // [G] c_g
+  int8_t nz1, nz2;   // nz1 + nz2 = -zp, both int8
+};
+
+#if JB_X86
+// Sixteen 16 x int32 vectors (src + 16 i) -> the 16 full sums in order.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i Reduce16(const int32_t* src) {
+  __m512i r[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a = _mm512_load_si512(src + 64 * q);
+    const __m512i b = _mm512_load_si512(src + 64 * q + 16);
+    const __m512i c = _mm512_load_si512(src + 64 * q + 32);
+    const __m512i d = _mm512_load_si512(src + 64 * q + 48);
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    // r[q][4 l + i] = sum of 128-bit lane l of vector 4 q + i
+    r[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  }
+  const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(r[0], r[1], 0x44),
+                                       _mm512_shuffle_i32x4(r[0], r[1], 0xEE));
+  const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(r[2], r[3], 0x44),
+                                       _mm512_shuffle_i32x4(r[2], r[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(u01, u23, 0x88), _mm512_shuffle_i32x4(u01, u23, 0xDD));
+}
+
+struct VnniDot {
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot3(
+      __m512i acc, __m512i lo, __m512i ae, __m512i hi, __m512i ao, __m512i su, __m512i nz) {
+    acc = _mm512_dpbusd_epi32(acc, lo, ae);
+    acc = _mm512_dpbusd_epi32(acc, hi, ao);
+    return _mm512_dpbusd_epi32(acc, su, nz);
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot1(
+      __m512i acc, __m512i su, __m512i nz) {
+    return _mm512_dpbusd_epi32(acc, su, nz);
+  }
+};
+
+// Without VNNI: |lo ae| + |hi ao| pairs <= 2 * 3840, |su nz| pairs <= 7680:
+// the int16 sum of the three vpmaddubsw cannot wrap.
+struct BwDot {
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m512i Dot3(
+      __m512i acc, __m512i lo, __m512i ae, __m512i hi, __m512i ao, __m512i su, __m512i nz) {
+    const __m512i p = _mm512_add_epi16(
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, ae), _mm512_maddubs_epi16(hi, ao)),
+        _mm512_maddubs_epi16(su, nz));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m512i Dot1(
+      __m512i acc, __m512i su, __m512i nz) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(su, nz), _mm512_set1_epi16(1)));
+  }
+};
+
+// isum[m * Gp + g] = exact sum over group g of (qa - zp)(u - 8), for MR rows
+// and one weight row w (K / 2 bytes). Gp = RoundUp(G, 16). One body, compiled
+// for each target (the dot's instructions must not leak into the other).
+#define JB_DEFINE_GROUP_SUMS(NAME, TARGET, D)                                        \
+  template <int MR, bool kTwo>                                                       \
+  __attribute__((target(TARGET))) void NAME(const uint8_t* w, const GroupRow* rows,  \
+                                            int64_t K, int64_t groupsize,            \
+                                            int32_t* isum) {                         \
+    const int64_t cpg = groupsize / 128; /* 64-byte chunks per group */              \
+    const int64_t G = K / groupsize;                                                 \
+    const int64_t Gp = RoundUp(G, 16);                                               \
+    const __m512i mask4 = _mm512_set1_epi8(0x0F);                                    \
+    alignas(64) int32_t buf[MR][16 * 16];                                            \
+    __m512i nz[MR], nz2[MR];                                                         \
+    const int8_t* ev[MR];                                                            \
+    const int8_t* od[MR];                                                            \
+    for (int m = 0; m < MR; ++m) {                                                   \
+      nz[m] = _mm512_set1_epi8(rows[m].nz1);                                         \
+      nz2[m] = _mm512_set1_epi8(rows[m].nz2);                                        \
+      ev[m] = rows[m].even;                                                          \
+      od[m] = rows[m].odd;                                                           \
+    }                                                                                \
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {                                         \
+      const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));                \
+      for (int gi = 0; gi < 16; ++gi) {                                              \
+        __m512i acc[MR];                                                             \
+        for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();                \
+        const int64_t off0 = (g0 + gi) * cpg * 64;                                   \
+        const int64_t off1 = gi < ng ? off0 + cpg * 64 : off0;                       \
+        for (int64_t off = off0; off < off1; off += 64) {                            \
+          const __m512i wv = _mm512_loadu_si512(w + off);                            \
+          const __m512i lo = _mm512_and_si512(wv, mask4);                            \
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);      \
+          const __m512i su = _mm512_add_epi8(lo, hi); /* <= 30 */                    \
+          for (int m = 0; m < MR; ++m) {                                             \
+            acc[m] = D::Dot3(acc[m], lo, _mm512_loadu_si512(ev[m] + off), hi,        \
+                             _mm512_loadu_si512(od[m] + off), su, nz[m]);            \
+            if (kTwo) acc[m] = D::Dot1(acc[m], su, nz2[m]);                          \
+          }                                                                          \
+        }                                                                            \
+        for (int m = 0; m < MR; ++m) _mm512_store_si512(buf[m] + 16 * gi, acc[m]);   \
+      }                                                                              \
+      const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);                   \
+      for (int m = 0; m < MR; ++m)                                                   \
+        _mm512_storeu_si512(isum + m * Gp + g0,                                      \
+                            _mm512_add_epi32(Reduce16(buf[m]),                       \
+                                             _mm512_maskz_loadu_epi32(gm, rows[m].c + g0))); \
+    }                                                                                \
+  }
+
+JB_DEFINE_GROUP_SUMS(GroupSumsVnni, "avx512f,avx512bw,avx512vl,avx512vnni", VnniDot)
+JB_DEFINE_GROUP_SUMS(GroupSumsBw, "avx512f,avx512bw,avx512vl", BwDot)
+#undef JB_DEFINE_GROUP_SUMS
+
+// out = clamp((sum_g float(isum_g) * s_g, in order) * recip + bias): torch's
+// tail (the products in one vector multiply, exactly rounded as the scalar
+// ones; the sum in order, no FMA).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline float GroupTailAvx512(
+    const int32_t* isum, int64_t G, const float* s, float recip, const float* bias) {
+  alignas(64) float prod[16];
+  float acc = 0.0f;
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));
+    const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);
+    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + g0)),
+                                   _mm512_maskz_loadu_ps(gm, s + g0));
+    _mm512_store_ps(prod, p);
+    if (G == 1) {
+      acc = prod[0];  // channel-wise: no 0 + (keeps the sign of a zero)
+    } else {
+      for (int i = 0; i < ng; ++i) acc += prod[i];
+    }
+  }
+  acc = acc * recip;
+  if (bias) acc += *bias;
+  acc = std::max(acc, -FLT_MAX);
+  return std::min(acc, FLT_MAX);
+}
+#endif  // JB_X86
+
+// ------------------------------------- blocked group path (16 rows per vector)
+//
+// For many input rows the lanes run over rows instead of k: the activations
+// are packed [k2 / 4][16 rows][4 bytes] per plane (even / odd k), a weight
+// tile is unpacked once into bytes, and each u8 x s8 dot multiplies 4 bytes of
+// one weight row (broadcast) by 4 k of 16 rows, so a group's integer sums of
+// 16 rows land in one vector with no reduction, and torch's float tail (in
+// order over the groups) runs with one lane per row. The zero-point term is
+// exact int32: zp * sum_g u (sum_g u once per weight row and group).
+
+#if JB_X86
+struct VnniDot2 {
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static inline __m512i Dot(
+      __m512i acc, __m512i u, __m512i a) {
+    return _mm512_dpbusd_epi32(acc, u, a);
+  }
+};
+struct BwDot2 {
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m512i Dot(
+      __m512i acc, __m512i u, __m512i a) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)));
+  }
+};
+#endif  // JB_X86
+
+// One block of input rows for the blocked path.
+struct RowBlock16 {
+  const int8_t* a;     // [2][K / 8][16][4]: even plane then odd plane
+  const int32_t* c;    // [G][16] c_g per row
+  const int32_t* zp;   // [16]
+  const float* recip;  // [16]
+  int rows;            // valid rows (<= 16)
+};
+
+// out[m, n] for the NR weight rows of `ut` (unpacked: [NR][K] bytes, chunk c
+// = 64 low-nibble bytes then 64 high-nibble bytes) and the MR row blocks.
+#define JB_DEFINE_ROWS16(NAME, TARGET, D)                                                     \
+  template <int NR, int MR>                                                                   \
+  __attribute__((target(TARGET))) void NAME(                                                  \
+      const uint8_t* ut, const int32_t* su, const RowBlock16* blk, int64_t K, int64_t groupsize, \
+      const float* s, const float* bias, int64_t n0, float* out, int64_t N) {                 \
+    const int64_t G = K / groupsize;                                                          \
+    const int64_t cpg = groupsize / 128;                                                      \
+    const int64_t plane = K / 2 * 16; /* bytes of one plane of a row block */                 \
+    __m512 f[NR][MR];                                                                         \
+    for (int n = 0; n < NR; ++n)                                                              \
+      for (int r = 0; r < MR; ++r) f[n][r] = _mm512_setzero_ps();                             \
+    for (int64_t g = 0; g < G; ++g) {                                                         \
+      __m512i acc[NR][MR];                                                                    \
+      for (int n = 0; n < NR; ++n)                                                            \
+        for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_si512();                      \
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {                                     \
+        for (int h = 0; h < 2; ++h) { /* even plane (low nibbles), odd plane */               \
+          for (int j = 0; j < 16; ++j) {                                                      \
+            __m512i a[MR];                                                                    \
+            for (int r = 0; r < MR; ++r)                                                      \
+              a[r] = _mm512_loadu_si512(blk[r].a + h * plane + (c * 16 + j) * 64);           \
+            for (int n = 0; n < NR; ++n) {                                                    \
+              int32_t u4;                                                                     \
+              std::memcpy(&u4, ut + n * K + c * 128 + h * 64 + 4 * j, 4);                     \
+              const __m512i ub = _mm512_set1_epi32(u4);                                       \
+              for (int r = 0; r < MR; ++r) acc[n][r] = D::Dot(acc[n][r], ub, a[r]);            \
+            }                                                                                 \
+          }                                                                                   \
+        }                                                                                     \
+      }                                                                                       \
+      for (int r = 0; r < MR; ++r) {                                                          \
+        const __m512i cg = _mm512_loadu_si512(blk[r].c + g * 16);                             \
+        const __m512i zp = _mm512_loadu_si512(blk[r].zp);                                     \
+        for (int n = 0; n < NR; ++n) {                                                        \
+          const __m512i iv = _mm512_sub_epi32(_mm512_add_epi32(acc[n][r], cg),                \
+                                              _mm512_mullo_epi32(zp, _mm512_set1_epi32(su[n * G + g]))); \
+          const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_set1_ps(s[n * G + g])); \
+          f[n][r] = G == 1 ? p : _mm512_add_ps(f[n][r], p);                                   \
+        }                                                                                     \
+      }                                                                                       \
+    }                                                                                         \
+    alignas(64) float tmp[16];                                                                \
+    for (int r = 0; r < MR; ++r) {                                                            \
+      const __m512 rc = _mm512_loadu_ps(blk[r].recip);                                        \
+      for (int n = 0; n < NR; ++n) {                                                          \
+        __m512 v = _mm512_mul_ps(f[n][r], rc);                                                \
+        if (bias) v = _mm512_add_ps(v, _mm512_set1_ps(bias[n]));                              \
+        v = _mm512_max_ps(_mm512_set1_ps(-FLT_MAX), v);                                       \
+        v = _mm512_min_ps(_mm512_set1_ps(FLT_MAX), v);                                        \
+        _mm512_store_ps(tmp, v);                                                              \
+        for (int i = 0; i < blk[r].rows; ++i) out[i * N + n0 + n + r * 16 * N] = tmp[i];      \
+      }                                                                                       \
+    }                                                                                         \
+  }
+
+#if JB_X86
+JB_DEFINE_ROWS16(Rows16Vnni, "avx512f,avx512bw,avx512vl,avx512vnni", VnniDot2)
+JB_DEFINE_ROWS16(Rows16Bw, "avx512f,avx512bw,avx512vl", BwDot2)
+#endif
+#undef JB_DEFINE_ROWS16
+
+#if JB_X86
+// Unpacks NR weight rows (K / 2 bytes each) into ut ([NR][K] bytes) and the
+// per-group sums of u into su ([NR][G]).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void UnpackTile(const uint8_t* w, int nr,
+                                                                     int64_t K, int64_t groupsize,
+                                                                     uint8_t* ut, int32_t* su) {
+  const int64_t G = K / groupsize;
+  const int64_t cpg = groupsize / 128;
+  const __m512i mask4 = _mm512_set1_epi8(0x0F);
+  for (int n = 0; n < nr; ++n) {
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i sacc = _mm512_setzero_si512();
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+        const __m512i wv = _mm512_loadu_si512(w + n * (K / 2) + c * 64);
+        const __m512i lo = _mm512_and_si512(wv, mask4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask4);
+        _mm512_storeu_si512(ut + n * K + c * 128, lo);
+        _mm512_storeu_si512(ut + n * K + c * 128 + 64, hi);
+        sacc = _mm512_add_epi64(sacc, _mm512_sad_epu8(_mm512_add_epi8(lo, hi), _mm512_setzero_si512()));
+      }
+      su[n * G + g] = static_cast<int32_t>(_mm512_reduce_add_epi64(sacc));
+    }
+  }
+}
+#endif  // JB_X86
+
+using Rows16Fn = void (*)(const uint8_t*, const int32_t*, const RowBlock16*, int, int, int64_t,
+                          int64_t, const float*, const float*, int64_t, float*, int64_t);
+
+#if JB_X86
+#define JB_ROWS16_N(NAME, IMPL)                                                                \
+  void NAME(const uint8_t* ut, const int32_t* su, const RowBlock16* blk, int nr, int mr,       \
+            int64_t K, int64_t gs, const float* s, const float* bias, int64_t n0, float* out,  \
+            int64_t N) {                                                                       \
+    switch (nr * 2 + mr - 1) { /* nr 1..4 (2 * nr + mr - 1: 2..9) */                         \
+      case 2: return IMPL<1, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 3: return IMPL<1, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 4: return IMPL<2, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 5: return IMPL<2, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 6: return IMPL<3, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 7: return IMPL<3, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      case 8: return IMPL<4, 1>(ut, su, blk, K, gs, s, bias, n0, out, N);                      \
+      default: return IMPL<4, 2>(ut, su, blk, K, gs, s, bias, n0, out, N);                     \
+    }                                                                                          \
+  }
+JB_ROWS16_N(Rows16VnniN, Rows16Vnni)
+JB_ROWS16_N(Rows16BwN, Rows16Bw)
+#undef JB_ROWS16_N
+#endif
+
 // ---------------------------------------------------------------- dyn quant
+
+// Group sums of nm <= kGroupRows rows (the group path); nullptr: no group path
+// on this code path (scalar), the block path runs.
+constexpr int kGroupRows = 4;
+using GroupSumsFn = void (*)(const uint8_t*, const GroupRow*, int, int64_t, int64_t, int32_t*);
+
+#if JB_X86
+#define JB_GROUP_SUMS_N(NAME, IMPL)                                                      \
+  void NAME(const uint8_t* w, const GroupRow* r, int nm, int64_t K, int64_t gs,          \
+            int32_t* isum) {                                                             \
+    bool two = false; /* a row with zp = -128 needs the second zero-point dot */         \
+    for (int m = 0; m < nm; ++m) two |= r[m].nz2 != 0;                                   \
+    switch (nm + (two ? 4 : 0)) {                                                        \
+      case 1: return IMPL<1, false>(w, r, K, gs, isum);                                  \
+      case 2: return IMPL<2, false>(w, r, K, gs, isum);                                  \
+      case 3: return IMPL<3, false>(w, r, K, gs, isum);                                  \
+      case 4: return IMPL<4, false>(w, r, K, gs, isum);                                  \
+      case 5: return IMPL<1, true>(w, r, K, gs, isum);                                   \
+      case 6: return IMPL<2, true>(w, r, K, gs, isum);                                   \
+      case 7: return IMPL<3, true>(w, r, K, gs, isum);                                   \
+      default: return IMPL<4, true>(w, r, K, gs, isum);                                  \
+    }                                                                                    \
+  }
+JB_GROUP_SUMS_N(GroupSumsVnniN, GroupSumsVnni)
+JB_GROUP_SUMS_N(GroupSumsBwN, GroupSumsBw)
+#undef JB_GROUP_SUMS_N
+#endif
+
+GroupSumsFn PickGroupSums() {
+#if JB_X86
+  if (HasAvx512()) return HasAvx512Vnni() ? &GroupSumsVnniN : &GroupSumsBwN;
+#endif
+  return nullptr;
+}
+
+std::atomic<GroupSumsFn> g_group_sums{PickGroupSums()};
+
+// Weight rows per tile: the tile (8 x K/2 bytes) stays in L1/L2 while every
+// block of input rows passes over it, and each block of input rows stays in
+// L1 across the tile.
+constexpr int64_t kTileN = 8;
+
+// Runs f(n0, n1, thread) over [0, N) in chunks of whole tiles handed out in
+// order (about 8 chunks per thread, so that a thread slowed down by another
+// process on its core leaves its share to the others).
+template <typename F>
+void ForTiles(int64_t N, int threads, F&& f) {
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int64_t per = std::max<int64_t>(1, tiles / (8 * static_cast<int64_t>(threads)));
+  const int64_t chunks = (tiles + per - 1) / per;
+  jb::ParallelTasks(chunks, threads, [&](int64_t t, int id) {
+    f(std::min(N, t * per * kTileN), std::min(N, (t + 1) * per * kTileN), id);
+  });
+}
+
+#if JB_X86
+// GroupTailAvx512 for one input row and cnt <= 16 weight rows at once, one
+// lane per weight row: the products of 16 groups are transposed (lanes = n)
+// and summed in order with the same operations per lane, so that the serial
+// fp32 chain is shared by 16 outputs. isum: [16][Gp]; out: cnt floats.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void GroupTail16(
+    const int32_t* isum, int64_t G, int64_t Gp, const float* s, int cnt, float recip,
+    const float* bias, float* out) {
+  alignas(64) float prod[16 * 16];
+  alignas(64) int32_t tr[16 * kRowBlock];
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));
+    const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);
+    for (int i = 0; i < 16; ++i) {
+      const __m512 p = i < cnt ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + i * Gp + g0)),
+                                               _mm512_maskz_loadu_ps(gm, s + i * G + g0))
+                               : _mm512_setzero_ps();
+      _mm512_store_ps(prod + 16 * i, p);
+    }
+    StoreTransposed16(reinterpret_cast<const int32_t*>(prod), tr, ng);
+    for (int g = 0; g < ng; ++g) {
+      const __m512 t = _mm512_castsi512_ps(_mm512_loadu_si512(tr + g * kRowBlock));
+      acc = G == 1 ? t : _mm512_add_ps(acc, t);
+    }
+  }
+  const __mmask16 nmask = static_cast<__mmask16>((1u << cnt) - 1);
+  acc = _mm512_mul_ps(acc, _mm512_set1_ps(recip));
+  if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(nmask, bias));
+  acc = _mm512_max_ps(_mm512_set1_ps(-FLT_MAX), acc);
+  acc = _mm512_min_ps(_mm512_set1_ps(FLT_MAX), acc);
+  _mm512_mask_storeu_ps(out, nmask, acc);
+}
+
+void DynQuantGroups(const std::vector<QRow>& rows, const uint8_t* w, const float* scales,
+                    const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                    int64_t groupsize, GroupSumsFn group_sums) {
+  const int64_t G = K / groupsize;
+  const int64_t Gp = RoundUp(G, 16);
+  const int64_t per_group = groupsize / 32;
+  std::vector<int32_t> consts(M * Gp, 0);
+  std::vector<GroupRow> gr(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const QRow& r = rows[m];
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sq = 0;
+      for (int64_t j = 0; j < per_group; ++j) sq += r.block_sum[g * per_group + j];
+      consts[m * Gp + g] = -8 * sq + 8 * r.zp * static_cast<int32_t>(groupsize);
+    }
+    const int nz = -r.zp;  // -127 .. 128
+    gr[m] = {r.even.data(), r.odd.data(), consts.data() + m * Gp,
+             static_cast<int8_t>(std::min(nz, 127)), static_cast<int8_t>(nz - std::min(nz, 127))};
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
+  std::vector<std::vector<int32_t>> scratch(std::max(threads, 1), std::vector<int32_t>(16 * Gp));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    int32_t* isum = scratch[id].data();
+    if (M == 1) {  // decode: 16 weight rows share one tail
+      for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+        const int cnt = static_cast<int>(std::min<int64_t>(16, n1 - t0));
+        for (int i = 0; i < cnt; ++i)
+          group_sums(w + (t0 + i) * (K / 2), gr.data(), 1, K, groupsize, isum + i * Gp);
+        GroupTail16(isum, G, Gp, scales + t0 * G, cnt, rows[0].recip, bias ? bias + t0 : nullptr,
+                    out + t0);
+      }
+      return;
+    }
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+      const int64_t t1 = std::min(n1, t0 + kTileN);
+      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+        const int nm = static_cast<int>(std::min<int64_t>(kGroupRows, M - m0));
+        for (int64_t n = t0; n < t1; ++n) {
+          group_sums(w + n * (K / 2), gr.data() + m0, nm, K, groupsize, isum);
+          for (int i = 0; i < nm; ++i)
+            out[(m0 + i) * N + n] = GroupTailAvx512(isum + i * Gp, G, scales + n * G,
+                                                    rows[m0 + i].recip, bias ? bias + n : nullptr);
+        }
+      }
+    }
+  });
+}
+#endif  // JB_X86
+
+Rows16Fn PickRows16() {
+#if JB_X86
+  if (HasAvx512()) return HasAvx512Vnni() ? &Rows16VnniN : &Rows16BwN;
+#endif
+  return nullptr;
+}
+std::atomic<Rows16Fn> g_rows16{PickRows16()};
+
+// Rows from which the blocked group path (16 rows per vector) runs instead of
+// the row path: the measured crossover (AVX-512 VNNI, K = 4096, N = 11008,
+// groupsize 128, CPU time per call: row path 2.3 / 2.9 / 6.2 / 8.1 ms at
+// 2 / 4 / 8 / 12 rows, blocked path 5.6 to 6.3 ms for 1 to 16 rows).
+constexpr int64_t kRows16MinRows = 9;
+
+#if JB_X86
+void DynQuantRows16(const std::vector<QRow>& rows, const uint8_t* w, const float* scales,
+                    const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                    int64_t groupsize, Rows16Fn fn) {
+  const int64_t G = K / groupsize;
+  const int64_t per_group = groupsize / 32;
+  const int64_t Mb = (M + 15) / 16;
+  const int64_t plane = K / 2 * 16;
+  std::vector<int8_t> apack(Mb * 2 * plane, 0);
+  std::vector<int32_t> cpk(Mb * G * 16, 0), zpk(Mb * 16, 0);
+  std::vector<float> rpk(Mb * 16, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const QRow& r = rows[m];
+    const int64_t b = m / 16, i = m % 16;
+    int8_t* ae = apack.data() + b * 2 * plane;
+    int8_t* ao = ae + plane;
+    for (int64_t j = 0; j < K / 2; ++j) {
+      const int64_t idx = (j / 4) * 64 + i * 4 + j % 4;
+      ae[idx] = r.even[j];
+      ao[idx] = r.odd[j];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sq = 0;
+      for (int64_t q = 0; q < per_group; ++q) sq += r.block_sum[g * per_group + q];
+      cpk[(b * G + g) * 16 + i] = -8 * sq + 8 * r.zp * static_cast<int32_t>(groupsize);
+    }
+    zpk[b * 16 + i] = r.zp;
+    rpk[b * 16 + i] = r.recip;
+  }
+  std::vector<RowBlock16> blk(Mb);
+  for (int64_t b = 0; b < Mb; ++b)
+    blk[b] = {apack.data() + b * 2 * plane, cpk.data() + b * G * 16, zpk.data() + b * 16,
+              rpk.data() + b * 16, static_cast<int>(std::min<int64_t>(16, M - 16 * b))};
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
+  std::vector<std::vector<uint8_t>> ut(std::max(threads, 1), std::vector<uint8_t>(kTileN * K));
+  std::vector<std::vector<int32_t>> su(std::max(threads, 1), std::vector<int32_t>(kTileN * G));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTileN, n1 - t0));
+      UnpackTile(w + t0 * (K / 2), nt, K, groupsize, ut[id].data(), su[id].data());
+      for (int64_t b0 = 0; b0 < Mb; b0 += 2) {
+        const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+        for (int q = 0; q < nt; q += 4) {
+          const int nr = std::min(4, nt - q);
+          fn(ut[id].data() + q * K, su[id].data() + q * G, blk.data() + b0, nr, mr, K, groupsize,
+             scales + (t0 + q) * G, bias ? bias + t0 + q : nullptr, t0 + q, out + b0 * 16 * N, N);
+        }
+      }
+    }
+  });
+}
+#endif  // JB_X86
 
 void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
                     const float* bias, float* out, int64_t M, int64_t N,
@@ -545,6 +1048,23 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
   const int64_t per_group = groupsize / 32;
   std::vector<QRow> rows(M);
   for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
+#if JB_X86
+  const GroupSumsFn group_sums = g_group_sums.load();
+  // The group path folds -zp into int8 dots: a zero point outside -128..127
+  // (a row with NaN or inf) takes the block path, whose int32 arithmetic wraps
+  // as torch's does.
+  const bool zp_in_range = std::all_of(rows.begin(), rows.end(),
+                                       [](const QRow& r) { return r.zp >= -128 && r.zp <= 127; });
+  const Rows16Fn rows16 = g_rows16.load();
+  if (rows16 != nullptr && M >= kRows16MinRows && groupsize % 128 == 0 && zp_in_range) {
+    DynQuantRows16(rows, w, scales, bias, out, M, N, K, groupsize, rows16);
+    return;
+  }
+  if (group_sums != nullptr && groupsize % 128 == 0 && zp_in_range) {
+    DynQuantGroups(rows, w, scales, bias, out, M, N, K, groupsize, group_sums);
+    return;
+  }
+#endif
   const BlockDotsFn block_dots = g_block_dots.load();
   const TailFn tail = g_tail.load();
   jb::ParallelFor(N, NumThreads(M * N * K / 2), 16, [&](int64_t n0, int64_t n1) {
@@ -576,6 +1096,8 @@ void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
 // -------------------------------------------------------------- weight only
 
 constexpr int kWoRowBlock = 8;  // rows sharing one unpacked weight row (L1)
+constexpr int64_t kWoSliceBytes = 512;     // weight bytes per K slice (blocked path)
+constexpr int64_t kWoRowPathBytes = 16384;  // activations of a row block that take the row path
 
 #if JB_X86
 // One weight row -> the dequantized (q * scale) float32 even-k and odd-k
@@ -640,6 +1162,69 @@ __attribute__((target("avx512f,avx512bw"))) void WeightOnlyRowAvx512(
   for (; m + 4 <= nm; m += 4) DotRowsAvx512<4>(ue, uo, xe + m * half, xo + m * half, half, out + m);
   for (; m + 2 <= nm; m += 2) DotRowsAvx512<2>(ue, uo, xe + m * half, xo + m * half, half, out + m);
   for (; m < nm; ++m) DotRowsAvx512<1>(ue, uo, xe + m * half, xo + m * half, half, out + m);
+}
+
+// out[m] = sum_k x[m, k] q[k] s[group(k)] over the weight bytes [c0, c1) (k
+// in [2 c0, 2 c1)) for MR <= 4 rows, the weights dequantized in registers:
+// 16 bytes widen to 16 int32 lanes whose low 4 bits index a 16-float table of
+// (q - 8) * s[g] (vpermps reads only those bits; the high nibbles after a
+// shift), then one FMA per plane and row. Two 16-byte steps per iteration (4
+// FMA chains per row) where the group allows.
+template <int MR>
+__attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, const float* xe,
+                                                              const float* xo, int64_t half,
+                                                              int64_t c0, int64_t c1,
+                                                              int64_t groupsize, const float* s,
+                                                              float* out) {
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
+                                      3.f, 4.f, 5.f, 6.f, 7.f);
+  const int64_t gb = groupsize / 2;
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
+  for (int64_t c = c0, g = c0 / gb; c < c1; ++g) {  // one group (or its part in the slice)
+    const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[g]));
+    const int64_t end = std::min(c1, (g + 1) * gb);
+    for (; c + 32 <= end; c += 32) {
+      const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
+      const __m512i v1 =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c + 16)));
+      const __m512 l0 = _mm512_permutexvar_ps(v0, ts);
+      const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ts);
+      const __m512 l1 = _mm512_permutexvar_ps(v1, ts);
+      const __m512 h1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), ts);
+      for (int m = 0; m < MR; ++m) {
+        const float* e = xe + m * half + c;
+        const float* o = xo + m * half + c;
+        acc[m][0] = _mm512_fmadd_ps(l0, _mm512_loadu_ps(e), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(h0, _mm512_loadu_ps(o), acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(l1, _mm512_loadu_ps(e + 16), acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(h1, _mm512_loadu_ps(o + 16), acc[m][3]);
+      }
+    }
+    for (; c < end; c += 16) {  // groupsize 32, 96, ...
+      const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
+      const __m512 l0 = _mm512_permutexvar_ps(v0, ts);
+      const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ts);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(l0, _mm512_loadu_ps(xe + m * half + c), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(h0, _mm512_loadu_ps(xo + m * half + c), acc[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    out[m] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
+void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t half, int nm,
+                   int64_t c0, int64_t c1, int64_t groupsize, const float* s, float* out) {
+  switch (nm) {
+    case 1: return WoRowsAvx512<1>(w, xe, xo, half, c0, c1, groupsize, s, out);
+    case 2: return WoRowsAvx512<2>(w, xe, xo, half, c0, c1, groupsize, s, out);
+    case 3: return WoRowsAvx512<3>(w, xe, xo, half, c0, c1, groupsize, s, out);
+    default: return WoRowsAvx512<4>(w, xe, xo, half, c0, c1, groupsize, s, out);
+  }
 }
 
 // The same on AVX2 + FMA: 8 bytes (16 k, within one group) per step.
@@ -777,11 +1362,161 @@ WoRowFn PickWoRow() {
 // one, so that the tests reach every path this CPU runs.
 std::atomic<WoRowFn> g_wo_row{PickWoRow()};
 
+#if JB_X86
+// ------------------------- weight-only blocked path (16 rows per vector)
+//
+// The float GEMM form: the activations packed [plane][K / 2][16 rows], a tile
+// of weight rows dequantized once into float32 planes ([n][even k, odd k]),
+// and each FMA multiplies one broadcast weight by 16 rows.
+
+// acc[n][r] (c: [NR][MR][16], loaded and stored back) += rows of the MR
+// blocks (a: [K][16] each, from k0 to k1) x the NR dequantized weight rows of
+// bt ([NR][K]: the even-k plane then the odd-k plane).
+template <int NR, int MR>
+__attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const float* const* a,
+                                                          int64_t ldb, int64_t k0, int64_t k1,
+                                                          float* c) {
+  __m512 acc[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_loadu_ps(c + (n * MR + r) * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = _mm512_loadu_ps(a[r] + k * 16);
+    for (int n = 0; n < NR; ++n) {
+      const __m512 b = _mm512_set1_ps(bt[n * ldb + k]);
+      for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_fmadd_ps(b, av[r], acc[n][r]);
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + (n * MR + r) * 16, acc[n][r]);
+}
+
+void WoRows16N(const float* bt, const float* const* a, int nr, int mr, int64_t K, int64_t k0,
+               int64_t k1, float* c) {
+  switch (nr * 2 + mr - 1) {
+    case 2: return WoRows16<1, 1>(bt, a, K, k0, k1, c);
+    case 3: return WoRows16<1, 2>(bt, a, K, k0, k1, c);
+    case 4: return WoRows16<2, 1>(bt, a, K, k0, k1, c);
+    case 5: return WoRows16<2, 2>(bt, a, K, k0, k1, c);
+    case 6: return WoRows16<3, 1>(bt, a, K, k0, k1, c);
+    case 7: return WoRows16<3, 2>(bt, a, K, k0, k1, c);
+    case 8: return WoRows16<4, 1>(bt, a, K, k0, k1, c);
+    case 9: return WoRows16<4, 2>(bt, a, K, k0, k1, c);
+    case 10: return WoRows16<5, 1>(bt, a, K, k0, k1, c);
+    case 12: return WoRows16<6, 1>(bt, a, K, k0, k1, c);
+    case 14: return WoRows16<7, 1>(bt, a, K, k0, k1, c);
+    default: return WoRows16<8, 1>(bt, a, K, k0, k1, c);
+  }
+}
+
+// Weight rows per call of WoRows16N: 8 with one row block (8 FMA chains), 4
+// with two.
+inline int WoQuad(int mr) { return mr == 1 ? 8 : 4; }
+
+// nr weight rows, k in [k0, k1) of one plane (the even-k plane is k < K / 2,
+// the odd-k plane K / 2 + k2) -> bt ([nr][256] float32 (q - 8) * s).
+__attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, int nr, int64_t K,
+                                                              int64_t groupsize, const float* s,
+                                                              int64_t k0, int64_t k1, float* bt) {
+  constexpr int64_t kSlice = 256;  // kWoSliceK
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
+                                      3.f, 4.f, 5.f, 6.f, 7.f);
+  const int64_t half = K / 2, gb = groupsize / 2, G = K / groupsize;
+  const bool odd = k0 >= half;
+  const int64_t c0 = odd ? k0 - half : k0, c1 = odd ? k1 - half : k1;  // weight bytes
+  for (int n = 0; n < nr; ++n) {
+    int64_t g = c0 / gb;
+    __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
+    for (int64_t c = c0; c < c1; c += 16) {
+      if (c >= (g + 1) * gb) {
+        g = c / gb;
+        ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
+      }
+      __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
+      if (odd) v = _mm512_srli_epi32(v, 4);
+      _mm512_storeu_ps(bt + n * kSlice + (c - c0), _mm512_permutexvar_ps(v, ts));
+    }
+  }
+}
+
+void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, const float* bias,
+                      float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
+  const int64_t G = K / groupsize, half = K / 2;
+  const int64_t Mb = (M + 15) / 16;
+  std::vector<float> xpk(Mb * K * 16, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    float* a = xpk.data() + (m / 16) * K * 16 + m % 16;
+    for (int64_t j = 0; j < half; ++j) {
+      a[j * 16] = x[m * K + 2 * j];
+      a[(half + j) * 16] = x[m * K + 2 * j + 1];
+    }
+  }
+  // Tiles of kWoTileN weight rows; K in slices of kWoSliceK (within one
+  // plane), each slice of the tile dequantized once (kWoTileN x kWoSliceK x 4
+  // bytes) and kept in L1 with a pair of row blocks (2 x kWoSliceK x 64 bytes)
+  // while every weight row of the tile passes over it; the accumulators of the
+  // tile ([row pair][n][2][16]) are kept between slices.
+  constexpr int64_t kWoTileN = 32, kWoSliceK = 256;
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+  const int64_t pairs = (Mb + 1) / 2;
+  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kWoTileN * kWoSliceK));
+  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(pairs * kWoTileN * 32));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    float* b = bt[id].data();
+    float* cacc = acc[id].data();
+    for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
+      std::fill(cacc, cacc + pairs * kWoTileN * 32, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
+        // slices within one plane: [k0, k1) of the even (k0 < half) or odd plane
+        const int64_t k1 = std::min(k0 < half ? half : K, k0 + kWoSliceK);
+        DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
+        for (int64_t p = 0; p < pairs; ++p) {
+          const int64_t b0 = 2 * p;
+          const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+          const float* a[2] = {xpk.data() + b0 * K * 16, xpk.data() + std::min(b0 + 1, Mb - 1) * K * 16};
+          const int qn = WoQuad(mr);
+          for (int q = 0; q < nt; q += qn)
+            WoRows16N(b - k0 + q * kWoSliceK, a, std::min(qn, nt - q), mr, kWoSliceK, k0, k1,
+                      cacc + (p * kWoTileN + q) * 32);
+        }
+        if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
+      }
+      // acc of (pair p, weight row q + j, block r) at cacc + (p * kWoTileN + q) * 32 + (j * mr + r) * 16
+      // (q a multiple of WoQuad(mr)); written row by row (contiguous in out).
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t b0 = 2 * p;
+        const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+        const int qn = WoQuad(mr);
+        for (int r = 0; r < mr; ++r)
+          for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
+            float* o = out + ((b0 + r) * 16 + i) * N + t0;
+            const float* cp = cacc + p * kWoTileN * 32 + r * 16 + i;
+            for (int n = 0; n < nt; ++n)
+              o[n] = cp[(n / qn * qn) * 32 + (n % qn) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
+          }
+      }
+    }
+  });
+}
+#endif  // JB_X86
+
+// Rows from which the AVX-512 weight-only kernel takes the blocked path.
+constexpr int64_t kWoRows16MinRows = 16;
+
 void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
                       const float* bias, float* out, int64_t M, int64_t N,
                       int64_t K, int64_t groupsize) {
   if (M == 0 || N == 0) return;
   const int64_t G = K / groupsize;
+#if JB_X86
+  if (M >= kWoRows16MinRows && g_wo_row.load() == &WeightOnlyRowAvx512) {
+    WeightOnlyRows16(x, w, scales, bias, out, M, N, K, groupsize);
+    return;
+  }
+#endif
   // De-interleave the activations once: even k pair with low nibbles.
   std::vector<float> xe(M * (K / 2)), xo(M * (K / 2));
   for (int64_t m = 0; m < M; ++m)
@@ -790,6 +1525,40 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
       xo[m * (K / 2) + k] = x[m * K + 2 * k + 1];
     }
   const WoRowFn row_fn = g_wo_row.load();
+#if JB_X86
+  if (row_fn == &WeightOnlyRowAvx512) {
+    // Weights dequantized in registers, tiles of weight rows shared by blocks of
+    // 4 input rows. The row path runs over all of K when a block of input rows
+    // fits in L1 (kWoRowPathBytes of float32: decode); above, the blocked path
+    // splits K into slices of kWoSliceBytes weight bytes, so that a block of
+    // input rows (4 x 2 x 4 KiB) stays in L1 while the tile passes over it; the
+    // partial sums add up in `out`.
+    const int64_t half = K / 2;
+    const int64_t slice = std::min<int64_t>(M, 4) * K * 4 <= kWoRowPathBytes ? half : kWoSliceBytes;
+    const int threads =
+        static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+    ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
+      float res[4];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) out[m * N + n] = bias ? bias[n] : 0.0f;
+      for (int64_t t0 = n0; t0 < n1; t0 += 2 * kTileN) {
+        const int64_t t1 = std::min(n1, t0 + 2 * kTileN);
+        for (int64_t c0 = 0; c0 < half; c0 += slice) {
+          const int64_t c1 = std::min(half, c0 + slice);
+          for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
+            for (int64_t n = t0; n < t1; ++n) {
+              WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm,
+                            c0, c1, groupsize, scales + n * G, res);
+              for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] += res[i];
+            }
+          }
+        }
+      }
+    });
+    return;
+  }
+#endif
   jb::ParallelFor(N, NumThreads(M * N * K), 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> ue(K / 2), uo(K / 2), res(kWoRowBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kWoRowBlock) {
@@ -888,6 +1657,8 @@ extern "C" int JbInt4SetIsa(const char* name) {
   if (n == "scalar") {
     g_block_dots = &BlockDotsScalar;
     g_tail = &TailScalar;
+    g_group_sums = nullptr;
+    g_rows16 = nullptr;
     g_wo_row = &WeightOnlyRowScalar;
     return 0;
   }
@@ -895,12 +1666,16 @@ extern "C" int JbInt4SetIsa(const char* name) {
   if (HasAvx512() && (n == "avx512bw" || (n == "avx512vnni" && HasAvx512Vnni()))) {
     g_block_dots = n == "avx512bw" ? &BlockDotsAvx512Bw : &BlockDotsAvx512Vnni;
     g_tail = &TailAvx512;
+    g_group_sums = n == "avx512bw" ? &GroupSumsBwN : &GroupSumsVnniN;
+    g_rows16 = n == "avx512bw" ? &Rows16BwN : &Rows16VnniN;
     g_wo_row = &WeightOnlyRowAvx512;
     return 0;
   }
   if (HasAvx2() && n == "avx2") {
     g_block_dots = &BlockDotsAvx2;
     g_tail = &TailAvx2;
+    g_group_sums = nullptr;
+    g_rows16 = nullptr;
     g_wo_row = &WeightOnlyRowAvx2;
     return 0;
   }

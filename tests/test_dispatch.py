@@ -118,7 +118,7 @@ def _packed(n=64, k=128, g=32):
     [
         ("auto", "cuda", 1, "int4_matmul", "pallas"),
         ("auto", "cpu", 1, "int4_matmul", "cpp"),
-        ("auto", "cpu", 64, "int4_matmul", "xla"),  # weight-only, M > 16: XLA's GEMM
+        ("auto", "cpu", 2048, "int4_matmul", "xla"),  # weight-only above the C++ crossover: XLA's GEMM
         ("auto", "cpu", 64, "dyn_quant_matmul_4bit", "cpp"),
         ("auto", "tpu", 1, "int4_matmul", "xla"),
         ("xla", "cuda", 1, "int4_matmul", "xla"),

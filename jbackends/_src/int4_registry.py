@@ -110,7 +110,10 @@ CPP = Implementation(
     ("cpu",),
     _reasons("cpu:unsupported"),
     _cpp_run,
-    description="AVX2 / AVX-512 (VNNI) kernels",
+    description=(
+        "AVX2 / AVX-512 (VNNI) kernels; row paths for decode, blocked 16-rows-per-vector paths from "
+        "9 (dyn-quant) / 16 (weight-only) rows; weight-only up to a measured crossover (cpu.weight_only_max_rows)"
+    ),
 )
 XLA = Implementation(
     "xla", "XLA", None, _reasons("xla:unsupported"), _xla_run, description="int4 unpack + grouped dots in XLA"

@@ -117,7 +117,7 @@ def _nonfinite_rows(M, K, seed=0):
     return x
 
 
-@pytest.mark.parametrize("K,g", [(128, 32), (128, 64), (96, 96), (128, 128)])
+@pytest.mark.parametrize("K,g", [(128, 32), (128, 64), (96, 96), (128, 128), (384, 128)])
 def test_nonfinite_rows_follow_torch_on_every_engine(K, g):
     M, N = 9, 12  # rows 7, 8 stay ordinary
     x = _nonfinite_rows(M, K, seed=K + g)

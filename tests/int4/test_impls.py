@@ -109,3 +109,71 @@ def test_long_channelwise_rows_exact():
         np.testing.assert_array_equal(np.asarray(xla.dyn_quant_matmul(x, p)), want)
         if cpu.available():
             np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), want)
+
+
+# The C++ group paths (groupsize a multiple of 128; the row path and, from 16 rows, the blocked one):
+# more than 16 groups with a ragged last block of 16, N not a multiple of the 8-row weight tile, 64-byte chunks per group > 1 (groupsize 256,
+# channel-wise K = 256), 1 to 4 rows per block plus a remainder, and rows whose zero point is -128
+# (all-positive rows: the second zero-point dot) next to ordinary ones in the same block of rows.
+_GROUP_CASES = [
+    (1, 2176, 37, 128),
+    (1, 256, 21, 256),  # channel-wise decode
+    (2, 2304, 19, 256),
+    (5, 256, 13, 256),
+    (8, 640, 24, 128),
+    (6, 128, 9, 128),
+    # 16 rows and more: the blocked path (16 rows per vector), ragged row blocks and weight quads
+    (16, 256, 13, 256),
+    (33, 2176, 37, 128),
+    (50, 384, 8, 128),
+    (9, 256, 11, 128),  # the first blocked size
+]
+
+
+@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx512bw", "avx2", "scalar"])
+@pytest.mark.parametrize("M,K,N,g", _GROUP_CASES)
+def test_cpp_group_path_every_isa(isa, M, K, N, g):
+    import numpy as np
+
+    from pallas_kernels.int4_matmul import base
+    from tests.int4.int4_base import make_case, reference
+
+    default = cpu.isa()
+    if not cpu.set_isa(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    try:
+        x, p = make_case(M, K, N, g, M % 2 == 1, seed=M)
+        x = np.array(x)
+        x[0] = np.abs(x[0])  # zp = -128
+        if M > 2:
+            x[2] = 0.0
+        if M > 4:
+            x[4] = np.abs(x[4]) + 0.5
+        x = jnp.asarray(x)
+        np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p)))
+        w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
+        want = np.asarray(x, np.float64) @ w.T + (0 if p.bias is None else np.asarray(p.bias, np.float64))
+        got = np.asarray(cpu.weight_only_matmul(x, p), np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1))
+    finally:
+        cpu.set_isa(default)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+def test_cpp_weight_only_crossover_is_explained():
+    """Weight-only rows up to the measured crossover of this code path run in C++; above it, XLA's GEMM,
+    and explain says why."""
+    import jax
+
+    import jbackends as jb
+    from tests.int4.int4_base import make_case
+
+    _, p = make_case(1, 128, 16, 32, False)
+    limit = cpu.weight_only_max_rows()
+    assert limit == (cpu.WEIGHT_ONLY_MAX_ROWS_AVX512 if cpu.isa().startswith("avx512") else cpu.WEIGHT_ONLY_MAX_ROWS)
+    with jb.with_backends(quantized_engine="auto"):
+        at = jb.quantized.explain(jax.ShapeDtypeStruct((limit, 128), jnp.float32), p, platform="cpu")
+        above = jb.quantized.explain(jax.ShapeDtypeStruct((limit + 1, 128), jnp.float32), p, platform="cpu")
+    assert at.implementation == "cpp", str(at)
+    assert above.implementation == "xla" and "crossover" in above.reasons["cpp"], str(above)
