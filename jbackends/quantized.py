@@ -77,9 +77,6 @@ IMPLEMENTATIONS = _args.IMPLEMENTATIONS  # ("pallas", "pallas_interpret", "cpp",
 #: Lowering platforms given their own branch; any other gets the default one.
 _GPU = _dispatch.GPU_LOWERING
 
-#: Weight-only rows above which the CPU path is XLA's dequantize + GEMM.
-CPP_WEIGHT_ONLY_MAX_M = _cpu.WEIGHT_ONLY_MAX_ROWS
-
 
 class _EngineList(list):
     """A list, as torch's ``torch.backends.quantized.supported_engines`` is; calling it returns a copy
