@@ -55,7 +55,6 @@ from jbackends._src.flag_state import trace_flags as _trace_flags
 from jbackends._src import verbose as _verbose
 from pallas_kernels import partition as _partition
 from pallas_kernels.int4_matmul import base as _base
-from pallas_kernels.int4_matmul import cpu as _cpu
 from pallas_kernels.int4_matmul.base import PackedInt4Weight as PackedInt4Weight
 
 __all__ = [
