@@ -1,8 +1,8 @@
 """FlashAttention-2 as a C++ CPU kernel inside XLA (``jax.ffi``): the fast CPU path of FLASH.
 
-``csrc/flash_attention.cc`` holds a forward and a backward kernel (AVX2 + FMA, register-blocked
-6 x 16 matmul tiles, base-2 online softmax, one thread per core), built by ``pip install`` next to
-this module. They compute exactly what :mod:`xla_flash` computes (same masks, same residuals:
+``csrc/flash_attention.cc`` holds a forward and a backward kernel (register-blocked matmul tiles,
+12 x 32 with AVX-512 and 6 x 16 with AVX2 + FMA, picked at run time; base-2 online softmax, one
+thread per core), built by ``pip install`` next to this module (:func:`isa` / :func:`set_isa`). They compute exactly what :mod:`xla_flash` computes (same masks, same residuals:
 ``out`` and the natural-log ``lse``), so the dispatcher lists them first for FLASH on CPU
 (``cpp_flash``) and runs them whenever :func:`unsupported` has nothing to say and the flag
 ``flash_cpu_kernel`` allows, and the blockwise XLA implementation (``xla_flash``) otherwise (and on every
@@ -57,6 +57,8 @@ __all__ = [
     "available",
     "threads",
     "set_threads",
+    "isa",
+    "set_isa",
     "unsupported",
     "attention",
     "workspace_bytes",
@@ -76,7 +78,8 @@ def _library() -> Optional[ctypes.CDLL]:
         f"{__package__}._flash_cpu",
         check="JbFlashAvailable",
         targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
-        argtypes={"JbFlashSetThreads": [ctypes.c_int]},
+        restypes={"JbFlashIsa": ctypes.c_char_p, "JbFlashSetIsa": ctypes.c_int},
+        argtypes={"JbFlashSetThreads": [ctypes.c_int], "JbFlashSetIsa": [ctypes.c_char_p]},
     )
 
 
@@ -91,6 +94,30 @@ def set_threads(n: int = 0) -> None:
     lib = _library()
     if lib is not None:
         lib.JbFlashSetThreads(int(n))
+
+
+#: The kernels' code paths, best first; the default is the best this CPU runs (AVX2 + FMA at least).
+ISAS = ("avx512", "avx2", "scalar")
+
+
+def isa() -> str:
+    """The code path the kernels use here (one of :data:`ISAS`), or ``"unavailable"``."""
+    lib = _library()
+    return lib.JbFlashIsa().decode() if lib is not None else "unavailable"
+
+
+def set_isa(name: str = "") -> bool:
+    """Selects the kernels' code path for this process: ``"avx512"``, ``"avx2"`` or ``"scalar"``
+    (plain C++); ``""`` restores the default (the best this CPU runs). For tests and benchmarks.
+
+    Returns False (and changes nothing) when this CPU cannot run it or the kernels are unavailable.
+    Raises ``ValueError`` for a name not in :data:`ISAS`. Read when a kernel runs, not when it is
+    traced: it also switches calls already compiled.
+    """
+    if name and name not in ISAS:
+        raise ValueError(f"set_isa: name must be one of {ISAS} or ''; got {name!r}")
+    lib = _library()
+    return lib is not None and lib.JbFlashSetIsa(name.encode()) == 0
 
 
 def available() -> bool:

@@ -20,7 +20,22 @@ pytestmark = pytest.mark.skipif(
 CFG = cpp_flash.Config(block_q=5, block_k=16, block_q_bwd=7, block_k_bwd=32)
 
 
+@pytest.fixture(params=cpp_flash.ISAS)
+def isa(request):
+    """Runs the test on each code path of the kernels this CPU has (skips the others)."""
+    if not cpp_flash.set_isa(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    yield request.param
+    cpp_flash.set_isa("")
+
+
 class TestCpuFlash(AttentionTestBase):
+    """The shared grid and properties, on every code path this CPU runs."""
+
+    @pytest.fixture(autouse=True)
+    def _each_isa(self, isa):
+        del isa
+
     impl = staticmethod(functools.partial(cpp_flash.attention, config=CFG))
     supports_bias = False
     supports_mask = False
@@ -49,6 +64,7 @@ def two_threads():
 
 
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
+@pytest.mark.usefixtures("isa")
 def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
     """Calls big enough for two threads: one (batch, kv head) group -> key-block tasks with a dQ
     buffer per thread; two groups -> whole groups per thread. Head dims not multiples of 16."""
@@ -61,6 +77,7 @@ def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
     _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
 
 
+@pytest.mark.usefixtures("isa")
 def test_backward_is_reproducible_across_runs(two_threads):
     """Key-block mode sums per-thread dQ buffers: the same blocks in the same order every run."""
     del two_threads
@@ -75,6 +92,7 @@ def test_backward_is_reproducible_across_runs(two_threads):
         np.testing.assert_array_equal(np.asarray(grad(q)), first)
 
 
+@pytest.mark.usefixtures("isa")
 def test_nan_inputs_give_nan_rows():
     args = make_case(Case("float32", "none", 24, 24, 32, 1))
     q = args.q.at[0, 3, 0, 5].set(jnp.nan)
@@ -91,12 +109,58 @@ def test_nan_inputs_give_nan_rows():
         dict(window=(9, 2), is_causal=True, diag_offset=5),
     ],
 )
+@pytest.mark.usefixtures("isa")
 def test_block_ranges_match_reference(kw):
     args = make_case(Case("float32", "none", 53, 33, 32, 2))
     args = args.replace(
         **{k: v for k, v in kw.items() if k != "is_causal"}, causal=kw.get("is_causal", False)
     )
     _check(args, cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
+
+
+def test_isa_selection():
+    """The default path is the best this CPU runs; set_isa switches it and refuses what it lacks."""
+    default = cpp_flash.isa()
+    assert default in ("avx512", "avx2")  # available() needs AVX2 + FMA at least
+    try:
+        assert cpp_flash.set_isa("scalar") and cpp_flash.isa() == "scalar"
+        assert cpp_flash.set_isa("avx2") and cpp_flash.isa() == "avx2"
+        assert cpp_flash.set_isa("avx512") == (default == "avx512")
+        with pytest.raises(ValueError, match="name"):
+            cpp_flash.set_isa("sse9")
+    finally:
+        assert cpp_flash.set_isa("")
+    assert cpp_flash.isa() == default
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 1, 1, 1), (2, 83, 3, 97, 24, 40), (1, 130, 2, 7, 17, 5)])
+def test_code_paths_agree_on_odd_sizes(shape):
+    """Every path this CPU runs against the float64 reference and the others: odd head dims (not
+    multiples of 16 or of the 12-row / 32-column AVX-512 tiles), lengths of one, GQA, and Inf / NaN
+    inputs (the rows that see them are NaN, as in the reference; the others are untouched)."""
+    B, T, N, S, H, Hv = shape
+    key = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(key[0], (B, T, N, H)).at[-1, T - 1, 0, 0].set(jnp.nan)
+    k = jax.random.normal(key[1], (B, S, 1, H)).at[0, S // 2, 0, 0].set(jnp.inf)
+    k = k.at[-1, S - 1, 0, -1].set(jnp.nan)
+    v = jax.random.normal(key[2], (B, S, 1, Hv))
+    args = base.make_args(q, k, v, is_causal=True, diag_offset=S - T)
+    ref, ref_lse = (np.asarray(x) for x in base.reference(args))
+    empty = np.isneginf(ref_lse)  # rows that see no key (0 in both)
+    assert empty.any() == (T > S) and np.isnan(ref).any()
+    outs = {}
+    for name in cpp_flash.ISAS:
+        if not cpp_flash.set_isa(name):
+            continue
+        try:
+            out = np.asarray(jax.jit(cpp_flash.attention)(args)[0])
+        finally:
+            cpp_flash.set_isa("")
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), err_msg=name)
+        fin = np.isfinite(ref)
+        np.testing.assert_allclose(out[fin], ref[fin], atol=2e-5, err_msg=name)
+        outs[name] = out
+    assert len(outs) >= 2
 
 
 def _flash_on_cpu(args, **flags):
@@ -176,6 +240,7 @@ def test_config_validation():
     assert cpp_flash.threads() >= 1
 
 
+@pytest.mark.usefixtures("isa")
 def test_scores_jumping_between_key_blocks():
     """The forward's one-pass softmax against the running max recomputes a row whose scores jump
     by more than its slack (2^64) in a later key block; small jumps take the one-pass route."""
