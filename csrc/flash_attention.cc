@@ -10,7 +10,10 @@
 //   (natural log; -inf for a row that sees no key), dq/dk/dv like q/k/v.
 // Masks come from indices only: causal (key j visible from row i iff
 // j <= i + diag_offset), a local window (i + off - left <= j <= i + off +
-// right), per-batch query / key lengths and per-position segment ids.
+// right), per-batch query / key lengths and per-position segment ids. An
+// optional logits soft cap (cap * tanh(logits / cap), after the scale), then an
+// additive bias and a boolean mask ([1|B, 1|N, T, S]) apply before them; the
+// backward can return dS as the bias gradient [B, N, T, S].
 //
 // Algorithm (Dao 2023, FlashAttention-2):
 //   forward: one task per (batch, query head, block of query rows); an online
@@ -79,6 +82,7 @@ struct Problem {
   int64_t B, T, S, N, K, G, H, Hv;
   int64_t Hp, Hvp, Sp;  // H, Hv, S rounded up to 16
   float scale2;         // softmax scale * log2(e)
+  float cap2;           // logits soft cap * log2(e) (0: none)
   bool causal;
   int64_t off;
   bool window;
@@ -88,6 +92,13 @@ struct Problem {
   const int32_t* q_seg;   // [B, T] or null
   const int32_t* kv_seg;  // [B, S] or null
   int64_t bq, bk;         // tiles (bk % 16 == 0)
+  // Additive bias [Bb, Nb, T, S] (float32) and boolean mask [Bm, Nm, T, S] (true = attend), each
+  // broadcast over the batch (Bb == 1) and / or the heads (Nb == 1); null when absent.
+  const float* bias;
+  int64_t bias_B, bias_N;
+  const bool* mask;
+  int64_t mask_B, mask_N;
+  float* dbias;  // backward: dS [B, N, T, S] (natural-log units), null when not wanted
 };
 
 // Keys [lo, hi) that query row t of batch b may see (structure and lengths);
@@ -185,7 +196,7 @@ struct FwdCtx {
 };
 
 struct BwdScratch {
-  std::vector<float> pm, ds, dka, dva;
+  std::vector<float> pm, ds, dka, dva, gb, dcap;
   std::vector<int64_t> lo, hi;
 };
 
@@ -241,6 +252,9 @@ inline Vf Sub(Vf a, Vf b) { return a - b; }
 inline Vf Mul(Vf a, Vf b) { return a * b; }
 inline Vf Max(Vf a, Vf b) { return a > b ? a : b; }  // maxps: b when either is NaN
 inline Vf Min(Vf a, Vf b) { return a < b ? a : b; }
+inline Vf Div(Vf a, Vf b) { return a / b; }
+inline Vf Abs(Vf v) { return std::fabs(v); }
+inline Vf CopySign(Vf mag, Vf sign) { return std::copysign(mag, sign); }
 inline float HSum(Vf v) { return v; }
 inline float HMax(Vf v) { return v; }
 // The polynomial of the vector paths (see avx2_isa::Exp2).
@@ -292,6 +306,12 @@ JB_TGT inline Vf Sub(Vf a, Vf b) { return _mm256_sub_ps(a, b); }
 JB_TGT inline Vf Mul(Vf a, Vf b) { return _mm256_mul_ps(a, b); }
 JB_TGT inline Vf Max(Vf a, Vf b) { return _mm256_max_ps(a, b); }
 JB_TGT inline Vf Min(Vf a, Vf b) { return _mm256_min_ps(a, b); }
+JB_TGT inline Vf Div(Vf a, Vf b) { return _mm256_div_ps(a, b); }
+JB_TGT inline Vf Abs(Vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+// |mag| with the sign of `sign` (mag >= 0).
+JB_TGT inline Vf CopySign(Vf mag, Vf sign) {
+  return _mm256_or_ps(mag, _mm256_and_ps(sign, _mm256_set1_ps(-0.f)));
+}
 JB_TGT inline float HSum(Vf v) { return jb::HSum(v); }
 JB_TGT inline float HMax(Vf v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -401,6 +421,13 @@ JB_TGT inline Vf Sub(Vf a, Vf b) { return _mm512_sub_ps(a, b); }
 JB_TGT inline Vf Mul(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
 JB_TGT inline Vf Max(Vf a, Vf b) { return _mm512_max_ps(a, b); }
 JB_TGT inline Vf Min(Vf a, Vf b) { return _mm512_min_ps(a, b); }
+JB_TGT inline Vf Div(Vf a, Vf b) { return _mm512_div_ps(a, b); }
+JB_TGT inline Vf Abs(Vf v) { return _mm512_abs_ps(v); }
+JB_TGT inline Vf CopySign(Vf mag, Vf sign) {
+  const __m512i m = _mm512_set1_epi32(INT32_MIN);
+  return _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(mag), _mm512_and_si512(_mm512_castps_si512(sign), m)));
+}
 JB_TGT inline float HSum(Vf v) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -542,7 +569,9 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
                        const ffi::Buffer<ffi::S32>& kv_seg, float scale, bool causal,
                        int64_t diag_offset, bool window, int64_t left, int64_t right,
                        bool has_q_len, bool has_kv_len, bool has_seg, int64_t block_q,
-                       int64_t block_k, Problem* p) {
+                       int64_t block_k, float softcap, const ffi::Buffer<ffi::F32>& bias,
+                       const ffi::Buffer<ffi::PRED>& mask, bool has_bias, bool has_mask,
+                       Problem* p) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return ffi::Error::InvalidArgument("flash attention: q, k, v must be rank 4 (B, T, N, H)");
@@ -563,6 +592,9 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   p->Hvp = RoundUp(p->Hv, 16);
   p->Sp = RoundUp(p->S, 16);
   p->scale2 = scale * kLog2e;
+  if (!(softcap >= 0.f) || std::isinf(softcap))
+    return ffi::Error::InvalidArgument("flash attention: softcap must be finite and >= 0");
+  p->cap2 = softcap * kLog2e;
   p->causal = causal;
   p->off = diag_offset;
   p->window = window;
@@ -578,20 +610,44 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
     return ffi::Error::InvalidArgument("flash attention: bad lengths / segment ids shapes");
   p->bq = block_q;
   p->bk = block_k;
+  p->bias = nullptr;
+  p->mask = nullptr;
+  p->dbias = nullptr;
+  p->bias_B = p->bias_N = p->mask_B = p->mask_N = 1;
+  auto dims_ok = [&](auto d, int64_t* Bx, int64_t* Nx) {
+    if (d.size() != 4 || (d[0] != 1 && d[0] != p->B) || (d[1] != 1 && d[1] != p->N) ||
+        d[2] != p->T || d[3] != p->S)
+      return false;
+    *Bx = d[0];
+    *Nx = d[1];
+    return true;
+  };
+  if (has_bias) {
+    if (!dims_ok(bias.dimensions(), &p->bias_B, &p->bias_N))
+      return ffi::Error::InvalidArgument("flash attention: bias must be [1|B, 1|N, T, S]");
+    p->bias = bias.typed_data();
+  }
+  if (has_mask) {
+    if (!dims_ok(mask.dimensions(), &p->mask_B, &p->mask_N))
+      return ffi::Error::InvalidArgument("flash attention: mask must be [1|B, 1|N, T, S]");
+    p->mask = mask.typed_data();
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error FwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                   ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, float scale,
                    bool causal, int64_t diag_offset, bool window, int64_t left, int64_t right,
                    bool has_q_len, bool has_kv_len, bool has_seg, int64_t block_q,
-                   int64_t block_k) {
+                   int64_t block_k, float softcap, bool has_bias, bool has_mask,
+                   bool need_dbias) {
   Problem p;
   ffi::Error e = MakeProblem(q, k, v, q_len, kv_len, q_seg, kv_seg, scale, causal, diag_offset,
                              window, left, right, has_q_len, has_kv_len, has_seg, block_q,
-                             block_k, &p);
+                             block_k, softcap, bias, mask, has_bias, has_mask, &p);
   if (e.failure()) return e;
   if (p.B * p.T * p.N == 0) return ffi::Error::Success();
   return jb::CatchErrors("flash attention", [&] {
@@ -604,19 +660,28 @@ ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> lse,
                    ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
-                   ffi::Buffer<ffi::S32> kv_seg, ffi::ResultBuffer<ffi::F32> dq,
-                   ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
+                   ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::F32> bias,
+                   ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> dq,
+                   ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                   ffi::ResultBuffer<ffi::F32> dbias, float scale,
                    bool causal, int64_t diag_offset, bool window, int64_t left, int64_t right,
                    bool has_q_len, bool has_kv_len, bool has_seg, int64_t block_q,
-                   int64_t block_k) {
+                   int64_t block_k, float softcap, bool has_bias, bool has_mask,
+                   bool need_dbias) {
   Problem p;
   ffi::Error e = MakeProblem(q, k, v, q_len, kv_len, q_seg, kv_seg, scale, causal, diag_offset,
                              window, left, right, has_q_len, has_kv_len, has_seg, block_q,
-                             block_k, &p);
+                             block_k, softcap, bias, mask, has_bias, has_mask, &p);
   if (e.failure()) return e;
   std::memset(dq->typed_data(), 0, dq->element_count() * 4);
   std::memset(dk->typed_data(), 0, dk->element_count() * 4);
   std::memset(dv->typed_data(), 0, dv->element_count() * 4);
+  if (need_dbias) {
+    if (!has_bias || dbias->element_count() != static_cast<size_t>(p.B * p.N * p.T * p.S))
+      return ffi::Error::InvalidArgument("flash attention: dbias must be [B, N, T, S]");
+    std::memset(dbias->typed_data(), 0, dbias->element_count() * 4);
+    p.dbias = dbias->typed_data();
+  }
   if (p.B * p.T * p.N == 0 || p.S == 0) return ffi::Error::Success();
   return jb::CatchErrors("flash attention", [&] {
     CurrentIsa().backward(p, q.typed_data(), k.typed_data(), v.typed_data(), dout.typed_data(),
@@ -638,7 +703,11 @@ ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       .Attr<bool>("has_kv_len")            \
       .Attr<bool>("has_seg")               \
       .Attr<int64_t>("block_q")            \
-      .Attr<int64_t>("block_k")
+      .Attr<int64_t>("block_k")            \
+      .Attr<float>("softcap")              \
+      .Attr<bool>("has_bias")              \
+      .Attr<bool>("has_mask")              \
+      .Attr<bool>("need_dbias")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdF32, FwdImpl,
                               ffi::Ffi::Bind()
@@ -649,6 +718,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdF32, FwdImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JB_FLASH_ATTRS);
 
@@ -664,6 +735,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashBwdF32, BwdImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JB_FLASH_ATTRS);

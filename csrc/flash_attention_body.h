@@ -4,11 +4,50 @@
 // first defines
 //   JB_TGT                      the target attribute of that ISA's functions;
 //   kW, Vf                      lanes and the vector type (float for scalar);
-//   Zero, Set1, Load, Store, Add, Sub, Mul, Min, Max (maxps semantics: the
-//   second operand when either is NaN), Exp2, HSum, HMax;
+//   Zero, Set1, Load, Store, Add, Sub, Mul, Div, Min, Max (maxps semantics:
+//   the second operand when either is NaN), Abs, CopySign, Exp2, HSum, HMax;
 //   Gemm<ACC>(M, N, K, A, sam, sak, B, ldb, bps, C, ldc), the register-blocked
 //   matmul over 16-column panels (see flash_attention.cc).
 // Every loop over a score row steps kW lanes; rows are multiples of 16 long.
+
+// tanh(x), from one Exp2 of -2|x| log2(e) <= 0: (1 - e) / (1 + e) with x's
+// sign; absolute error ~1e-7, tanh(+-inf) = +-1, NaN stays NaN.
+JB_TGT inline Vf Tanh(Vf x) {
+  const Vf e = Exp2(Mul(Set1(-2.f * kLog2e), Abs(x)));
+  const Vf one = Set1(1.f);
+  return CopySign(Div(Sub(one, e), Add(one, e)), x);
+}
+
+// The soft cap on rows [0, R) of base-2 logits s (row stride ld, nc columns):
+// s -> cap2 * tanh(s / cap2), the same map as cap * tanh(x / cap) on natural
+// logits x = s ln 2.
+JB_TGT inline void SoftCap(float cap2, int64_t R, int64_t nc, float* s, int64_t ld) {
+  const Vf c = Set1(cap2), ic = Set1(1.f / cap2);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < nc; j += kW) Store(s + r * ld + j, Mul(c, Tanh(Mul(ic, Load(s + r * ld + j)))));
+}
+
+// The bias (in base-2 units) and the boolean mask on row t of head (b, n):
+// columns [c0, c0 + nc) of the block, the real keys only (the padded ones are
+// masked by MaskRow: t sees no key >= S).
+JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t, int64_t c0,
+                               int64_t nc, float* s) {
+  const int64_t cv = std::min(nc, p.S - c0);
+  if (p.bias) {
+    const int64_t bb = p.bias_B == 1 ? 0 : b, bn = p.bias_N == 1 ? 0 : n;
+    const float* br = p.bias + ((bb * p.bias_N + bn) * p.T + t) * p.S + c0;
+    const Vf l2e = Set1(kLog2e);
+    int64_t c = 0;
+    for (; c + kW <= cv; c += kW) Store(s + c, Add(Load(s + c), Mul(l2e, Load(br + c))));
+    for (; c < cv; ++c) s[c] += kLog2e * br[c];
+  }
+  if (p.mask) {
+    const int64_t mb = p.mask_B == 1 ? 0 : b, mn = p.mask_N == 1 ? 0 : n;
+    const bool* mr = p.mask + ((mb * p.mask_N + mn) * p.T + t) * p.S + c0;
+    for (int64_t c = 0; c < cv; ++c)
+      if (!mr[c]) s[c] = -kInf;
+  }
+}
 
 // One (batch, query head, query block) task. Tasks go head by head, so the
 // threads sweep the same head's k / v at the same time (it stays in L3 at long
@@ -39,8 +78,10 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
     const int64_t nc = std::min(p.bk, RoundUp(hi_all, 16) - c0);
     float* s = sc.s.data();
     Gemm<false>(R, nc, p.H, sc.qs.data(), p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, s, ldS);
+    if (p.cap2 > 0.f) SoftCap(p.cap2, R, nc, s, ldS);
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * ldS;
+      if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, sr);
       if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
         MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
       if (sc.m[r] != -kInf) {
@@ -63,6 +104,8 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
         }
         Gemm<false>(1, nc, p.H, sc.qs.data() + r * p.H, p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, sr,
                     ldS);
+        if (p.cap2 > 0.f) SoftCap(p.cap2, 1, nc, sr, ldS);
+        if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, sr);
         if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
           MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
       }
@@ -152,18 +195,43 @@ JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, 
       float* ds = sc.ds.data();
       Gemm<false>(R, nc, p.H, qs, p.Hp, 1, ktb, 16, 16 * p.H, pm, ldS);
       Gemm<false>(R, nc, p.Hv, dos, p.Hvp, 1, vtb, 16, 16 * p.Hv, ds, ldS);
+      if (p.cap2 > 0.f) SoftCap(p.cap2, R, nc, pm, ldS);
+      const Vf ic = Set1(p.cap2 > 0.f ? 1.f / p.cap2 : 0.f), one = Set1(1.f);
       for (int64_t r = 0; r < R; ++r) {
         float* pr = pm + r * ldS;
         float* dr = ds + r * ldS;
+        if (p.cap2 > 0.f) {
+          // The soft cap's derivative 1 - tanh^2 = 1 - (s / cap2)^2, from the capped logits
+          // before the bias and the masks (clamped at 0 against rounding; a NaN stays NaN).
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf t = Mul(Load(pr + c), ic);
+            Store(sc.dcap.data() + c, Max(Zero(), Sub(one, Mul(t, t))));
+          }
+        }
+        if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, pr);
         if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
           MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, pr);
+        float* db = p.dbias ? p.dbias + ((b * p.N + n) * p.T + t0 + r) * p.S + c0 : nullptr;
         const Vf l2 = Set1(lse2[r]);
         const Vf dlv = Set1(dl[r]);
-        for (int64_t c = 0; c < nc; c += kW) {
-          const Vf e = Exp2(Sub(Load(pr + c), l2));
-          Store(pr + c, e);
-          Store(dr + c, Mul(e, Sub(Load(dr + c), dlv)));
+        if (p.cap2 > 0.f) {
+          // dS also carries the soft cap's derivative (dcap).
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf d = Load(sc.dcap.data() + c);
+            const Vf e = Exp2(Sub(Load(pr + c), l2));
+            const Vf g = Mul(e, Sub(Load(dr + c), dlv));
+            Store(pr + c, e);
+            if (db) Store(sc.gb.data() + c, g);  // the bias gradient: before the cap's factor
+            Store(dr + c, Mul(g, d));
+          }
+        } else {
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf e = Exp2(Sub(Load(pr + c), l2));
+            Store(pr + c, e);
+            Store(dr + c, Mul(e, Sub(Load(dr + c), dlv)));
+          }
         }
+        if (db) std::memcpy(db, p.cap2 > 0.f ? sc.gb.data() : dr, std::min(nc, p.S - c0) * 4);
       }
       // dV += P^T dO, dK += dS^T (q * scale * log2 e), dQ += dS K.
       Gemm<true>(nc, p.Hvp, R, pm, 1, ldS, dos, p.Hvp, 16, sc.dva.data(), p.Hvp);
@@ -213,6 +281,8 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
     sc.ds.resize(p.bq * p.bk);
     sc.dka.resize(p.bk * p.Hp);
     sc.dva.resize(p.bk * p.Hvp);
+    sc.gb.resize(p.bk);
+    sc.dcap.resize(p.bk);
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }

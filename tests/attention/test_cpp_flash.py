@@ -37,10 +37,7 @@ class TestCpuFlash(AttentionTestBase):
         del isa
 
     impl = staticmethod(functools.partial(cpp_flash.attention, config=CFG))
-    supports_bias = False
-    supports_mask = False
     supports_dropout = False
-    supports_softcap = False
     unsupported_error = NotImplementedError
 
 
@@ -61,6 +58,62 @@ def two_threads():
     cpp_flash.set_threads(2)
     yield
     cpp_flash.set_threads(0)
+
+
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize("cap", [1.0, 30.0])
+def test_soft_cap_matches_reference(cap):
+    """The soft cap forward and backward, a tight cap (tanh saturates: large logits, scale 1) and a
+    loose one, with causal blocks and odd head dims."""
+    key = jax.random.split(jax.random.key(9), 3)
+    q = 3 * jax.random.normal(key[0], (2, 70, 4, 24))
+    k = jax.random.normal(key[1], (2, 75, 2, 24))
+    v = jax.random.normal(key[2], (2, 75, 2, 20))
+    args = base.make_args(q, k, v, is_causal=True, scale=1.0, logits_soft_cap=cap)
+    _check(args, cpp_flash.Config(block_q=13, block_k=32, block_q_bwd=9, block_k_bwd=16), tol=3e-5)
+
+
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize(
+    "bias_shape, mask_shape",
+    [
+        ((2, 4, 70, 75), None),
+        ((1, 4, 1, 75), (2, 1, 70, 75)),
+        (None, (1, 1, 70, 75)),
+        ((2, 1, 70, 1), (2, 4, 70, 75)),
+    ],
+)
+def test_bias_and_mask_broadcasts(bias_shape, mask_shape):
+    """An additive bias and a boolean mask broadcast over batch / heads (read in place) or T / S
+    (materialised), with causal blocks, GQA, a soft cap, rows the mask empties (0, LSE -inf, zero
+    gradients) and -inf bias entries; dbias summed over the broadcast dimensions."""
+    key = jax.random.split(jax.random.key(13), 5)
+    q = jax.random.normal(key[0], (2, 70, 4, 24))
+    k = jax.random.normal(key[1], (2, 75, 2, 24))
+    v = jax.random.normal(key[2], (2, 75, 2, 20))
+    kw = {}
+    if bias_shape is not None:
+        bias = 2 * jax.random.normal(key[3], bias_shape)
+        if bias_shape[-1] > 1:  # some -inf entries (a whole row of them: the reference's grads are NaN)
+            bias = jnp.where(jax.random.uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
+        kw["bias"] = bias
+    if mask_shape is not None:
+        mask = jax.random.uniform(key[4], mask_shape) > 0.3
+        kw["mask"] = mask.at[..., 5, :].set(False)  # row 5 sees nothing
+    args = base.make_args(q, k, v, is_causal=True, diag_offset=5, logits_soft_cap=8.0, **kw)
+    cfg = cpp_flash.Config(block_q=13, block_k=32, block_q_bwd=9, block_k_bwd=16)
+    _check(args, cfg, tol=3e-5)
+    if bias_shape is None:
+        return
+    impl = functools.partial(cpp_flash.attention, config=cfg)
+
+    def loss(f, b):
+        return (f(args.replace(bias=b))[0] * args.q[..., :20]).sum()
+
+    got = jax.jit(jax.grad(functools.partial(loss, impl)))(args.bias)
+    want = jax.jit(jax.grad(functools.partial(loss, base.reference)))(args.bias)
+    assert got.shape == args.bias.shape
+    assert_close(got, want, 5e-5 * float(jnp.abs(want).max() + 1), "dbias")
 
 
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
@@ -180,20 +233,19 @@ def test_dispatch_runs_it_on_cpu_and_says_why_not():
     assert "jb_flash_attention_fwd_f32" in hlo
     hlo = jax.jit(lambda a: _flash_on_cpu(a, flash_cpu_kernel="xla")[0]).lower(args).as_text()
     assert "jb_flash_attention_fwd_f32" not in hlo
-    soft = args.replace(logits_soft_cap=20.0)
+    drop = make_case(Case("float32", "top_left", 40, 40, 32, 2, dropout=0.25))
     with jb.with_backends(flash=True):
-        d = D.decide(soft, jb.current_flags(), "cpu")
-    assert d.implementation.name == "xla_flash" and "soft cap" in d.implementation_reasons["cpp_flash"]
-    assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(soft).as_text()
-    # The XLA path gives the same answer as the kernel.
-    a = _flash_on_cpu(args)
-    b = _flash_on_cpu(args, flash_cpu_kernel="xla")
-    assert_close(a[0], b[0], 2e-5, "out")
+        d = D.decide(drop, jb.current_flags(), "cpu")
+    assert d.implementation.name == "xla_flash" and "dropout" in d.implementation_reasons["cpp_flash"]
+    assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(drop).as_text()
+    # The XLA path gives the same answer as the kernel, soft cap included.
+    for a in (args, args.replace(logits_soft_cap=5.0)):
+        assert_close(_flash_on_cpu(a)[0], _flash_on_cpu(a, flash_cpu_kernel="xla")[0], 2e-5, "out")
     # Forcing the kernel where it cannot run is an error naming why, never a silent fallback.
-    with pytest.raises(D.NoAvailableBackendError, match="soft cap"):
-        _flash_on_cpu(soft, flash_cpu_kernel="cpp")
-    with pytest.raises(NotImplementedError, match="soft cap"):
-        cpp_flash.attention(soft)
+    with pytest.raises(D.NoAvailableBackendError, match="dropout"):
+        _flash_on_cpu(drop, flash_cpu_kernel="cpp")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        cpp_flash.attention(drop)
     with pytest.raises(ValueError, match="flash_cpu_kernel"):
         jb.with_backends(flash_cpu_kernel="fast")
     assert "CPU only" in " ".join(cpp_flash.unsupported(args, "tpu"))
