@@ -10,12 +10,13 @@ is built, the ratios' base) and ``jbackends flash (xla)`` (the blockwise XLA fal
     python benchmarks/attention.py --isa avx2            # the C++ kernel's AVX2 path (default: best)
 
 Shapes follow the issue: float32, B=1, H=8 heads, D=64, self-attention, layout BTNH for JAX and
-(B, H, L, D) for torch. Time is the median of ``--repeats`` runs after one warm-up (compile
-excluded), with the fastest and slowest run as the spread. ``--mask bool`` adds a random boolean
-mask [1, 1, L, L] (70% kept, causal or not on top), ``--mask bias`` a float bias of that shape, to
-every implementation (torch: ``attn_mask``). ``GFLOP/s`` counts 4 B H L^2 D per forward (half of it
-causal) and 3.5 times that for forward + backward; ``roof`` is that rate over XLA's float32 matmul
-rate measured at the start (a 2048^3 ``jnp.dot``, the best of the runs).
+(B, H, L, D) for torch. Time is the median of ``--repeats`` runs (``--long-repeats`` for L > 4096)
+after one warm-up (compile excluded), with the fastest and slowest run as the spread. ``--mask
+bool`` adds a random boolean mask [1, 1, L, L] (70% kept, causal or not on top), ``--mask bias`` a
+float bias of that shape, to every implementation (torch: ``attn_mask``). ``GFLOP/s`` counts
+4 B H L^2 D per forward (half of it causal) and 3.5 times that for forward + backward; ``roof`` is
+that rate over XLA's float32 matmul rate measured at the start (a 2048^3 ``jnp.dot``, the best of
+the runs).
 
 Peak memory, and how it is measured:
 
@@ -246,6 +247,7 @@ def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--long-repeats", type=int, default=1, help="repeats for L > 4096")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--causal", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     p.add_argument(
@@ -280,7 +282,7 @@ def main(argv=None) -> list:
         for dt in a.dtype
     ]
     for L, causal, mode, mask, dtype in combos:
-        repeats = a.repeats
+        repeats = a.repeats if L <= 4096 else a.long_repeats
         res = [
             bench_jax(name, impl, L, causal, mode, repeats, a.max_run_gb * 2**30, mask, dtype)
             for name, impl in impls.items()

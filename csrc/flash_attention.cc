@@ -257,6 +257,8 @@ inline Vf Abs(Vf v) { return std::fabs(v); }
 inline Vf CopySign(Vf mag, Vf sign) { return std::copysign(mag, sign); }
 inline float HSum(Vf v) { return v; }
 inline float HMax(Vf v) { return v; }
+// s where the kW booleans at m are true, -inf elsewhere.
+inline Vf KeepWhere(const bool* m, Vf s) { return *m ? s : -kInf; }
 // The polynomial of the vector paths (see avx2_isa::Exp2).
 inline Vf Exp2(Vf x) {
   if (x != x) return x;
@@ -313,6 +315,11 @@ JB_TGT inline Vf CopySign(Vf mag, Vf sign) {
   return _mm256_or_ps(mag, _mm256_and_ps(sign, _mm256_set1_ps(-0.f)));
 }
 JB_TGT inline float HSum(Vf v) { return jb::HSum(v); }
+JB_TGT inline Vf KeepWhere(const bool* m, Vf s) {
+  const __m256i mi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+  const __m256 drop = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mi, _mm256_setzero_si256()));
+  return _mm256_blendv_ps(s, _mm256_set1_ps(-kInf), drop);
+}
 JB_TGT inline float HMax(Vf v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_max_ps(a, _mm_movehl_ps(a, a));
@@ -427,6 +434,11 @@ JB_TGT inline Vf CopySign(Vf mag, Vf sign) {
   const __m512i m = _mm512_set1_epi32(INT32_MIN);
   return _mm512_castsi512_ps(_mm512_or_si512(
       _mm512_castps_si512(mag), _mm512_and_si512(_mm512_castps_si512(sign), m)));
+}
+JB_TGT inline Vf KeepWhere(const bool* m, Vf s) {
+  const __mmask16 drop =
+      _mm_cmpeq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)), _mm_setzero_si128());
+  return _mm512_mask_mov_ps(s, drop, _mm512_set1_ps(-kInf));
 }
 JB_TGT inline float HSum(Vf v) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),

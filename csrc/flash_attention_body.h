@@ -5,7 +5,8 @@
 //   JB_TGT                      the target attribute of that ISA's functions;
 //   kW, Vf                      lanes and the vector type (float for scalar);
 //   Zero, Set1, Load, Store, Add, Sub, Mul, Div, Min, Max (maxps semantics:
-//   the second operand when either is NaN), Abs, CopySign, Exp2, HSum, HMax;
+//   the second operand when either is NaN), Abs, CopySign, Exp2, HSum, HMax,
+//   KeepWhere (s where kW booleans are true, -inf elsewhere);
 //   Gemm<ACC>(M, N, K, A, sam, sak, B, ldb, bps, C, ldc), the register-blocked
 //   matmul over 16-column panels (see flash_attention.cc).
 // Every loop over a score row steps kW lanes; rows are multiples of 16 long.
@@ -44,8 +45,9 @@ JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t
   if (p.mask) {
     const int64_t mb = p.mask_B == 1 ? 0 : b, mn = p.mask_N == 1 ? 0 : n;
     const bool* mr = p.mask + ((mb * p.mask_N + mn) * p.T + t) * p.S + c0;
-    for (int64_t c = 0; c < cv; ++c)
-      if (!mr[c]) s[c] = -kInf;
+    int64_t c = 0;
+    for (; c + kW <= cv; c += kW) Store(s + c, KeepWhere(mr + c, Load(s + c)));
+    for (; c < cv; ++c) s[c] = mr[c] ? s[c] : -kInf;
   }
 }
 
