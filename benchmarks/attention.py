@@ -16,7 +16,7 @@ bool`` adds a random boolean mask [1, 1, L, L] (70% kept, causal or not on top),
 float bias of that shape, to every implementation (torch: ``attn_mask``). ``GFLOP/s`` counts
 4 B H L^2 D per forward (half of it causal) and 3.5 times that for forward + backward; ``roof`` is
 that rate over XLA's float32 matmul rate measured at the start (a 2048^3 ``jnp.dot``, the best of
-the runs).
+10 runs; on a shared machine it reads low, and fractions above 100% mean just that).
 
 Peak memory, and how it is measured:
 
@@ -106,7 +106,7 @@ def _timed(f: Callable[[], Any], repeats: int) -> tuple:
     return float(np.median(ts)), min(ts), max(ts)
 
 
-def gemm_rate(repeats: int = 5, n: int = 2048) -> float:
+def gemm_rate(repeats: int = 10, n: int = 2048) -> float:
     """XLA's float32 matmul rate here (FLOP/s): the best of ``repeats`` n^3 ``jnp.dot``."""
     rng = np.random.default_rng(1)
     a, b = (jnp.asarray(rng.normal(size=(n, n)), jnp.float32) for _ in range(2))

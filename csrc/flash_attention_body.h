@@ -54,11 +54,17 @@ JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t
 // One (batch, query head, query block) task. Tasks go head by head, so the
 // threads sweep the same head's k / v at the same time (it stays in L3 at long
 // lengths); within a head the heaviest blocks (the last ones under a causal
-// mask) come first.
+// mask) come first. With a bias / mask broadcast over the heads, query block
+// by query block instead (heaviest first), all heads of a block together.
 JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
   const Problem& p = x.p;
   const int64_t ldS = p.bk;
-  const int64_t bn = task / x.nq, i = x.nq - 1 - task % x.nq;
+  // A bias / mask shared by the heads: the heads of one query block run together instead, so
+  // that its [bq, S] tile is read from memory once (k / v of every head then share the L3).
+  const bool heads_inner = (p.bias && p.bias_N == 1) || (p.mask && p.mask_N == 1);
+  const int64_t BN = p.B * p.N;
+  const int64_t bn = heads_inner ? task % BN : task / x.nq;
+  const int64_t i = x.nq - 1 - (heads_inner ? task / BN : task % x.nq);
   const int64_t b = bn / p.N, n = bn % p.N, kh = n / p.G;
   const int64_t t0 = i * p.bq, R = std::min(p.bq, p.T - t0);
   int64_t lo_all = p.S, hi_all = 0;
