@@ -43,6 +43,7 @@ class OptionalBuildExt(build_ext):
 
 # Headers the kernels include: a change rebuilds them, and the sdist carries them.
 _COMMON = ["csrc/common.h"]
+_FLASH = _COMMON + ["csrc/flash_attention_body.h"]
 
 
 def _extensions():
@@ -72,7 +73,7 @@ def _extensions():
         Extension(
             "pallas_kernels.attention._flash_cpu",
             sources=["csrc/flash_attention.cc"],
-            depends=_COMMON,
+            depends=_FLASH,
             include_dirs=[inc],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],

@@ -431,7 +431,7 @@ def explain(
       >>> import jax, jax.numpy as jnp
       >>> from jbackends.attention import explain, SDPBackend
       >>> q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
-      >>> e = explain(q, q, q, bias=jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.float32))
+      >>> e = explain(q, q, q, bias=jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.float32), platform="tpu")
       >>> e.chosen, e.reasons[SDPBackend.FLASH_ATTENTION][:31]
       (<SDPBackend.EFFICIENT_ATTENTION: 2>, 'FLASH takes no additive bias / ')
     """

@@ -95,7 +95,8 @@ def test_flash_cpu_kernel_filters_the_cpu_list():
         e = jb.explain(q, q, q, platform="cpu")
     assert e.implementation == "xla_flash" and "flash_cpu_kernel='xla'" in e.kernel
     with jb.with_backends(flash_cpu_kernel="cpp"):
-        e = jb.explain(q, q, q, platform="cpu", logits_soft_cap=5.0)
+        # dropout: the one feature the C++ kernel lacks
+        e = jb.explain(q, q, q, platform="cpu", dropout_rate=0.1, dropout_rng=jax.random.key(0))
     assert e.chosen == SDPBackend.EFFICIENT_ATTENTION
     assert "flash_cpu_kernel='cpp'" in e.reasons[SDPBackend.FLASH_ATTENTION]
     # Other platforms are not filtered: a multi-platform export still lowers XLA there.

@@ -85,7 +85,7 @@ CPP_FLASH = Implementation(
     ("cpu",),
     _reasons("cpp_flash:unsupported"),
     lazy(f"{_PKG}.cpp_flash:attention"),
-    description="FlashAttention-2 CPU kernel, AVX2 + FMA, threaded",
+    description="FlashAttention-2 CPU kernel, AVX-512 / AVX2 + FMA, threaded; soft cap, bias, boolean mask",
 )
 XLA_FLASH = Implementation(
     "xla_flash",

@@ -1,16 +1,18 @@
 """FlashAttention-2 as a C++ CPU kernel inside XLA (``jax.ffi``): the fast CPU path of FLASH.
 
-``csrc/flash_attention.cc`` holds a forward and a backward kernel (AVX2 + FMA, register-blocked
-6 x 16 matmul tiles, base-2 online softmax, one thread per core), built by ``pip install`` next to
-this module. They compute exactly what :mod:`xla_flash` computes (same masks, same residuals:
+``csrc/flash_attention.cc`` holds a forward and a backward kernel (register-blocked matmul tiles,
+12 x 32 with AVX-512 and 6 x 16 with AVX2 + FMA, picked at run time; base-2 online softmax, one
+thread per core), built by ``pip install`` next to this module (:func:`isa` / :func:`set_isa`). They compute exactly what :mod:`xla_flash` computes (same masks, same residuals:
 ``out`` and the natural-log ``lse``), so the dispatcher lists them first for FLASH on CPU
 (``cpp_flash``) and runs them whenever :func:`unsupported` has nothing to say and the flag
 ``flash_cpu_kernel`` allows, and the blockwise XLA implementation (``xla_flash``) otherwise (and on every
 other platform, and where the extension could not be built).
 
-The kernels take causal masks (either alignment), local windows, query / key lengths and segment
-ids. They do not take an additive bias or boolean mask (neither does FLASH), a logits soft cap or
-dropout: those calls run the XLA implementation. Inputs of other float dtypes are computed in
+The kernels take causal masks (either alignment), local windows, query / key lengths, segment
+ids, a logits soft cap, an additive ``bias`` (differentiable) and a boolean ``mask``, both broadcast
+over batch and heads (the kernel reads them in place; a T or S broadcast is materialised). They do
+not take dropout: those calls run the XLA implementation. A row that sees no key gives 0 and LSE
+``-inf`` (the kernels' contract; the API layer turns that into jax.nn's or torch's answer). Inputs of other float dtypes are computed in
 float32 (cast once) and cast back.
 
 Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
@@ -57,6 +59,8 @@ __all__ = [
     "available",
     "threads",
     "set_threads",
+    "isa",
+    "set_isa",
     "unsupported",
     "attention",
     "workspace_bytes",
@@ -76,7 +80,8 @@ def _library() -> Optional[ctypes.CDLL]:
         f"{__package__}._flash_cpu",
         check="JbFlashAvailable",
         targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
-        argtypes={"JbFlashSetThreads": [ctypes.c_int]},
+        restypes={"JbFlashIsa": ctypes.c_char_p, "JbFlashSetIsa": ctypes.c_int},
+        argtypes={"JbFlashSetThreads": [ctypes.c_int], "JbFlashSetIsa": [ctypes.c_char_p]},
     )
 
 
@@ -91,6 +96,30 @@ def set_threads(n: int = 0) -> None:
     lib = _library()
     if lib is not None:
         lib.JbFlashSetThreads(int(n))
+
+
+#: The kernels' code paths, best first; the default is the best this CPU runs (AVX2 + FMA at least).
+ISAS = ("avx512", "avx2", "scalar")
+
+
+def isa() -> str:
+    """The code path the kernels use here (one of :data:`ISAS`), or ``"unavailable"``."""
+    lib = _library()
+    return lib.JbFlashIsa().decode() if lib is not None else "unavailable"
+
+
+def set_isa(name: str = "") -> bool:
+    """Selects the kernels' code path for this process: ``"avx512"``, ``"avx2"`` or ``"scalar"``
+    (plain C++); ``""`` restores the default (the best this CPU runs). For tests and benchmarks.
+
+    Returns False (and changes nothing) when this CPU cannot run it or the kernels are unavailable.
+    Raises ``ValueError`` for a name not in :data:`ISAS`. Read when a kernel runs, not when it is
+    traced: it also switches calls already compiled.
+    """
+    if name and name not in ISAS:
+        raise ValueError(f"set_isa: name must be one of {ISAS} or ''; got {name!r}")
+    lib = _library()
+    return lib is not None and lib.JbFlashSetIsa(name.encode()) == 0
 
 
 def available() -> bool:
@@ -171,7 +200,7 @@ def workspace_bytes(
     groups = B * K
     whole = nt == 1 or groups >= 4 * nt or groups % nt == 0
     dq = (1 if whole else nt) * B * T * N * Hp
-    tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq)
+    tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq + 2 * bk)
     return 4 * (packs + dq + tiles)
 
 
@@ -188,10 +217,6 @@ def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
                 "the C++ flash kernel is not built or this CPU lacks AVX2 + FMA "
                 "(pip install -e . with a C++ compiler)"
             )
-    if args.bias is not None or args.mask is not None:
-        reasons.append("the C++ flash kernel takes no bias / boolean mask")
-    if args.logits_soft_cap is not None:
-        reasons.append("the C++ flash kernel has no logits soft cap")
     if args.dropout_rate > 0:
         reasons.append("the C++ flash kernel has no dropout")
     if args.head_dim == 0 or args.v_head_dim == 0:
@@ -224,11 +249,16 @@ def attention(args: base.AttentionArgs, *, config: Optional[Config] = None, **op
         st, aux = _prepare(a, cfg)
         return _forward(st, a.q, a.k, a.v, aux)
 
-    def backward(a, out, lse, g_out, g_lse):
+    def backward(a, out, lse, g_out, g_lse, need_dbias=True):
         st, aux = _prepare(a, cfg)
-        return _flash_bwd(st, (a.q, a.k, a.v, aux, out, lse), (g_out, g_lse))[:3] + (None,)
+        g_lse = None if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) else g_lse
+        need = need_dbias and a.bias is not None
+        dq, dk, dv, dbias = _kernel_backward(
+            st, a.q, a.k, a.v, a.bias if need else None, aux, out, lse, g_out, g_lse
+        )
+        return dq, dk, dv, dbias
 
-    return sharded.attention_vjp(args, forward, backward, name="cpu flash (C++)")
+    return sharded.attention_vjp(args, forward, backward, name="cpu flash (C++)", skips_dbias=True)
 
 
 def _prepare(args, cfg):
@@ -240,7 +270,14 @@ def _prepare(args, cfg):
     kl = z if args.kv_seq_lengths is None else jnp.broadcast_to(args.kv_seq_lengths, (B,)).astype(jnp.int32)
     qs = z if args.q_segment_ids is None else args.q_segment_ids.astype(jnp.int32)
     ks = z if args.kv_segment_ids is None else args.kv_segment_ids.astype(jnp.int32)
-    return st, (ql, kl, qs, ks)
+    T, S = args.q.shape[1], args.k.shape[1]
+
+    def full_ts(x, dtype):  # broadcast over T and S only (the kernel broadcasts batch and heads)
+        return jnp.broadcast_to(x, x.shape[:2] + (T, S)).astype(dtype)
+
+    bias = jnp.zeros((0,), jnp.float32) if args.bias is None else full_ts(args.bias, jnp.float32)
+    mask = jnp.zeros((0,), jnp.bool_) if args.mask is None else full_ts(args.mask, jnp.bool_)
+    return st, (ql, kl, qs, ks, bias, mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +286,7 @@ class _Static(base.Statics):
 
     cfg: Config = Config()
 
-    def attrs(self, backward: bool):
+    def attrs(self, backward: bool, need_dbias: bool = False):
         left, right = self.window or (0, 0)
         bq, bk = (
             (self.cfg.block_q_bwd, self.cfg.block_k_bwd) if backward else (self.cfg.block_q, self.cfg.block_k)
@@ -266,6 +303,10 @@ class _Static(base.Statics):
             has_seg=self.has_segments,
             block_q=np.int64(bq),
             block_k=np.int64(bk),
+            softcap=np.float32(self.softcap or 0.0),
+            has_bias=self.bias_shape is not None,
+            has_mask=self.mask_shape is not None,
+            need_dbias=need_dbias,
         )
 
 
@@ -311,24 +352,22 @@ def _forward(st, q, k, v, aux):
     return out.astype(q.dtype), lse
 
 
-def _flash_bwd(st, res, g):
-    q, k, v, aux, out, lse = res
-    g_out, g_lse = g
-    if isinstance(g_lse, jax.custom_derivatives.SymbolicZero) or g_lse is None:
-        g_lse = None
-    dq, dk, dv, _ = _kernel_backward(st, q, k, v, None, aux, out, lse, g_out, g_lse)
-    return dq, dk, dv, None
-
-
 def _kernel_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
-    del bias
+    """(dq, dk, dv, dbias); dbias (the bias's shape and dtype) only when ``bias`` is given."""
     delta = jnp.einsum("btnv,btnv->bnt", _f32(g_out), _f32(out), precision=jax.lax.Precision.HIGHEST)
     if g_lse is not None:
         delta = delta - _f32(g_lse)
+    B, T, N, _ = q.shape
+    S = k.shape[1]
     structs = tuple(_struct(x.shape) for x in (q, k, v))
+    structs += (_struct((B, N, T, S) if bias is not None else (0,)),)
     with jax.named_scope(EXPORT_HINT):
-        dq, dk, dv = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
-            _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True)
+        dq, dk, dv, ds = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
+            _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True, bias is not None)
         )
-    dq, dk, dv = _varying((dq, dk, dv), (q, k, v, g_out, lse, delta, *aux))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dq, dk, dv, ds = _varying((dq, dk, dv, ds), (q, k, v, g_out, lse, delta, *aux))
+    dbias = None
+    if bias is not None:  # dS summed over the dimensions the bias broadcasts
+        axes = tuple(d for d in range(4) if bias.shape[d] == 1 and ds.shape[d] != 1)
+        dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias

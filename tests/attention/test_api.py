@@ -88,7 +88,8 @@ def test_vjp_fn_keeps_the_forward_backend(chosen):
 def test_no_enabled_backend_error_names_every_enabled_backend():
     q = rand((1, 8, 2, 16))
     bias = jnp.zeros((1, 2, 8, 8))
-    with A.sdpa_kernel([B.FLASH_ATTENTION, B.CUDNN_ATTENTION]):
+    # (the blockwise XLA FLASH: on CPU the C++ kernel takes a bias)
+    with A.sdpa_kernel([B.FLASH_ATTENTION, B.CUDNN_ATTENTION]), jb.with_backends(flash_cpu_kernel="xla"):
         with pytest.raises(A.NoAvailableBackendError) as e:
             A.dot_product_attention(q, q, q, bias=bias)
     msg = str(e.value)
@@ -126,6 +127,15 @@ def test_explain_is_a_value_and_explains_gpu_from_cpu():
         api="sdpa",
         attn_mask=jnp.ones((8, 8), bool),
     )
+    assert et.chosen == B.FLASH_ATTENTION and et.implementation == "cpp_flash"  # the C++ kernel takes it
+    with jb.with_backends(flash_cpu_kernel="xla"):  # the blockwise XLA FLASH does not
+        et = A.explain(
+            jnp.ones((2, 4, 8, 16)),
+            jnp.ones((2, 4, 8, 16)),
+            jnp.ones((2, 4, 8, 16)),
+            api="sdpa",
+            attn_mask=jnp.ones((8, 8), bool),
+        )
     assert et.chosen == B.EFFICIENT_ATTENTION
 
 
@@ -284,7 +294,11 @@ def test_can_use_and_availability_are_truthful_on_cpu():
     with pytest.warns(UserWarning, match="CUDNN_ATTENTION cannot be used"):
         assert not A.can_use_cudnn_attention(p, debug=True)
     pm = A.SDPAParams(x, x, x, jnp.ones((8, 8), bool), 0.0, False, False)
-    assert not A.can_use_flash_attention(pm) and A.can_use_efficient_attention(pm)
+    # On CPU the C++ flash kernel takes a boolean mask (the blockwise XLA FLASH does not; flags are
+    # not consulted, as in torch).
+    from pallas_kernels.attention import cpp_flash  # noqa: PLC0415
+
+    assert A.can_use_flash_attention(pm) == cpp_flash.available() and A.can_use_efficient_attention(pm)
     assert A.is_flash_attention_available()
 
 

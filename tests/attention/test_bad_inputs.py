@@ -137,16 +137,22 @@ def test_explain_refuses_unknown_platforms_and_keywords():
 
 def test_flash_with_an_attn_mask_says_why_and_the_way_out():
     q = rand((1, 2, 8, 4))
+    mask = jnp.tril(jnp.ones((8, 8), bool))
+    causal = A.scaled_dot_product_attention(q, q, q, is_causal=True)
+    # On CPU the C++ flash kernel takes a mask (as torch's CPU flash does); the blockwise XLA one
+    # (every other platform, or flash_cpu_kernel="xla") refuses it and names the way out.
     with A.sdpa_kernel([SB.FLASH_ATTENTION]):
+        out = A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(causal), atol=3e-5)
+    with A.sdpa_kernel([SB.FLASH_ATTENTION]), jb.with_backends(flash_cpu_kernel="xla"):
         with pytest.raises(
             A.NoAvailableBackendError, match="no arbitrary boolean attn_mask yet.*EFFICIENT_ATTENTION"
         ):
             A.scaled_dot_product_attention(q, q, q, attn_mask=jnp.ones((8, 8), bool))
     with A.sdpa_kernel([SB.FLASH_ATTENTION, SB.EFFICIENT_ATTENTION]):  # the way out it names
-        out = A.scaled_dot_product_attention(q, q, q, attn_mask=jnp.tril(jnp.ones((8, 8), bool)))
-    np.testing.assert_allclose(
-        np.asarray(out), np.asarray(A.scaled_dot_product_attention(q, q, q, is_causal=True)), atol=3e-5
-    )
+        with jb.with_backends(flash_cpu_kernel="xla"):
+            out = A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(causal), atol=3e-5)
 
 
 # ---- t: jax.export of the C++ kernel --------------------------------------------------------------------

@@ -20,12 +20,24 @@ pytestmark = pytest.mark.skipif(
 CFG = cpp_flash.Config(block_q=5, block_k=16, block_q_bwd=7, block_k_bwd=32)
 
 
+@pytest.fixture(params=cpp_flash.ISAS)
+def isa(request):
+    """Runs the test on each code path of the kernels this CPU has (skips the others)."""
+    if not cpp_flash.set_isa(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    yield request.param
+    cpp_flash.set_isa("")
+
+
 class TestCpuFlash(AttentionTestBase):
+    """The shared grid and properties, on every code path this CPU runs."""
+
+    @pytest.fixture(autouse=True)
+    def _each_isa(self, isa):
+        del isa
+
     impl = staticmethod(functools.partial(cpp_flash.attention, config=CFG))
-    supports_bias = False
-    supports_mask = False
     supports_dropout = False
-    supports_softcap = False
     unsupported_error = NotImplementedError
 
 
@@ -48,7 +60,64 @@ def two_threads():
     cpp_flash.set_threads(0)
 
 
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize("cap", [1.0, 30.0])
+def test_soft_cap_matches_reference(cap):
+    """The soft cap forward and backward, a tight cap (tanh saturates: large logits, scale 1) and a
+    loose one, with causal blocks and odd head dims."""
+    key = jax.random.split(jax.random.key(9), 3)
+    q = 3 * jax.random.normal(key[0], (2, 70, 4, 24))
+    k = jax.random.normal(key[1], (2, 75, 2, 24))
+    v = jax.random.normal(key[2], (2, 75, 2, 20))
+    args = base.make_args(q, k, v, is_causal=True, scale=1.0, logits_soft_cap=cap)
+    _check(args, cpp_flash.Config(block_q=13, block_k=32, block_q_bwd=9, block_k_bwd=16), tol=3e-5)
+
+
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize(
+    "bias_shape, mask_shape",
+    [
+        ((2, 4, 70, 75), None),
+        ((1, 4, 1, 75), (2, 1, 70, 75)),
+        (None, (1, 1, 70, 75)),
+        ((2, 1, 70, 1), (2, 4, 70, 75)),
+    ],
+)
+def test_bias_and_mask_broadcasts(bias_shape, mask_shape):
+    """An additive bias and a boolean mask broadcast over batch / heads (read in place) or T / S
+    (materialised), with causal blocks, GQA, a soft cap, rows the mask empties (0, LSE -inf, zero
+    gradients) and -inf bias entries; dbias summed over the broadcast dimensions."""
+    key = jax.random.split(jax.random.key(13), 5)
+    q = jax.random.normal(key[0], (2, 70, 4, 24))
+    k = jax.random.normal(key[1], (2, 75, 2, 24))
+    v = jax.random.normal(key[2], (2, 75, 2, 20))
+    kw = {}
+    if bias_shape is not None:
+        bias = 2 * jax.random.normal(key[3], bias_shape)
+        if bias_shape[-1] > 1:  # some -inf entries (a whole row of them: the reference's grads are NaN)
+            bias = jnp.where(jax.random.uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
+        kw["bias"] = bias
+    if mask_shape is not None:
+        mask = jax.random.uniform(key[4], mask_shape) > 0.3
+        kw["mask"] = mask.at[..., 5, :].set(False)  # row 5 sees nothing
+    args = base.make_args(q, k, v, is_causal=True, diag_offset=5, logits_soft_cap=8.0, **kw)
+    cfg = cpp_flash.Config(block_q=13, block_k=32, block_q_bwd=9, block_k_bwd=16)
+    _check(args, cfg, tol=3e-5)
+    if bias_shape is None:
+        return
+    impl = functools.partial(cpp_flash.attention, config=cfg)
+
+    def loss(f, b):
+        return (f(args.replace(bias=b))[0] * args.q[..., :20]).sum()
+
+    got = jax.jit(jax.grad(functools.partial(loss, impl)))(args.bias)
+    want = jax.jit(jax.grad(functools.partial(loss, base.reference)))(args.bias)
+    assert got.shape == args.bias.shape
+    assert_close(got, want, 5e-5 * float(jnp.abs(want).max() + 1), "dbias")
+
+
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
+@pytest.mark.usefixtures("isa")
 def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
     """Calls big enough for two threads: one (batch, kv head) group -> key-block tasks with a dQ
     buffer per thread; two groups -> whole groups per thread. Head dims not multiples of 16."""
@@ -61,6 +130,7 @@ def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
     _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
 
 
+@pytest.mark.usefixtures("isa")
 def test_backward_is_reproducible_across_runs(two_threads):
     """Key-block mode sums per-thread dQ buffers: the same blocks in the same order every run."""
     del two_threads
@@ -75,6 +145,7 @@ def test_backward_is_reproducible_across_runs(two_threads):
         np.testing.assert_array_equal(np.asarray(grad(q)), first)
 
 
+@pytest.mark.usefixtures("isa")
 def test_nan_inputs_give_nan_rows():
     args = make_case(Case("float32", "none", 24, 24, 32, 1))
     q = args.q.at[0, 3, 0, 5].set(jnp.nan)
@@ -91,12 +162,58 @@ def test_nan_inputs_give_nan_rows():
         dict(window=(9, 2), is_causal=True, diag_offset=5),
     ],
 )
+@pytest.mark.usefixtures("isa")
 def test_block_ranges_match_reference(kw):
     args = make_case(Case("float32", "none", 53, 33, 32, 2))
     args = args.replace(
         **{k: v for k, v in kw.items() if k != "is_causal"}, causal=kw.get("is_causal", False)
     )
     _check(args, cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=8, block_k_bwd=32))
+
+
+def test_isa_selection():
+    """The default path is the best this CPU runs; set_isa switches it and refuses what it lacks."""
+    default = cpp_flash.isa()
+    assert default in ("avx512", "avx2")  # available() needs AVX2 + FMA at least
+    try:
+        assert cpp_flash.set_isa("scalar") and cpp_flash.isa() == "scalar"
+        assert cpp_flash.set_isa("avx2") and cpp_flash.isa() == "avx2"
+        assert cpp_flash.set_isa("avx512") == (default == "avx512")
+        with pytest.raises(ValueError, match="name"):
+            cpp_flash.set_isa("sse9")
+    finally:
+        assert cpp_flash.set_isa("")
+    assert cpp_flash.isa() == default
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 1, 1, 1), (2, 83, 3, 97, 24, 40), (1, 130, 2, 7, 17, 5)])
+def test_code_paths_agree_on_odd_sizes(shape):
+    """Every path this CPU runs against the float64 reference and the others: odd head dims (not
+    multiples of 16 or of the 12-row / 32-column AVX-512 tiles), lengths of one, GQA, and Inf / NaN
+    inputs (the rows that see them are NaN, as in the reference; the others are untouched)."""
+    B, T, N, S, H, Hv = shape
+    key = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(key[0], (B, T, N, H)).at[-1, T - 1, 0, 0].set(jnp.nan)
+    k = jax.random.normal(key[1], (B, S, 1, H)).at[0, S // 2, 0, 0].set(jnp.inf)
+    k = k.at[-1, S - 1, 0, -1].set(jnp.nan)
+    v = jax.random.normal(key[2], (B, S, 1, Hv))
+    args = base.make_args(q, k, v, is_causal=True, diag_offset=S - T)
+    ref, ref_lse = (np.asarray(x) for x in base.reference(args))
+    empty = np.isneginf(ref_lse)  # rows that see no key (0 in both)
+    assert empty.any() == (T > S) and np.isnan(ref).any()
+    outs = {}
+    for name in cpp_flash.ISAS:
+        if not cpp_flash.set_isa(name):
+            continue
+        try:
+            out = np.asarray(jax.jit(cpp_flash.attention)(args)[0])
+        finally:
+            cpp_flash.set_isa("")
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), err_msg=name)
+        fin = np.isfinite(ref)
+        np.testing.assert_allclose(out[fin], ref[fin], atol=2e-5, err_msg=name)
+        outs[name] = out
+    assert len(outs) >= 2
 
 
 def _flash_on_cpu(args, **flags):
@@ -116,20 +233,19 @@ def test_dispatch_runs_it_on_cpu_and_says_why_not():
     assert "jb_flash_attention_fwd_f32" in hlo
     hlo = jax.jit(lambda a: _flash_on_cpu(a, flash_cpu_kernel="xla")[0]).lower(args).as_text()
     assert "jb_flash_attention_fwd_f32" not in hlo
-    soft = args.replace(logits_soft_cap=20.0)
+    drop = make_case(Case("float32", "top_left", 40, 40, 32, 2, dropout=0.25))
     with jb.with_backends(flash=True):
-        d = D.decide(soft, jb.current_flags(), "cpu")
-    assert d.implementation.name == "xla_flash" and "soft cap" in d.implementation_reasons["cpp_flash"]
-    assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(soft).as_text()
-    # The XLA path gives the same answer as the kernel.
-    a = _flash_on_cpu(args)
-    b = _flash_on_cpu(args, flash_cpu_kernel="xla")
-    assert_close(a[0], b[0], 2e-5, "out")
+        d = D.decide(drop, jb.current_flags(), "cpu")
+    assert d.implementation.name == "xla_flash" and "dropout" in d.implementation_reasons["cpp_flash"]
+    assert "jb_flash" not in jax.jit(lambda a: _flash_on_cpu(a)[0]).lower(drop).as_text()
+    # The XLA path gives the same answer as the kernel, soft cap included.
+    for a in (args, args.replace(logits_soft_cap=5.0)):
+        assert_close(_flash_on_cpu(a)[0], _flash_on_cpu(a, flash_cpu_kernel="xla")[0], 2e-5, "out")
     # Forcing the kernel where it cannot run is an error naming why, never a silent fallback.
-    with pytest.raises(D.NoAvailableBackendError, match="soft cap"):
-        _flash_on_cpu(soft, flash_cpu_kernel="cpp")
-    with pytest.raises(NotImplementedError, match="soft cap"):
-        cpp_flash.attention(soft)
+    with pytest.raises(D.NoAvailableBackendError, match="dropout"):
+        _flash_on_cpu(drop, flash_cpu_kernel="cpp")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        cpp_flash.attention(drop)
     with pytest.raises(ValueError, match="flash_cpu_kernel"):
         jb.with_backends(flash_cpu_kernel="fast")
     assert "CPU only" in " ".join(cpp_flash.unsupported(args, "tpu"))
@@ -176,6 +292,7 @@ def test_config_validation():
     assert cpp_flash.threads() >= 1
 
 
+@pytest.mark.usefixtures("isa")
 def test_scores_jumping_between_key_blocks():
     """The forward's one-pass softmax against the running max recomputes a row whose scores jump
     by more than its slack (2^64) in a later key block; small jumps take the one-pass route."""

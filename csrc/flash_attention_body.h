@@ -1,0 +1,326 @@
+// The compute of the flash attention kernels, written once over a small
+// vector interface and compiled once per instruction set: flash_attention.cc
+// includes this file inside a namespace per ISA (scalar, avx2, avx512) that
+// first defines
+//   JB_TGT                      the target attribute of that ISA's functions;
+//   kW, Vf                      lanes and the vector type (float for scalar);
+//   Zero, Set1, Load, Store, Add, Sub, Mul, Div, Min, Max (maxps semantics:
+//   the second operand when either is NaN), Abs, CopySign, Exp2, HSum, HMax,
+//   KeepWhere (s where kW booleans are true, -inf elsewhere);
+//   Gemm<ACC>(M, N, K, A, sam, sak, B, ldb, bps, C, ldc), the register-blocked
+//   matmul over 16-column panels (see flash_attention.cc).
+// Every loop over a score row steps kW lanes; rows are multiples of 16 long.
+
+// tanh(x), from one Exp2 of -2|x| log2(e) <= 0: (1 - e) / (1 + e) with x's
+// sign; absolute error ~1e-7, tanh(+-inf) = +-1, NaN stays NaN.
+JB_TGT inline Vf Tanh(Vf x) {
+  const Vf e = Exp2(Mul(Set1(-2.f * kLog2e), Abs(x)));
+  const Vf one = Set1(1.f);
+  return CopySign(Div(Sub(one, e), Add(one, e)), x);
+}
+
+// The soft cap on rows [0, R) of base-2 logits s (row stride ld, nc columns):
+// s -> cap2 * tanh(s / cap2), the same map as cap * tanh(x / cap) on natural
+// logits x = s ln 2.
+JB_TGT inline void SoftCap(float cap2, int64_t R, int64_t nc, float* s, int64_t ld) {
+  const Vf c = Set1(cap2), ic = Set1(1.f / cap2);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < nc; j += kW) Store(s + r * ld + j, Mul(c, Tanh(Mul(ic, Load(s + r * ld + j)))));
+}
+
+// The bias (in base-2 units) and the boolean mask on row t of head (b, n):
+// columns [c0, c0 + nc) of the block, the real keys only (the padded ones are
+// masked by MaskRow: t sees no key >= S).
+JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t, int64_t c0,
+                               int64_t nc, float* s) {
+  const int64_t cv = std::min(nc, p.S - c0);
+  if (p.bias) {
+    const int64_t bb = p.bias_B == 1 ? 0 : b, bn = p.bias_N == 1 ? 0 : n;
+    const float* br = p.bias + ((bb * p.bias_N + bn) * p.T + t) * p.S + c0;
+    const Vf l2e = Set1(kLog2e);
+    int64_t c = 0;
+    for (; c + kW <= cv; c += kW) Store(s + c, Add(Load(s + c), Mul(l2e, Load(br + c))));
+    for (; c < cv; ++c) s[c] += kLog2e * br[c];
+  }
+  if (p.mask) {
+    const int64_t mb = p.mask_B == 1 ? 0 : b, mn = p.mask_N == 1 ? 0 : n;
+    const bool* mr = p.mask + ((mb * p.mask_N + mn) * p.T + t) * p.S + c0;
+    int64_t c = 0;
+    for (; c + kW <= cv; c += kW) Store(s + c, KeepWhere(mr + c, Load(s + c)));
+    for (; c < cv; ++c) s[c] = mr[c] ? s[c] : -kInf;
+  }
+}
+
+// One (batch, query head, query block) task. Tasks go head by head, so the
+// threads sweep the same head's k / v at the same time (it stays in L3 at long
+// lengths); within a head the heaviest blocks (the last ones under a causal
+// mask) come first. With a bias / mask broadcast over the heads, query block
+// by query block instead (heaviest first), all heads of a block together.
+JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
+  const Problem& p = x.p;
+  const int64_t ldS = p.bk;
+  // A bias / mask shared by the heads: the heads of one query block run together instead, so
+  // that its [bq, S] tile is read from memory once (k / v of every head then share the L3).
+  const bool heads_inner = (p.bias && p.bias_N == 1) || (p.mask && p.mask_N == 1);
+  const int64_t BN = p.B * p.N;
+  const int64_t bn = heads_inner ? task % BN : task / x.nq;
+  const int64_t i = x.nq - 1 - (heads_inner ? task / BN : task % x.nq);
+  const int64_t b = bn / p.N, n = bn % p.N, kh = n / p.G;
+  const int64_t t0 = i * p.bq, R = std::min(p.bq, p.T - t0);
+  int64_t lo_all = p.S, hi_all = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    RowRange(p, b, t0 + r, &sc.lo[r], &sc.hi[r]);
+    if (sc.hi[r] > sc.lo[r]) {
+      lo_all = std::min(lo_all, sc.lo[r]);
+      hi_all = std::max(hi_all, sc.hi[r]);
+    }
+    const float* src = x.q + ((b * p.T + t0 + r) * p.N + n) * p.H;
+    for (int64_t d = 0; d < p.H; ++d) sc.qs[r * p.H + d] = src[d] * p.scale2;
+    sc.m[r] = -kInf;
+    sc.l[r] = 0.f;
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + R * p.Hvp, 0.f);
+  const float* ktb = x.kt + (b * p.K + kh) * p.H * p.Sp;
+  const float* vpb = x.vp + (b * p.K + kh) * p.Sp * p.Hvp;  // panels of 16 features
+  for (int64_t c0 = lo_all / 16 * 16; c0 < hi_all; c0 += p.bk) {
+    const int64_t nc = std::min(p.bk, RoundUp(hi_all, 16) - c0);
+    float* s = sc.s.data();
+    Gemm<false>(R, nc, p.H, sc.qs.data(), p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, s, ldS);
+    if (p.cap2 > 0.f) SoftCap(p.cap2, R, nc, s, ldS);
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s + r * ldS;
+      if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, sr);
+      if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
+        MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
+      if (sc.m[r] != -kInf) {
+        // One pass against the running max: no rescaling of acc unless this block's max exceeds
+        // it by more than 2^kSlack (then the row's scores are recomputed and rescaled as usual).
+        // Exponents stay <= kSlack, far from float overflow; lse = m + log2(l) is unchanged.
+        constexpr float kSlack = 64.f;
+        const Vf mv = Set1(sc.m[r]);
+        Vf mx = Set1(-kInf), sum = Zero();
+        for (int64_t c = 0; c < nc; c += kW) {
+          const Vf sv = Load(sr + c);
+          mx = Max(mx, sv);
+          const Vf e = Exp2(Min(Set1(kSlack), Sub(sv, mv)));
+          Store(sr + c, e);
+          sum = Add(sum, e);
+        }
+        if (HMax(mx) <= sc.m[r] + kSlack) {
+          sc.l[r] += HSum(sum);
+          continue;
+        }
+        Gemm<false>(1, nc, p.H, sc.qs.data() + r * p.H, p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, sr,
+                    ldS);
+        if (p.cap2 > 0.f) SoftCap(p.cap2, 1, nc, sr, ldS);
+        if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, sr);
+        if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
+          MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
+      }
+      Vf mx = Set1(-kInf);
+      for (int64_t c = 0; c < nc; c += kW) mx = Max(mx, Load(sr + c));
+      const float m_new = std::max(sc.m[r], HMax(mx));
+      const float m_use = m_new == -kInf ? 0.f : m_new;
+      const Vf mv = Set1(m_use);
+      Vf sum = Zero();
+      for (int64_t c = 0; c < nc; c += kW) {
+        const Vf e = Exp2(Sub(Load(sr + c), mv));
+        Store(sr + c, e);
+        sum = Add(sum, e);
+      }
+      const float alpha = sc.m[r] == -kInf ? 0.f : std::exp2(sc.m[r] - m_use);
+      sc.l[r] = alpha * sc.l[r] + HSum(sum);
+      sc.m[r] = m_new;
+      if (alpha != 1.f) {
+        float* ar = sc.acc.data() + r * p.Hvp;
+        const Vf av = Set1(alpha);
+        for (int64_t d = 0; d < p.Hvp; d += kW) Store(ar + d, Mul(av, Load(ar + d)));
+      }
+    }
+    Gemm<true>(R, p.Hvp, nc, s, ldS, 1, vpb + c0 * 16, 16, 16 * p.Sp, sc.acc.data(), p.Hvp);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const float l = sc.l[r];
+    float* dst = x.out + ((b * p.T + t0 + r) * p.N + n) * p.Hv;
+    const float inv = l == 0.f ? 0.f : 1.f / l;
+    const float* ar = sc.acc.data() + r * p.Hvp;
+    for (int64_t d = 0; d < p.Hv; ++d) dst[d] = ar[d] * inv;
+    x.lse[(b * p.N + n) * p.T + t0 + r] = l == 0.f ? -kInf : (sc.m[r] + std::log2(l)) * kLn2;
+  }
+}
+
+void Forward(const Problem& p, const float* q, const float* k, const float* v, float* out,
+             float* lse) {
+  const int64_t nq = (p.T + p.bq - 1) / p.bq;
+  std::vector<float> kt(p.B * p.K * p.H * p.Sp), vp(p.B * p.K * p.Sp * p.Hvp);
+  const int threads = ThreadsFor(2.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
+  ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
+    PackKeys(p, k, p.H, p.Hp, kt.data(), nullptr, bkh);
+    PackKeys(p, v, p.Hv, p.Hvp, nullptr, vp.data(), bkh);
+  });
+  std::vector<FwdScratch> scratch(threads);
+  for (auto& sc : scratch) {
+    sc.qs.resize(p.bq * p.H);
+    sc.s.resize(p.bq * p.bk);
+    sc.acc.resize(p.bq * p.Hvp);
+    sc.m.resize(p.bq);
+    sc.l.resize(p.bq);
+    sc.lo.resize(p.bq);
+    sc.hi.resize(p.bq);
+  }
+  const FwdCtx x{p, q, kt.data(), vp.data(), out, lse, nq};
+  ParallelTasks(p.B * p.N * nq, threads,
+                [&](int64_t task, int id) { FwdTask(x, scratch[id], task); });
+}
+
+// Key block j of (batch b, kv head kh): dK / dV of its keys, dQ into dqb.
+// delta = rowsum(dO * O) - dlse; lse of the forward (natural log).
+JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, int64_t kh,
+                        int64_t j) {
+  const Problem& p = x.p;
+  const int64_t ldS = p.bk;
+  const int64_t c0 = j * p.bk;
+  const int64_t nc = std::min(p.bk, p.Sp - c0);
+  const int64_t cv = std::min(nc, p.S - c0);  // real keys in the block
+  std::fill(sc.dka.begin(), sc.dka.begin() + nc * p.Hp, 0.f);
+  std::fill(sc.dva.begin(), sc.dva.begin() + nc * p.Hvp, 0.f);
+  int64_t tlo, thi;
+  ColRange(p, b, c0, c0 + cv, &tlo, &thi);
+  const float* ktb = x.kt + (b * p.K + kh) * p.H * p.Sp + c0 * p.H;
+  const float* vtb = x.vt + (b * p.K + kh) * p.Hv * p.Sp + c0 * p.Hv;
+  const float* kpb = x.kp + (b * p.K + kh) * p.Sp * p.Hp + c0 * 16;
+  for (int64_t g = 0; g < p.G && thi > tlo; ++g) {
+    const int64_t n = kh * p.G + g;
+    for (int64_t t0 = tlo / p.bq * p.bq; t0 < thi; t0 += p.bq) {
+      const int64_t R = std::min(p.bq, p.T - t0);
+      for (int64_t r = 0; r < R; ++r) RowRange(p, b, t0 + r, &sc.lo[r], &sc.hi[r]);
+      const int64_t row0 = (b * p.N + n) * p.T + t0;
+      const float* qs = x.qs + row0 * p.Hp;
+      const float* dos = x.dos + row0 * p.Hvp;
+      const float* lse2 = x.lse2 + row0;
+      const float* dl = x.dl + row0;
+      float* pm = sc.pm.data();
+      float* ds = sc.ds.data();
+      Gemm<false>(R, nc, p.H, qs, p.Hp, 1, ktb, 16, 16 * p.H, pm, ldS);
+      Gemm<false>(R, nc, p.Hv, dos, p.Hvp, 1, vtb, 16, 16 * p.Hv, ds, ldS);
+      if (p.cap2 > 0.f) SoftCap(p.cap2, R, nc, pm, ldS);
+      const Vf ic = Set1(p.cap2 > 0.f ? 1.f / p.cap2 : 0.f), one = Set1(1.f);
+      for (int64_t r = 0; r < R; ++r) {
+        float* pr = pm + r * ldS;
+        float* dr = ds + r * ldS;
+        if (p.cap2 > 0.f) {
+          // The soft cap's derivative 1 - tanh^2 = 1 - (s / cap2)^2, from the capped logits
+          // before the bias and the masks (clamped at 0 against rounding; a NaN stays NaN).
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf t = Mul(Load(pr + c), ic);
+            Store(sc.dcap.data() + c, Max(Zero(), Sub(one, Mul(t, t))));
+          }
+        }
+        if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, pr);
+        if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
+          MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, pr);
+        float* db = p.dbias ? p.dbias + ((b * p.N + n) * p.T + t0 + r) * p.S + c0 : nullptr;
+        const Vf l2 = Set1(lse2[r]);
+        const Vf dlv = Set1(dl[r]);
+        if (p.cap2 > 0.f) {
+          // dS also carries the soft cap's derivative (dcap).
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf d = Load(sc.dcap.data() + c);
+            const Vf e = Exp2(Sub(Load(pr + c), l2));
+            const Vf g = Mul(e, Sub(Load(dr + c), dlv));
+            Store(pr + c, e);
+            if (db) Store(sc.gb.data() + c, g);  // the bias gradient: before the cap's factor
+            Store(dr + c, Mul(g, d));
+          }
+        } else {
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf e = Exp2(Sub(Load(pr + c), l2));
+            Store(pr + c, e);
+            Store(dr + c, Mul(e, Sub(Load(dr + c), dlv)));
+          }
+        }
+        if (db) std::memcpy(db, p.cap2 > 0.f ? sc.gb.data() : dr, std::min(nc, p.S - c0) * 4);
+      }
+      // dV += P^T dO, dK += dS^T (q * scale * log2 e), dQ += dS K.
+      Gemm<true>(nc, p.Hvp, R, pm, 1, ldS, dos, p.Hvp, 16, sc.dva.data(), p.Hvp);
+      Gemm<true>(nc, p.Hp, R, ds, 1, ldS, qs, p.Hp, 16, sc.dka.data(), p.Hp);
+      Gemm<true>(R, p.Hp, nc, ds, ldS, 1, kpb, 16, 16 * p.Sp,
+                 dqb + ((b * p.T + t0) * p.N + n) * p.Hp, p.N * p.Hp);
+    }
+  }
+  for (int64_t c = 0; c < cv; ++c) {
+    float* kd = x.dk + ((b * p.S + c0 + c) * p.K + kh) * p.H;
+    float* vd = x.dv + ((b * p.S + c0 + c) * p.K + kh) * p.Hv;
+    const float* ka = sc.dka.data() + c * p.Hp;
+    const float* va = sc.dva.data() + c * p.Hvp;
+    for (int64_t d = 0; d < p.H; ++d) kd[d] = ka[d] * kLn2;
+    std::memcpy(vd, va, p.Hv * 4);
+  }
+}
+
+void Backward(const Problem& p, const float* q, const float* k, const float* v,
+              const float* dout, const float* lse, const float* delta, float* dq, float* dk,
+              float* dv) {
+  const int64_t nk = (p.S + p.bk - 1) / p.bk;
+  std::vector<float> kt(p.B * p.K * p.H * p.Sp), kp(p.B * p.K * p.Sp * p.Hp),
+      vt(p.B * p.K * p.Hv * p.Sp);
+  const int threads = ThreadsFor(5.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
+  ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
+    PackKeys(p, k, p.H, p.Hp, kt.data(), kp.data(), bkh);
+    PackKeys(p, v, p.Hv, p.Hvp, vt.data(), nullptr, bkh);
+  });
+  const int64_t heads = p.B * p.N;
+  std::vector<float> qs(heads * p.T * p.Hp), dos(heads * p.T * p.Hvp), lse2(heads * p.T),
+      dl(heads * p.T);
+  ParallelTasks(heads, threads, [&](int64_t bn, int) {
+    PackQueries(p, q, dout, lse, delta, qs.data(), dos.data(), lse2.data(), dl.data(), bn);
+  });
+  // Whole (batch, kv head) tasks own their dQ rows: one dQ buffer. With too
+  // few of them to keep the threads busy, tasks are key blocks and every
+  // thread accumulates dQ in a buffer of its own (summed at the end).
+  const int64_t groups = p.B * p.K;
+  const bool whole = threads == 1 || groups >= 4 * threads || groups % threads == 0;
+  const int nbuf = whole ? 1 : threads;
+  const int64_t qsize = p.B * p.T * p.N * p.Hp;
+  std::vector<float> dqbuf(nbuf * qsize, 0.f);
+  std::vector<BwdScratch> scratch(threads);
+  for (auto& sc : scratch) {
+    sc.pm.resize(p.bq * p.bk);
+    sc.ds.resize(p.bq * p.bk);
+    sc.dka.resize(p.bk * p.Hp);
+    sc.dva.resize(p.bk * p.Hvp);
+    sc.gb.resize(p.bk);
+    sc.dcap.resize(p.bk);
+    sc.lo.resize(p.bq);
+    sc.hi.resize(p.bq);
+  }
+  const BwdCtx x{p, qs.data(), dos.data(), lse2.data(), dl.data(), kt.data(), kp.data(),
+                 vt.data(), dk, dv};
+  if (whole) {
+    ParallelTasks(groups, threads, [&](int64_t task, int id) {
+      for (int64_t j = 0; j < nk; ++j)
+        BwdKeyBlock(x, scratch[id], dqbuf.data(), task / p.K, task % p.K, j);
+    });
+  } else {
+    // Heaviest key blocks (the first ones under a causal mask) first. Static assignment: each
+    // thread's dQ buffer always sums the same blocks in the same order, so dQ is reproducible.
+    StaticTasks(groups * nk, threads, [&](int64_t task, int id) {
+      const int64_t j = task / groups, bkh = task % groups;
+      BwdKeyBlock(x, scratch[id], dqbuf.data() + id * qsize, bkh / p.K, bkh % p.K, j);
+    });
+  }
+  // dq = scale * the sum of the buffers (dS is in natural-log units).
+  const float sc = p.scale2 * kLn2;
+  const int64_t rows = p.B * p.T * p.N;
+  ParallelTasks(threads, threads, [&](int64_t part, int) {
+    const int64_t r0 = rows * part / threads, r1 = rows * (part + 1) / threads;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* dst = dq + r * p.H;
+      for (int64_t d = 0; d < p.H; ++d) {
+        float acc = 0.f;
+        for (int i = 0; i < nbuf; ++i) acc += dqbuf[i * qsize + r * p.Hp + d];
+        dst[d] = acc * sc;
+      }
+    }
+  });
+}
