@@ -262,6 +262,10 @@ def test_a_user_priority_or_the_flag_keeps_the_users_order():
     )
     with jb.with_backends(sdpa_prefer_faster=False):
         assert _cuda().chosen == SB.FLASH_ATTENTION
+    with jb.with_backends(sdpa_priority=[SB.FLASH_ATTENTION]):  # canonicalised to the default order
+        assert _cuda().chosen == SB.FLASH_ATTENTION
+    # a bias was not measured: the priority order (EFFICIENT takes the bias) holds
+    assert _cuda(bias=jnp.zeros((1, 4, 2048, 2048), jnp.bfloat16)).chosen == SB.EFFICIENT_ATTENTION
     with jb.with_backends(sdpa_priority=[SB.EFFICIENT_ATTENTION]):
         assert _cuda().chosen == SB.EFFICIENT_ATTENTION
     with jb.attention.sdpa_kernel([SB.FLASH_ATTENTION, SB.CUDNN_ATTENTION]):  # a set, no priority

@@ -238,6 +238,7 @@ DECLARATIONS: tuple[Flag, ...] = (
         "Order in which enabled SDPA backends are tried (SDPBackend members; unlisted ones follow).",
         _parse_sdpa_priority,
         torch=("torch.nn.attention.sdpa_kernel(set_priority=True)",),
+        implies=lambda v: {"sdpa_prefer_faster": False},  # an order the user set is never reordered
     ),
     _bool(
         "sdpa_prefer_faster",

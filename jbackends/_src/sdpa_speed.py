@@ -2,8 +2,8 @@
 
 torch's priority list is one fixed order for every call. Ours is too, except where a measurement says
 another enabled backend is faster for the call on this device: while the user has set no priority
-(``sdpa_priority`` at its default and ``sdpa_prefer_faster`` on; ``sdpa_kernel(..., set_priority=True)``
-turns it off), dispatch tries the faster backend first, and ``explain()`` gives the measurement as the
+(``sdpa_prefer_faster`` on: setting ``sdpa_priority`` in any way, ``sdpa_kernel(..., set_priority=True)``
+included, turns it off), dispatch tries the faster backend first, and ``explain()`` gives the measurement as the
 reason the others were not used. Outside a measured envelope nothing moves: a guess is not a
 measurement.
 
@@ -95,6 +95,11 @@ def applies(
         and m.min_head_dim <= min(args.head_dim, args.v_head_dim)
         and max(args.head_dim, args.v_head_dim) <= m.max_head_dim
         and min(args.q_len, args.kv_len) >= m.min_length
+        # measured on plain calls (causal or not): a bias, lengths or a window were not measured
+        and args.bias is None
+        and args.q_seq_lengths is None
+        and args.kv_seq_lengths is None
+        and args.window is None
     )
 
 

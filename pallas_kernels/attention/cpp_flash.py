@@ -16,8 +16,11 @@ not take dropout: those calls run the XLA implementation. A row that sees no key
 float32 (cast once) and cast back.
 
 Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
-thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``;
-:func:`workspace_bytes` gives it (``memory_analysis`` of an executable cannot see it).
+thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``
+without a bias or mask; :func:`workspace_bytes` gives it (``memory_analysis`` of an executable cannot
+see it). With a bias or mask it is not: one broadcast over T or S is materialised at ``[.., T, S]``,
+and the bias gradient is written as a full ``[B, N, T, S]`` float32 buffer before it is summed to the
+bias's shape (reading broadcasts in place and reducing dbias in the kernel is the known fix).
 
 Limits: ``jax.vmap`` runs the kernel once per batch element (``vmap_method="sequential"``); under
 ``shard_map`` each shard runs it on its own block; under plain ``jit`` with sharded inputs XLA cannot

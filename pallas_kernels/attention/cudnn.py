@@ -169,8 +169,11 @@ def _with_reference_derivative(call, args: base.AttentionArgs, *xs):
         return call(*xs)
 
     def g_fwd(*xs):
-        outs, vjp = jax.vjp(call, *xs)  # the vjp function is a pytree of cuDNN's residuals
-        return outs, (xs, vjp)
+        # The outputs come from `g` itself and cuDNN's vjp is taken on constants: under an outer
+        # differentiation (reverse over reverse) nothing here is differentiated through cuDNN's
+        # forward rule, which has no derivative of its own.
+        _, vjp = jax.vjp(call, *jax.lax.stop_gradient(xs))  # a pytree of cuDNN's residuals
+        return g(*xs), (xs, vjp)
 
     def g_bwd(res, ct):
         xs, vjp = res
