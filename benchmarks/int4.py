@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jbackends.quantized as Q
-from pallas_kernels.int4_matmul import cpu as _cpu
+from pallas_kernels.int4_matmul import cpp as _cpp
 
 try:
     import torch
@@ -188,7 +188,7 @@ def main():
     a = ap.parse_args()
     ms = a.ms or ([1] if a.quick else [1, 16, 256])
     print(
-        f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpu.isa()}, "
+        f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpp.isa()}, "
         f"torch: {getattr(torch, '__version__', 'absent')}, groupsize={a.groupsize}"
     )
     roofs = measure_roofs(a.budget)

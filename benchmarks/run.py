@@ -74,7 +74,9 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
     )
     roofs = int4.measure_roofs(cfg["budget_s"])
     print(f"roofs: memory copy {roofs[0]:.1f} GB/s (read + write), XLA float32 GEMM {roofs[1]:.1f} GFLOP/s")
-    rows = int4.run(cfg["ms"], cfg["shapes"], cfg["groupsize"], cfg["torch_dyn_max_m"], cfg["budget_s"], roofs)
+    rows = int4.run(
+        cfg["ms"], cfg["shapes"], cfg["groupsize"], cfg["torch_dyn_max_m"], cfg["budget_s"], roofs
+    )
 
     # Summary table and plot: every int4 row against dense f32, per (K, N).
     by_shape: dict[tuple[int, int], dict[str, list[tuple[int, float]]]] = {}

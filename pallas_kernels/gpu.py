@@ -24,6 +24,7 @@ import jax
 
 __all__ = [
     "GPU_PLATFORMS",
+    "TRITON_PLATFORMS",
     "cuda_target",
     "compute_capability",
     "compute_capability_of",
@@ -32,6 +33,10 @@ __all__ = [
 
 #: Lowering-platform names that mean an NVIDIA GPU (``"gpu"`` is JAX's device platform name).
 GPU_PLATFORMS = ("cuda", "gpu")
+
+#: Lowering-platform names Pallas Triton kernels lower for: an NVIDIA GPU, or an AMD one (``"rocm"``),
+#: where the kernel needs nothing CUDA-specific (the int4 kernels; the attention kernels ask for CUDA).
+TRITON_PLATFORMS = GPU_PLATFORMS + ("rocm",)
 
 # The device kinds JAX's Pallas GPU lowering knows, by family; the first match wins ("A100" before
 # "A10" is kept by the word boundary in the pattern).

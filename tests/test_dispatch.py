@@ -129,9 +129,9 @@ def _packed(n=64, k=128, g=32):
     ],
 )
 def test_int4_explain(engine, platform, rows, op, want):
-    from pallas_kernels.int4_matmul import cpu as cpu_int4
+    from pallas_kernels.int4_matmul import cpp as cpp_int4
 
-    if want == "cpp" and not cpu_int4.available():
+    if want == "cpp" and not cpp_int4.available():
         pytest.skip("C++ int4 kernel not built")
     p = _packed()
     x = jax.ShapeDtypeStruct((rows, 128), jnp.float32)

@@ -39,8 +39,8 @@ _PKG = "pallas_kernels.int4_matmul"
 def _pallas_run(interpret: bool):
     def run(x, packed, *, op, compute_dtype=None):
         if op == "dyn_quant":
-            return lazy(f"{_PKG}.pallas:dyn_quant_matmul")(x, packed, interpret=interpret)
-        return lazy(f"{_PKG}.pallas:weight_only_matmul")(
+            return lazy(f"{_PKG}.triton:dyn_quant_matmul")(x, packed, interpret=interpret)
+        return lazy(f"{_PKG}.triton:weight_only_matmul")(
             x, packed, compute_dtype=compute_dtype, interpret=interpret
         )
 
@@ -50,9 +50,9 @@ def _pallas_run(interpret: bool):
 def _cpp_run(x, packed, *, op, compute_dtype=None):
     del compute_dtype
     if op == "dyn_quant":
-        out = lazy(f"{_PKG}.cpu:dyn_quant_matmul")(x.astype(jnp.float32), packed)
+        out = lazy(f"{_PKG}.cpp:dyn_quant_matmul")(x.astype(jnp.float32), packed)
         return lazy(f"{_PKG}.base:truncate_to_bfloat16")(out) if x.dtype == jnp.bfloat16 else out
-    return lazy(f"{_PKG}.cpu:weight_only_matmul")(x.astype(jnp.float32), packed).astype(x.dtype)
+    return lazy(f"{_PKG}.cpp:weight_only_matmul")(x.astype(jnp.float32), packed).astype(x.dtype)
 
 
 def _xla_run(x, packed, *, op, compute_dtype=None):
@@ -75,12 +75,12 @@ def _triton_missing() -> list:
 
 def _pallas_reasons(call, platform, device):
     del device
-    return _triton_missing() or lazy(f"{_PKG}.pallas:unsupported")(call, platform)
+    return _triton_missing() or lazy(f"{_PKG}.triton:unsupported")(call, platform)
 
 
 def _interpret_reasons(call, platform, device):
     del platform, device
-    return _triton_missing() or lazy(f"{_PKG}.pallas:unsupported")(call, None)
+    return _triton_missing() or lazy(f"{_PKG}.triton:unsupported")(call, None)
 
 
 def _reasons(path: str):
@@ -108,11 +108,11 @@ CPP = Implementation(
     "cpp",
     "C++ (jax.ffi)",
     ("cpu",),
-    _reasons("cpu:unsupported"),
+    _reasons("cpp:unsupported"),
     _cpp_run,
     description=(
         "AVX2 / AVX-512 (VNNI) kernels; row paths for decode, blocked 16-rows-per-vector paths from "
-        "9 (dyn-quant) / 16 (weight-only) rows; weight-only up to a measured crossover (cpu.weight_only_max_rows)"
+        "9 (dyn-quant) / 16 (weight-only) rows; weight-only up to a measured crossover (cpp.weight_only_max_rows)"
     ),
 )
 XLA = Implementation(

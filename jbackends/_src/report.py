@@ -75,14 +75,14 @@ def _attention_rows() -> Iterator[tuple[str, str]]:
 
 def _int4_rows() -> Iterator[tuple[str, str]]:
     from jbackends import quantized
-    from pallas_kernels.int4_matmul import cpu as int4_cpu
+    from pallas_kernels.int4_matmul import cpp as int4_cpp
 
     yield "engines", ", ".join(quantized.supported_engines)
     yield (
         "C++ CPU kernel (XLA FFI)",
         (
-            f"built, {int4_cpu.isa()}"
-            if int4_cpu.available()
+            f"built, {int4_cpp.isa()}"
+            if int4_cpp.available()
             else "not built (no compiler at install time?): pure-XLA fallback in use"
         ),
     )

@@ -7,7 +7,7 @@ key is a *shape class*: the device kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the 
 head dims, power-of-two buckets of the query / key lengths, the GQA group size and which features
 change the inner loop (causal, window, bias, mask, dropout, softcap). Candidates that fail to compile
 (e.g. too much shared memory) are skipped. :func:`autotune_int4` does the same for the Pallas Triton
-int4 kernels (whose ``pallas_config.Config`` follows the same protocol); :func:`fastest` is the timing
+int4 kernels (whose ``triton_config.Config`` follows the same protocol); :func:`fastest` is the timing
 loop of both.
 
 Example:
@@ -39,7 +39,7 @@ from pallas_kernels.attention import (
     triton_flash_vjp,
     triton_tuning,
 )
-from pallas_kernels.int4_matmul import base as int4_base, pallas as int4_pallas, pallas_config as int4_config
+from pallas_kernels.int4_matmul import base as int4_base, triton as int4_pallas, triton_config as int4_config
 
 __all__ = [
     "KERNELS",
@@ -204,7 +204,7 @@ def autotune_int4(
     use_cache: bool = True,
 ):
     """Times the Pallas Triton int4 kernel of ``op`` (``"weight_only"``: W4A16, ``"dyn_quant"``: W4A8)
-    on ``x`` and ``packed`` and returns (and caches) the fastest :class:`pallas_config.Config`.
+    on ``x`` and ``packed`` and returns (and caches) the fastest :class:`triton_config.Config`.
 
     ``candidates`` default to ``Config.search_space(call)``; the cache key is the device kind, ``op``,
     the dtype of ``x``, the power-of-two bucket of its rows and the weight's shape and group size.

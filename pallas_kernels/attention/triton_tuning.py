@@ -227,9 +227,7 @@ class DecodeConfig:
     def search_space(cls, args: base.AttentionArgs) -> list:
         """Key blocks 32 / 64, 0 (auto) / 4 / 16 / 32 splits, 4 / 8 warps."""
         del args
-        return [
-            cls(bk, splits, warps, 2) for bk in (32, 64) for splits in (0, 4, 16, 32) for warps in (4, 8)
-        ]
+        return [cls(bk, splits, warps, 2) for bk in (32, 64) for splits in (0, 4, 16, 32) for warps in (4, 8)]
 
 
 def decode_heuristics(

@@ -17,11 +17,11 @@ from flax import nnx
 import jbackends as jb
 import jbackends.quantized as Q
 from jbackends._src import nn_int4
-from pallas_kernels.int4_matmul import base, cpu
+from pallas_kernels.int4_matmul import base, cpp
 
 from tests.int4.int4_base import make_case
 
-ENGINES = ["xla", "reference", "pallas_interpret"] + (["cpp"] if cpu.available() else [])
+ENGINES = ["xla", "reference", "pallas_interpret"] + (["cpp"] if cpp.available() else [])
 F32 = np.float32
 INT_MIN = -(2**31)
 

@@ -5,7 +5,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.int4_matmul import cpu, pallas, xla
+from pallas_kernels.int4_matmul import cpp, triton, xla
 
 from tests.int4.int4_base import GRID, Int4Suite
 
@@ -15,10 +15,10 @@ class TestXla(Int4Suite):
     weight_only = staticmethod(xla.weight_only_matmul)
 
 
-@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
 class TestCpp(Int4Suite):
-    impl = staticmethod(lambda x, p: cpu.dyn_quant_matmul(x, p))
-    weight_only = staticmethod(cpu.weight_only_matmul)
+    impl = staticmethod(lambda x, p: cpp.dyn_quant_matmul(x, p))
+    weight_only = staticmethod(cpp.weight_only_matmul)
     supports_odd_channelwise = False
     supports_bf16 = False
 
@@ -29,44 +29,44 @@ class TestCpp(Int4Suite):
         from tests.int4.int4_base import make_case, reference
         import numpy as np
 
-        default = cpu.isa()
-        if not cpu.set_isa(isa):
+        default = cpp.isa()
+        if not cpp.set_isa(isa):
             pytest.skip(f"this CPU cannot run {isa}")
         try:
             for case in GRID:
                 x, p = make_case(*case)
                 np.testing.assert_array_equal(
-                    np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p))
+                    np.asarray(cpp.dyn_quant_matmul(x, p)), np.asarray(reference(x, p))
                 )
                 # set_isa switches the weight-only row kernel too (float tolerance)
                 w = np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
                 want = np.asarray(x, np.float64) @ w.T + (
                     0 if p.bias is None else np.asarray(p.bias, np.float64)
                 )
-                got = np.asarray(cpu.weight_only_matmul(x, p), np.float64)
+                got = np.asarray(cpp.weight_only_matmul(x, p), np.float64)
                 np.testing.assert_allclose(
                     got, want, rtol=0, atol=self.weight_only_tol * max(np.abs(want).max(initial=0), 1)
                 )
         finally:
-            cpu.set_isa(default)
+            cpp.set_isa(default)
 
 
 # Interpret mode is slow: small tiles so that several ragged blocks and split-K are exercised. W4A8 steps
-# are >= 64 k (int8 dots over >= 32 k, pallas.MIN_INT8_DOT_K): groupsize 32 and 96 take the masked windows.
-_DECODE = pallas.Config(block_m=16, block_n=16, block_k=64, split_k=2, num_warps=4, num_stages=2)
+# are >= 64 k (int8 dots over >= 32 k, triton.MIN_INT8_DOT_K): groupsize 32 and 96 take the masked windows.
+_DECODE = triton.Config(block_m=16, block_n=16, block_k=64, split_k=2, num_warps=4, num_stages=2)
 
 
 def _pallas_dyn(x, p):
     M = x.size // x.shape[-1] if x.ndim else 1
-    cfg = _DECODE if M <= pallas.DECODE_M else pallas.Config(block_m=32, block_n=16, block_k=64)
+    cfg = _DECODE if M <= triton.DECODE_M else triton.Config(block_m=32, block_n=16, block_k=64)
     if p.num_groups % cfg.split_k:
-        cfg = pallas.Config(cfg.block_m, cfg.block_n, cfg.block_k, 1)
-    return pallas.dyn_quant_matmul(x, p, config=cfg, interpret=True)
+        cfg = triton.Config(cfg.block_m, cfg.block_n, cfg.block_k, 1)
+    return triton.dyn_quant_matmul(x, p, config=cfg, interpret=True)
 
 
 def _pallas_wo(x, p):
-    return pallas.weight_only_matmul(
-        x, p, config=pallas.Config(block_m=16, block_n=16, block_k=32, split_k=2), interpret=True
+    return triton.weight_only_matmul(
+        x, p, config=triton.Config(block_m=16, block_n=16, block_k=32, split_k=2), interpret=True
     )
 
 
@@ -81,7 +81,7 @@ class TestPallasInterpret(Int4Suite):
         import numpy as np
 
         x, p = make_case(40, 128, 24, 64, True)
-        got = pallas.dyn_quant_matmul(x, p, interpret=True)
+        got = triton.dyn_quant_matmul(x, p, interpret=True)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(base.dyn_quant_matmul(x, p)))
 
     def test_weight_only_bf16_compute(self):
@@ -107,8 +107,8 @@ def test_long_channelwise_rows_exact():
         x, p = make_case(M, 10240, 4, 10240, True)
         want = np.asarray(reference(x, p))
         np.testing.assert_array_equal(np.asarray(xla.dyn_quant_matmul(x, p)), want)
-        if cpu.available():
-            np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), want)
+        if cpp.available():
+            np.testing.assert_array_equal(np.asarray(cpp.dyn_quant_matmul(x, p)), want)
 
 
 # The C++ group paths (groupsize a multiple of 128; the row path and, from 16 rows, the blocked one):
@@ -130,7 +130,7 @@ _GROUP_CASES = [
 ]
 
 
-@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx512bw", "avx2", "scalar"])
 @pytest.mark.parametrize("M,K,N,g", _GROUP_CASES)
 def test_cpp_group_path_every_isa(isa, M, K, N, g):
@@ -139,8 +139,8 @@ def test_cpp_group_path_every_isa(isa, M, K, N, g):
     from pallas_kernels.int4_matmul import base
     from tests.int4.int4_base import make_case, reference
 
-    default = cpu.isa()
-    if not cpu.set_isa(isa):
+    default = cpp.isa()
+    if not cpp.set_isa(isa):
         pytest.skip(f"this CPU cannot run {isa}")
     try:
         x, p = make_case(M, K, N, g, M % 2 == 1, seed=M)
@@ -151,16 +151,16 @@ def test_cpp_group_path_every_isa(isa, M, K, N, g):
         if M > 4:
             x[4] = np.abs(x[4]) + 0.5
         x = jnp.asarray(x)
-        np.testing.assert_array_equal(np.asarray(cpu.dyn_quant_matmul(x, p)), np.asarray(reference(x, p)))
+        np.testing.assert_array_equal(np.asarray(cpp.dyn_quant_matmul(x, p)), np.asarray(reference(x, p)))
         w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
         want = np.asarray(x, np.float64) @ w.T + (0 if p.bias is None else np.asarray(p.bias, np.float64))
-        got = np.asarray(cpu.weight_only_matmul(x, p), np.float64)
+        got = np.asarray(cpp.weight_only_matmul(x, p), np.float64)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1))
     finally:
-        cpu.set_isa(default)
+        cpp.set_isa(default)
 
 
-@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
 def test_cpp_weight_only_crossover_is_explained():
     """Weight-only rows up to the measured crossover of this code path run in C++; above it, XLA's GEMM,
     and explain says why."""
@@ -170,8 +170,10 @@ def test_cpp_weight_only_crossover_is_explained():
     from tests.int4.int4_base import make_case
 
     _, p = make_case(1, 128, 16, 32, False)
-    limit = cpu.weight_only_max_rows()
-    assert limit == (cpu.WEIGHT_ONLY_MAX_ROWS_AVX512 if cpu.isa().startswith("avx512") else cpu.WEIGHT_ONLY_MAX_ROWS)
+    limit = cpp.weight_only_max_rows()
+    assert limit == (
+        cpp.WEIGHT_ONLY_MAX_ROWS_AVX512 if cpp.isa().startswith("avx512") else cpp.WEIGHT_ONLY_MAX_ROWS
+    )
     with jb.with_backends(quantized_engine="auto"):
         at = jb.quantized.explain(jax.ShapeDtypeStruct((limit, 128), jnp.float32), p, platform="cpu")
         above = jb.quantized.explain(jax.ShapeDtypeStruct((limit + 1, 128), jnp.float32), p, platform="cpu")

@@ -14,7 +14,7 @@ import jbackends as jb
 import jbackends.quantized as Q
 from jbackends._src import nn_int4
 from pallas_kernels import gpu
-from pallas_kernels.int4_matmul import cpu
+from pallas_kernels.int4_matmul import cpp
 from tests.int4.int4_base import make_case, reference
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -113,7 +113,7 @@ def test_orbax_checkpoint_of_a_quantized_model(tmp_path):
     np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, restored)(x)), np.asarray(model(x)))
 
 
-@pytest.mark.skipif(not cpu.available(), reason="C++ extension not built")
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built")
 def test_cpu_auto_uses_cpp():
     x, p = make_case(1, 64, 16, 32, False)
     f = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, 32, 64, 16))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jbackends.quantized as Q
-from pallas_kernels.int4_matmul import base, pallas
+from pallas_kernels.int4_matmul import base, triton
 
 from tests.int4.int4_base import make_case, reference
 
@@ -52,7 +52,7 @@ def _abstract_packed(K, N, g):
 
 
 # Triton's NVIDIA minimum contraction per operand width (bits -> k); M and N are padded by Triton.
-_MIN_K = {8: pallas.MIN_INT8_DOT_K, 16: 16}
+_MIN_K = {8: triton.MIN_INT8_DOT_K, 16: 16}
 
 
 @pytest.mark.parametrize("mode", ["w4a8", "w4a16"])
@@ -75,10 +75,10 @@ def test_kernel_dots_fit_triton_mma(mode, K, N, g):
     for M in (1, 4, 16, 33, 64, 128, 512):
         if mode == "w4a8":
             x = jax.ShapeDtypeStruct((M, K), jnp.float32)
-            f = lambda x, p: pallas.dyn_quant_matmul(x, p)
+            f = lambda x, p: triton.dyn_quant_matmul(x, p)
         else:
             x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-            f = lambda x, p: pallas.weight_only_matmul(x, p)
+            f = lambda x, p: triton.weight_only_matmul(x, p)
         dots = list(_kernel_dots(jax.make_jaxpr(f)(x, p).jaxpr))
         assert dots, "no dot found in the kernel"
         for e in dots:
@@ -98,10 +98,10 @@ def test_kernel_dots_fit_triton_mma(mode, K, N, g):
 def test_w4a8_config_refuses_narrow_int8_dots():
     x, p = make_case(2, 128, 16, 32, False)
     with pytest.raises(ValueError, match="block_k=32 must be >= 64"):
-        pallas.dyn_quant_matmul(x, p, config=pallas.Config(block_k=32), interpret=True)
-    assert pallas.heuristics(1, 512, 1024, 32, mode="w4a8").block_k == 64
-    assert pallas.heuristics(300, 512, 1024, 32, mode="w4a8").block_k == 64
-    assert pallas.heuristics(1, 512, 1024, 128, mode="w4a8").block_k == 128
+        triton.dyn_quant_matmul(x, p, config=triton.Config(block_k=32), interpret=True)
+    assert triton.heuristics(1, 512, 1024, 32, mode="w4a8").block_k == 64
+    assert triton.heuristics(300, 512, 1024, 32, mode="w4a8").block_k == 64
+    assert triton.heuristics(1, 512, 1024, 128, mode="w4a8").block_k == 128
 
 
 # (M, K, N, groupsize): the heuristic configs (what the GPU runs), in the interpreter. Odd multiples of 32
@@ -124,7 +124,7 @@ _HEURISTIC_CASES = [
 )
 def test_w4a8_heuristic_configs_bit_exact(M, K, N, g):
     x, p = make_case(M, K, N, g, True)
-    got = jax.jit(lambda x, p: pallas.dyn_quant_matmul(x, p, interpret=True))(x, p)
+    got = jax.jit(lambda x, p: triton.dyn_quant_matmul(x, p, interpret=True))(x, p)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
 
 
@@ -133,8 +133,8 @@ def test_w4a8_windows_wider_than_the_group(block_k, split_k):
     """Any block_k >= 64 is correct (masked) for groupsize 32 and 96, decode (split) and prefill."""
     for M, g in ((2, 32), (20, 96)):
         x, p = make_case(M, 384, 24, g, False)
-        cfg = pallas.Config(block_m=16, block_n=16, block_k=block_k, split_k=split_k)
-        got = pallas.dyn_quant_matmul(x, p, config=cfg, interpret=True)
+        cfg = triton.Config(block_m=16, block_n=16, block_k=block_k, split_k=split_k)
+        got = triton.dyn_quant_matmul(x, p, config=cfg, interpret=True)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
 
 
@@ -186,15 +186,15 @@ def test_gpu_w4a16_compiled_near_float64(K, N, g):
 def test_config_protocol_search_space_is_accepted_by_the_kernel(op, mode, M):
     x, p = make_case(M, 128, 16, 32, False)
     call = base.Int4Call.of(op, x, p)
-    assert pallas.Config.heuristics(call) == pallas.heuristics(M, 16, 128, 32, mode=mode)
-    assert pallas.Config.heuristics(call, {"num_sms": 8}) == pallas.heuristics(
+    assert triton.Config.heuristics(call) == triton.heuristics(M, 16, 128, 32, mode=mode)
+    assert triton.Config.heuristics(call, {"num_sms": 8}) == triton.heuristics(
         M, 16, 128, 32, mode=mode, num_sms=8
     )
-    space = pallas.Config.search_space(call)
-    assert space and all(isinstance(c, pallas.Config) for c in space)
-    fn = pallas.weight_only_matmul if op == "weight_only" else pallas.dyn_quant_matmul
+    space = triton.Config.search_space(call)
+    assert space and all(isinstance(c, triton.Config) for c in space)
+    fn = triton.weight_only_matmul if op == "weight_only" else triton.dyn_quant_matmul
     for tiles in {(c.block_m, c.block_n, c.block_k, c.split_k) for c in space}:
-        out = jax.eval_shape(lambda x, p: fn(x, p, config=pallas.Config(*tiles), interpret=True), x, p)
+        out = jax.eval_shape(lambda x, p: fn(x, p, config=triton.Config(*tiles), interpret=True), x, p)
         assert out.shape == (M, 16)
 
 
@@ -203,15 +203,15 @@ def test_autotune_int4_interpret_picks_a_candidate_and_caches():
 
     x, p = make_case(2, 128, 16, 32, False)
     cands = [
-        pallas.Config(block_m=16, block_n=16, block_k=64),
-        pallas.Config(block_m=16, block_n=32, block_k=64),
+        triton.Config(block_m=16, block_n=16, block_k=64),
+        triton.Config(block_m=16, block_n=32, block_k=64),
     ]
     autotune.clear_cache()
     best = autotune.autotune_int4(x, p, "dyn_quant", candidates=cands, interpret=True, repeats=1)
     assert best in cands
     # Cached: no candidate is run again (an empty candidate list would otherwise fail).
     assert autotune.autotune_int4(x, p, "dyn_quant", candidates=[], interpret=True) == best
-    got = pallas.dyn_quant_matmul(x, p, config=best, interpret=True)
+    got = triton.dyn_quant_matmul(x, p, config=best, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
     with pytest.raises(ValueError, match="op"):
         autotune.autotune_int4(x, p, "nope", interpret=True)

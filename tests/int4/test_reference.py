@@ -247,3 +247,14 @@ def test_bad_matmul_args():
         Q.int4_matmul(x, base.PackedInt4Weight(p.weight, p.scales, jnp.zeros(3), 32, 64, 8))
     with pytest.raises(TypeError, match="compute_dtype"):
         Q.int4_matmul(x, p, compute_dtype=jnp.int8)
+
+
+@pytest.mark.parametrize(
+    "name", ["pallas_kernels.int4_matmul.packing", "pallas_kernels.int4_matmul.reference"]
+)
+def test_docstring_examples(name):
+    import doctest  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -27,7 +27,7 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
 
 Both kernels take ``interpret: bool``: ``interpret=True`` runs them on CPU
 through the Pallas interpreter (tests); on a GPU leave it False. Their tiles
-(`Config`, its ``heuristics`` and ``search_space``) live in `pallas_config`.
+(`Config`, its ``heuristics`` and ``search_space``) live in `triton_config`.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_backend
+from pallas_kernels import gpu, triton_backend
 
 from . import base
 from .base import PackedInt4Weight
-from .pallas_config import DECODE_M, MIN_INT8_DOT_K, Config, heuristics
+from .triton_config import DECODE_M, MIN_INT8_DOT_K, Config, heuristics
 
 __all__ = [
     "Config",
@@ -56,14 +56,12 @@ __all__ = [
     "MIN_INT8_DOT_K",
 ]
 
-_GPU_PLATFORMS = ("cuda", "rocm", "gpu")
-
 
 def unsupported(call: base.Int4Call, platform: str | None) -> list[str]:
     """Reasons these kernels cannot run ``call`` when lowered for ``platform`` (empty when they can;
     ``platform=None``: the kernel's own limits only, e.g. for interpret mode)."""
     why = []
-    if platform is not None and platform not in _GPU_PLATFORMS:
+    if platform is not None and platform not in gpu.TRITON_PLATFORMS:
         why.append(f"Pallas Triton kernels need a GPU; platform={platform!r}")
     if call.packed.groupsize % 32:
         why.append(
