@@ -91,6 +91,23 @@ def dropout_seed_words(args: base.AttentionArgs):
     return base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)) if args.has_dropout else None
 
 
+def call_operands(args: base.AttentionArgs) -> tuple:
+    """The operands the flash forward and backward kernels take first, in their order (absent ones
+    ``None``): dropout seed words, query / key lengths, query / key segment ids, q, k, v, bias, mask."""
+    return (
+        dropout_seed_words(args),
+        args.q_seq_lengths,
+        args.kv_seq_lengths,
+        args.q_segment_ids,
+        args.kv_segment_ids,
+        args.q,
+        args.k,
+        args.v,
+        args.bias,
+        args.mask,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel-body helpers (plain jnp on tiles; shared with triton_flash_vjp / triton_mem_efficient / triton_decode).
 # ----------------------------------------------------------------------------------------------

@@ -60,10 +60,10 @@ from pallas_kernels.attention.triton_common import (
     LOG2E,
     Spec,
     block,
+    call_operands,
     check_config,
     common_unsupported,
     dropout_keep,
-    dropout_seed_words,
     key_block_range,
     load_bias_like,
     load_rows,
@@ -234,19 +234,8 @@ def forward(
         _, n, b = g
         return (b if has_b else 0, n if has_n else 0)
 
-    seed = dropout_seed_words(args)
-    operands = (
-        seed,
-        args.q_seq_lengths,
-        args.kv_seq_lengths,
-        args.q_segment_ids,
-        args.kv_segment_ids,
-        args.q,
-        args.k,
-        args.v,
-        args.bias,
-        args.mask,
-    )
+    operands = call_operands(args)
+    seed = operands[0]
     in_specs = (
         None if seed is None else pl.BlockSpec((2,), lambda i, n, b: (0,)),
         None if args.q_seq_lengths is None else scalar_spec(),

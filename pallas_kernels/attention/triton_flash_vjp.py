@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -314,23 +313,14 @@ def backward(
 
     qb = lambda p: jnp.minimum(p, nq - 1)  # noqa: E731  (clamped: programs past the last block idle)
     kb = lambda p: jnp.minimum(p, nk - 1)  # noqa: E731
-    seed = common.dropout_seed_words(args)
     operands = (
-        seed,
-        args.q_seq_lengths,
-        args.kv_seq_lengths,
-        args.q_segment_ids,
-        args.kv_segment_ids,
-        args.q,
-        args.k,
-        args.v,
-        args.bias,
-        args.mask,
+        *common.call_operands(args),
         dout,
         lse,
         delta,
         dbias0,
     )
+    seed = operands[0]
     in_specs = (
         None if seed is None else pl.BlockSpec((2,), lambda p, h, b: (0,)),
         None if args.q_seq_lengths is None else scalar_spec(),
