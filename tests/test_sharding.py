@@ -310,3 +310,64 @@ def test_explain_says_how_a_sharded_call_runs():
         assert "XLA" in jb.explain(q, q, q).sharding
     x = jnp.zeros((1, 8, 2, 4))
     assert jb.explain(x, x, x).sharding is None
+
+
+# ---- the GPU lane: the same rules lowered for and run on a GPU ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_gpu_attention_keeps_batch_sharding(backend):
+    """On every local GPU (one is enough to prove the partitioning rules lower for CUDA), a
+    batch-sharded bf16 call keeps its sharding, with no all-gather, forward and gradients."""
+    devices = jax.devices("gpu")
+    mesh = jax.sharding.Mesh(np.array(devices), ("b",))
+    n = len(devices)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (2 * n, 256, 4, 64), jnp.bfloat16) for kk in keys)
+
+    def f(q, k, v):
+        def loss(q, k, v):
+            with jb.sdpa_kernel([getattr(jb.SDPBackend, backend)]):
+                out = jb.dot_product_attention(q, k, v, is_causal=True)
+            return (out.astype(jnp.float32) ** 2).sum(), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    sharding = NamedSharding(mesh, P("b"))
+    put = lambda x: jax.device_put(x, sharding)  # noqa: E731
+    jf = jax.jit(f)
+    assert "all-gather" not in jf.lower(put(q), put(k), put(v)).compile().as_text()
+    out, grads = jf(put(q), put(k), put(v))
+    ref_out, ref_grads = jf(q, k, v)
+    for got, want in zip((out, *grads), (ref_out, *ref_grads)):
+        assert got.sharding.is_equivalent_to(sharding, 4)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["dyn_quant", "weight_only"])
+def test_gpu_int4_keeps_row_sharding(op):
+    """The Pallas int4 kernels on every local GPU: x's rows stay sharded, no all-gather."""
+    import jbackends.quantized as Q  # noqa: PLC0415
+
+    devices = jax.devices("gpu")
+    mesh = jax.sharding.Mesh(np.array(devices), ("m",))
+    K, Nf, g = 512, 256, 32
+    qw, s = Q.quantize_4bit(jax.random.normal(jax.random.key(0), (Nf, K)), g)
+    p = Q.dyn_quant_pack_4bit_weight(qw, s, None, g, K, Nf)
+    x = jax.random.normal(jax.random.key(1), (16 * len(devices), K))
+    if op == "dyn_quant":
+        f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, Nf, implementation="pallas")  # noqa: E731
+    else:
+        f = lambda x, p: Q.int4_matmul(x, p, implementation="pallas")  # noqa: E731
+    sharding = NamedSharding(mesh, P("m"))
+    xs = jax.device_put(x, sharding)
+    jf = jax.jit(f)
+    assert "all-gather" not in jf.lower(xs, p).compile().as_text()
+    y = jf(xs, p)
+    assert y.sharding.is_equivalent_to(sharding, 2)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jf(x, p)), rtol=1e-5, atol=1e-5)
