@@ -135,18 +135,23 @@ def _tile_index(ref, start, size, head):
     return ref.at[pl.ds(start, size), head, :]
 
 
-def load_tile(ref, start, size: int, limit: int, dim: int, dim_p: int, *, ragged: bool, head=None):
-    """A ``[size, dim_p]`` tile of a ``[L, dim]`` ref at rows ``start``: zero past ``limit`` / ``dim``."""
-    rows = start + jnp.arange(size, dtype=jnp.int32)
-    cols = jnp.arange(dim_p, dtype=jnp.int32)
+def _tile_mask(start, size: int, limit: int, dim: int, dim_p: int, ragged: bool):
+    """The ``[size, dim_p]`` in-bounds mask of a tile at rows ``start`` (rows < ``limit`` when ``ragged``,
+    columns < ``dim``); None when every element is in bounds."""
     mask = None
     if ragged:
-        mask = (rows < limit)[:, None]
+        mask = (start + jnp.arange(size, dtype=jnp.int32) < limit)[:, None]
     if dim != dim_p:
-        cm = (cols < dim)[None, :]
+        cm = (jnp.arange(dim_p, dtype=jnp.int32) < dim)[None, :]
         mask = cm if mask is None else mask & cm
     if mask is not None and mask.shape != (size, dim_p):
         mask = jnp.broadcast_to(mask, (size, dim_p))
+    return mask
+
+
+def load_tile(ref, start, size: int, limit: int, dim: int, dim_p: int, *, ragged: bool, head=None):
+    """A ``[size, dim_p]`` tile of a ``[L, dim]`` ref at rows ``start``: zero past ``limit`` / ``dim``."""
+    mask = _tile_mask(start, size, limit, dim, dim_p, ragged)
     ref = _tile_index(ref, start, size, head)
     if mask is None:
         return plgpu.load(ref)
@@ -155,17 +160,7 @@ def load_tile(ref, start, size: int, limit: int, dim: int, dim_p: int, *, ragged
 
 def store_tile(ref, value, start, size: int, limit: int, dim: int, *, ragged: bool, head=None):
     """Stores ``value [size, dim_p]`` to a ``[L, dim]`` ref at rows ``start``, masked like :func:`load_tile`."""
-    dim_p = value.shape[1]
-    rows = start + jnp.arange(size, dtype=jnp.int32)
-    cols = jnp.arange(dim_p, dtype=jnp.int32)
-    mask = None
-    if ragged:
-        mask = (rows < limit)[:, None]
-    if dim != dim_p:
-        cm = (cols < dim)[None, :]
-        mask = cm if mask is None else mask & cm
-    if mask is not None and mask.shape != (size, dim_p):
-        mask = jnp.broadcast_to(mask, (size, dim_p))
+    mask = _tile_mask(start, size, limit, dim, value.shape[1], ragged)
     ref = _tile_index(ref, start, size, head)
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
