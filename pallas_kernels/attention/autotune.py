@@ -39,7 +39,7 @@ from pallas_kernels.attention import (
     triton_flash_vjp,
     triton_tuning,
 )
-from pallas_kernels.int4_matmul import base as int4_base, triton as int4_pallas, triton_config as int4_config
+from pallas_kernels.int4_matmul import base as int4_base, triton as int4_triton, triton_config as int4_config
 
 __all__ = [
     "KERNELS",
@@ -214,7 +214,7 @@ def autotune_int4(
     _check_timing(repeats, interpret)
     key = (_device_kind(interpret), "int4_" + op, str(call.x_dtype), _bucket(call.rows))
     key += (packed.out_features, packed.in_features, packed.groupsize)
-    fn = int4_pallas.weight_only_matmul if op == "weight_only" else int4_pallas.dyn_quant_matmul
+    fn = int4_triton.weight_only_matmul if op == "weight_only" else int4_triton.dyn_quant_matmul
     cands = list(candidates) if candidates is not None else int4_config.Config.search_space(call)
 
     def measure():
