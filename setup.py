@@ -3,7 +3,8 @@
 Metadata lives in pyproject.toml. The extensions are optional: without a C++
 compiler, or without jaxlib's FFI headers at build time, the install still
 succeeds and the int4 matmul and flash attention fall back to their pure-XLA
-implementations.
+implementations. With JBACKENDS_REQUIRE_CPP=1 (CI sets it) a failed build is an
+error instead: a compile error must not pass as "no compiler here".
 """
 
 import importlib.util
@@ -25,19 +26,29 @@ def _ffi_include_dir():
     return None
 
 
+def _required():
+    return os.environ.get("JBACKENDS_REQUIRE_CPP", "") not in ("", "0")
+
+
 class OptionalBuildExt(build_ext):
-    """build_ext that warns instead of failing (no compiler, no headers)."""
+    """build_ext that warns instead of failing (no compiler, no headers), unless required."""
 
     def run(self):
         try:
             super().run()
         except Exception as e:  # noqa: BLE001 - any build failure is non-fatal
+            if _required():
+                raise
             print(f"warning: skipping the optional C++ kernels: {e}", file=sys.stderr)
 
     def build_extension(self, ext):
+        if _required():
+            ext.optional = False
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001
+            if _required():
+                raise
             print(f"warning: could not build {ext.name}: {e}", file=sys.stderr)
 
 
@@ -49,6 +60,8 @@ _FLASH = _COMMON + ["csrc/flash_attention_body.h"]
 def _extensions():
     inc = _ffi_include_dir()
     if inc is None or os.environ.get("JBACKENDS_NO_CPP"):
+        if inc is None and _required():
+            raise RuntimeError("JBACKENDS_REQUIRE_CPP is set but jaxlib's FFI headers were not found")
         print("warning: jaxlib FFI headers not found; building without the C++ kernels", file=sys.stderr)
         return []
     return [
