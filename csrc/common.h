@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <thread>
@@ -106,19 +109,96 @@ inline int AffinityThreads(int cap) {
   return HardwareThreads(static_cast<unsigned>(cap));
 }
 
-// Runs worker(id) for id in [0, threads): id 0 on the calling thread, the
-// others on threads of their own; returns when all have finished.
+// Whether the kernels run their threads on XLA's intra-op pool (the default)
+// or start threads of their own on every call (the fallback where a runtime
+// has no pool; switchable for tests and benchmarks).
+inline std::atomic<bool> g_use_xla_pool{true};
+inline bool UseXlaPool() { return g_use_xla_pool.load(std::memory_order_relaxed); }
+inline void SetUseXlaPool(bool on) { g_use_xla_pool.store(on, std::memory_order_relaxed); }
+
+// The XLA intra-op thread pool of the FFI call running on this thread, or
+// null (then RunThreads starts threads of its own). Set by PoolScope.
+inline thread_local xla::ffi::ThreadPool* t_pool = nullptr;
+
+// Makes `pool` (the handler's Ctx<ThreadPool>) the pool of this thread's
+// RunThreads calls for its lifetime. A pool that reports no threads (no
+// intra-op pool in this runtime) is not used, nor any while SetUseXlaPool(false).
+class PoolScope {
+ public:
+  explicit PoolScope(xla::ffi::ThreadPool& pool) : prev_(t_pool) {
+    if (UseXlaPool() && pool.num_threads() > 0) t_pool = &pool;
+  }
+  ~PoolScope() { t_pool = prev_; }
+  PoolScope(const PoolScope&) = delete;
+  PoolScope& operator=(const PoolScope&) = delete;
+
+ private:
+  xla::ffi::ThreadPool* prev_;
+};
+
+// Runs worker(id) for every id in [0, threads) and returns when all have
+// finished. Inside an FFI call with a pool (PoolScope) the ids are claimed in
+// order by the calling thread and by threads - 1 tasks scheduled on XLA's
+// intra-op pool (no thread start-up, and no more threads than XLA's own; a
+// task the pool starts late finds no id left, and the caller runs the ids
+// nobody claimed, so a busy pool slows the call down but cannot block it).
+// Without a pool, id 0 runs on the calling thread and the others on threads
+// of their own. An exception thrown by a worker on another thread is
+// rethrown on the calling thread.
 template <typename F>
 void RunThreads(int threads, F&& worker) {
   if (threads <= 1) {
     worker(0);
     return;
   }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int i = 1; i < threads; ++i) pool.emplace_back(worker, i);
-  worker(0);
-  for (auto& th : pool) th.join();
+  struct Shared {
+    std::atomic<int> next{0};
+    std::atomic<int> left{0};
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+    std::mutex mu;  // with `done`: the caller sleeps through a long wait
+    std::condition_variable done;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->left.store(threads, std::memory_order_relaxed);
+  // `worker` is only reached through an id < threads, all of which are
+  // claimed (and finished) before this function returns.
+  auto claim = [shared, threads, w = &worker] {
+    for (int id = shared->next.fetch_add(1, std::memory_order_relaxed); id < threads;
+         id = shared->next.fetch_add(1, std::memory_order_relaxed)) {
+      try {
+        (*w)(id);
+      } catch (...) {
+        if (!shared->failed.exchange(true)) shared->error = std::current_exception();
+      }
+      if (shared->left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        shared->done.notify_all();
+      }
+    }
+  };
+  if (xla::ffi::ThreadPool* xla_pool = t_pool) {
+    for (int i = 1; i < threads; ++i) xla_pool->Schedule(decltype(claim)(claim));
+    claim();
+    // The ids left are running on pool threads: spin a little (calls that
+    // end together), then sleep until the last one finishes.
+    for (int spins = 0; spins < 2048 && shared->left.load(std::memory_order_acquire) != 0; ++spins) {
+#if JB_X86
+      _mm_pause();
+#endif
+    }
+    if (shared->left.load(std::memory_order_acquire) != 0) {
+      std::unique_lock<std::mutex> lock(shared->mu);
+      shared->done.wait(lock, [&] { return shared->left.load(std::memory_order_acquire) == 0; });
+    }
+  } else {
+    std::vector<std::thread> pool;
+    pool.reserve(threads - 1);
+    for (int i = 1; i < threads; ++i) pool.emplace_back(claim);
+    claim();
+    for (auto& th : pool) th.join();
+  }
+  if (shared->failed.load(std::memory_order_acquire)) std::rethrow_exception(shared->error);
 }
 
 // Runs f(task, thread) for task in [0, n) on `threads` threads, tasks handed

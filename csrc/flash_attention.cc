@@ -647,7 +647,7 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-ffi::Error FwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
                    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
@@ -656,6 +656,7 @@ ffi::Error FwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    bool has_q_len, bool has_kv_len, bool has_seg, int64_t block_q,
                    int64_t block_k, float softcap, bool has_bias, bool has_mask,
                    bool need_dbias) {
+  jb::PoolScope scope(pool);
   Problem p;
   ffi::Error e = MakeProblem(q, k, v, q_len, kv_len, q_seg, kv_seg, scale, causal, diag_offset,
                              window, left, right, has_q_len, has_kv_len, has_seg, block_q,
@@ -668,7 +669,7 @@ ffi::Error FwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   });
 }
 
-ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> lse,
                    ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_seg,
@@ -680,6 +681,7 @@ ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    bool has_q_len, bool has_kv_len, bool has_seg, int64_t block_q,
                    int64_t block_k, float softcap, bool has_bias, bool has_mask,
                    bool need_dbias) {
+  jb::PoolScope scope(pool);
   Problem p;
   ffi::Error e = MakeProblem(q, k, v, q_len, kv_len, q_seg, kv_seg, scale, causal, diag_offset,
                              window, left, right, has_q_len, has_kv_len, has_seg, block_q,
@@ -723,6 +725,7 @@ ffi::Error BwdImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdF32, FwdImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -737,6 +740,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdF32, FwdImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashBwdF32, BwdImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -769,6 +773,10 @@ extern "C" int JbFlashThreads() { return HwThreads(); }
 
 // Overrides the thread count (tests, benchmarks); 0 restores the default.
 extern "C" void JbFlashSetThreads(int n) { g_threads_override.store(n < 0 ? 0 : n); }
+
+// 1: the kernels' threads run on XLA's intra-op pool (the default); 0: each
+// call starts threads of its own (tests, benchmarks).
+extern "C" void JbFlashSetXlaPool(int on) { jb::SetUseXlaPool(on != 0); }
 
 // The code path the kernels use ("avx512", "avx2" or "scalar").
 extern "C" const char* JbFlashIsa() { return CurrentIsa().name; }

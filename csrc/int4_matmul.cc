@@ -1596,10 +1596,11 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& x,
   return ffi::Error::Success();
 }
 
-ffi::Error DynQuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+ffi::Error DynQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> bias,
                         ffi::ResultBuffer<ffi::F32> out, int64_t groupsize,
                         bool has_bias) {
+  jb::PoolScope scope(pool);
   int64_t M, N, K;
   ffi::Error e = CheckShapes(x, w, scales, bias, groupsize, &M, &N, &K);
   if (e.failure()) return e;
@@ -1609,11 +1610,12 @@ ffi::Error DynQuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   return ffi::Error::Success();
 }
 
-ffi::Error WeightOnlyImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                           ffi::Buffer<ffi::F32> scales,
                           ffi::Buffer<ffi::F32> bias,
                           ffi::ResultBuffer<ffi::F32> out, int64_t groupsize,
                           bool has_bias) {
+  jb::PoolScope scope(pool);
   int64_t M, N, K;
   ffi::Error e = CheckShapes(x, w, scales, bias, groupsize, &M, &N, &K);
   if (e.failure()) return e;
@@ -1627,6 +1629,7 @@ ffi::Error WeightOnlyImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulF32, DynQuantImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -1637,6 +1640,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulF32, DynQuantImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -1644,6 +1648,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("groupsize")
                                   .Attr<bool>("has_bias"));
+
+// 1: the kernels' threads run on XLA's intra-op pool (the default); 0: each
+// call starts threads of its own (tests, benchmarks).
+extern "C" void JbInt4SetXlaPool(int on) { jb::SetUseXlaPool(on != 0); }
 
 // The instruction set the dyn-quant kernel uses ("avx512vnni", "avx512bw",
 // "avx2", "scalar").

@@ -62,6 +62,7 @@ __all__ = [
     "available",
     "threads",
     "set_threads",
+    "set_xla_pool",
     "isa",
     "set_isa",
     "unsupported",
@@ -84,7 +85,11 @@ def _library() -> Optional[ctypes.CDLL]:
         check="JbFlashAvailable",
         targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
         restypes={"JbFlashIsa": ctypes.c_char_p, "JbFlashSetIsa": ctypes.c_int},
-        argtypes={"JbFlashSetThreads": [ctypes.c_int], "JbFlashSetIsa": [ctypes.c_char_p]},
+        argtypes={
+            "JbFlashSetThreads": [ctypes.c_int],
+            "JbFlashSetIsa": [ctypes.c_char_p],
+            "JbFlashSetXlaPool": [ctypes.c_int],
+        },
     )
 
 
@@ -99,6 +104,15 @@ def set_threads(n: int = 0) -> None:
     lib = _library()
     if lib is not None:
         lib.JbFlashSetThreads(int(n))
+
+
+def set_xla_pool(on: bool = True) -> None:
+    """Whether the kernels run their threads on XLA's intra-op thread pool (``True``, the default)
+    or start threads of their own on every call (``False``: what they do where a runtime offers no
+    pool). For tests and benchmarks; read when a kernel runs."""
+    lib = _library()
+    if lib is not None:
+        lib.JbFlashSetXlaPool(1 if on else 0)
 
 
 #: The kernels' code paths, best first; the default is the best this CPU runs (AVX2 + FMA at least).

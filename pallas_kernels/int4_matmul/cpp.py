@@ -38,6 +38,7 @@ __all__ = [
     "available",
     "isa",
     "set_isa",
+    "set_xla_pool",
     "dyn_quant_matmul",
     "weight_only_matmul",
     "unsupported",
@@ -56,7 +57,7 @@ def _library() -> ctypes.CDLL | None:
         f"{__package__}._int4_cpu",
         targets={_DYN_TARGET: "JbInt4DynQuantMatmulF32", _WO_TARGET: "JbInt4MatmulF32"},
         restypes={"JbInt4Isa": ctypes.c_char_p, "JbInt4SetIsa": ctypes.c_int},
-        argtypes={"JbInt4SetIsa": [ctypes.c_char_p]},
+        argtypes={"JbInt4SetIsa": [ctypes.c_char_p], "JbInt4SetXlaPool": [ctypes.c_int]},
     )
 
 
@@ -81,6 +82,15 @@ def set_isa(name: str) -> bool:
     """
     lib = _library()
     return lib is not None and lib.JbInt4SetIsa(name.encode()) == 0
+
+
+def set_xla_pool(on: bool = True) -> None:
+    """Whether the kernels run their threads on XLA's intra-op thread pool (``True``, the default)
+    or start threads of their own on every call (``False``: what they do where a runtime offers no
+    pool). For tests and benchmarks; read when a kernel runs."""
+    lib = _library()
+    if lib is not None:
+        lib.JbInt4SetXlaPool(1 if on else 0)
 
 
 #: Weight-only rows above which these kernels lose to XLA's GEMM on the dequantized weight: the AVX2 and

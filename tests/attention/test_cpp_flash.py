@@ -10,7 +10,14 @@ import pytest
 import jbackends as jb
 from jbackends._src import attention_dispatch as D
 from pallas_kernels.attention import base, cpp_flash
-from tests.attention.attention_base import AttentionTestBase, Case, assert_close, grads_of, make_case
+from tests.attention.attention_base import (
+    AttentionTestBase,
+    Case,
+    assert_close,
+    grads_of,
+    make_case,
+    outputs_and_grads,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpp_flash.available(), reason="C++ flash kernel not built or no AVX2 + FMA here"
@@ -128,6 +135,31 @@ def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
     v = jax.random.normal(key[2], (batch, 290, kv_heads, 24))
     _check(base.make_args(q, k, v, is_causal=True))
     _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
+
+
+@pytest.mark.usefixtures("isa")
+def test_own_threads_match_xla_pool(two_threads):
+    """The kernels' threads on XLA's intra-op pool (the default) and on threads of their own (the
+    no-pool fallback): the same bits, forward and backward, in both threading modes."""
+    del two_threads
+    key = jax.random.split(jax.random.key(5), 3)
+    for kv_heads, batch in ((1, 1), (2, 2)):
+        q = jax.random.normal(key[0], (batch, 200, 2 * kv_heads, 32))
+        k = jax.random.normal(key[1], (batch, 190, kv_heads, 32))
+        v = jax.random.normal(key[2], (batch, 190, kv_heads, 16))
+        args = base.make_args(q, k, v, is_causal=True)
+
+        def run(args=args):
+            return jax.tree.map(np.asarray, outputs_and_grads(cpp_flash.attention, args, jit=True))
+
+        pooled = run()
+        cpp_flash.set_xla_pool(False)
+        try:
+            own = run()
+        finally:
+            cpp_flash.set_xla_pool(True)
+        jax.tree.map(np.testing.assert_array_equal, own, pooled)
+        _check(args)
 
 
 @pytest.mark.usefixtures("isa")

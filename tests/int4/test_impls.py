@@ -1,7 +1,6 @@
 """Each implementation against the reference, through the shared `Int4Suite`."""
 
-import functools
-
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -179,3 +178,30 @@ def test_cpp_weight_only_crossover_is_explained():
         above = jb.quantized.explain(jax.ShapeDtypeStruct((limit + 1, 128), jnp.float32), p, platform="cpu")
     assert at.implementation == "cpp", str(at)
     assert above.implementation == "xla" and "crossover" in above.reasons["cpp"], str(above)
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.parametrize("M", [1, 5, 20, 40])
+def test_cpp_own_threads_match_xla_pool(M):
+    """Calls large enough for several threads (M N K / 2 >= 2**18): on XLA's intra-op pool (the
+    default) and on threads of the kernels' own (the no-pool fallback) the results are the same
+    bits, exact against the reference for dyn-quant and within float tolerance for weight-only."""
+    import numpy as np
+
+    from pallas_kernels.int4_matmul import base
+    from tests.int4.int4_base import make_case, reference
+
+    x, p = make_case(M, 1024, 1040 if M == 1 else 264, 128, True, seed=3)
+    dyn, wo = jax.jit(cpp.dyn_quant_matmul), jax.jit(cpp.weight_only_matmul)
+    pooled = np.asarray(dyn(x, p)), np.asarray(wo(x, p))
+    cpp.set_xla_pool(False)
+    try:
+        own = np.asarray(dyn(x, p)), np.asarray(wo(x, p))
+    finally:
+        cpp.set_xla_pool(True)
+    np.testing.assert_array_equal(pooled[0], np.asarray(reference(x, p)))
+    np.testing.assert_array_equal(own[0], pooled[0])
+    w = np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
+    want = np.asarray(x, np.float64) @ w.T + np.asarray(p.bias, np.float64)
+    for got in (pooled[1], own[1]):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
