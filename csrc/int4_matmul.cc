@@ -27,12 +27,14 @@
 // Code paths, picked at run time (JbInt4SetIsa overrides): AVX512-VNNI,
 // AVX512BW, AVX2 + FMA (CPUs without AVX-512), scalar.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -1391,34 +1393,49 @@ __attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + (n * MR + r) * 16, acc[n][r]);
 }
 
+// WoRows16<NR, MR> for every shape the blocked path uses: MR <= 4 row blocks
+// and NR <= WoQuad(MR) weight rows (at most 24 accumulators + MR activation
+// vectors + 1 broadcast of the 32 zmm registers).
+using WoRows16Fn = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float*);
+
+template <int MR, int... NR>
+constexpr std::array<WoRows16Fn, sizeof...(NR)> WoRows16Column(std::integer_sequence<int, NR...>) {
+  return {&WoRows16<NR + 1, MR>...};
+}
+
 void WoRows16N(const float* bt, const float* const* a, int nr, int mr, int64_t K, int64_t k0,
                int64_t k1, float* c) {
-  switch (nr * 2 + mr - 1) {
-    case 2: return WoRows16<1, 1>(bt, a, K, k0, k1, c);
-    case 3: return WoRows16<1, 2>(bt, a, K, k0, k1, c);
-    case 4: return WoRows16<2, 1>(bt, a, K, k0, k1, c);
-    case 5: return WoRows16<2, 2>(bt, a, K, k0, k1, c);
-    case 6: return WoRows16<3, 1>(bt, a, K, k0, k1, c);
-    case 7: return WoRows16<3, 2>(bt, a, K, k0, k1, c);
-    case 8: return WoRows16<4, 1>(bt, a, K, k0, k1, c);
-    case 9: return WoRows16<4, 2>(bt, a, K, k0, k1, c);
-    case 10: return WoRows16<5, 1>(bt, a, K, k0, k1, c);
-    case 12: return WoRows16<6, 1>(bt, a, K, k0, k1, c);
-    case 14: return WoRows16<7, 1>(bt, a, K, k0, k1, c);
-    default: return WoRows16<8, 1>(bt, a, K, k0, k1, c);
+  static constexpr std::array<WoRows16Fn, 8> kOne = WoRows16Column<1>(std::make_integer_sequence<int, 8>());
+  static constexpr std::array<WoRows16Fn, 8> kTwo = WoRows16Column<2>(std::make_integer_sequence<int, 8>());
+  static constexpr std::array<WoRows16Fn, 8> kThree =
+      WoRows16Column<3>(std::make_integer_sequence<int, 8>());
+  static constexpr std::array<WoRows16Fn, 6> kFour = WoRows16Column<4>(std::make_integer_sequence<int, 6>());
+  switch (mr) {
+    case 1: return kOne[nr - 1](bt, a, K, k0, k1, c);
+    case 2: return kTwo[nr - 1](bt, a, K, k0, k1, c);
+    case 3: return kThree[nr - 1](bt, a, K, k0, k1, c);
+    default: return kFour[nr - 1](bt, a, K, k0, k1, c);
   }
 }
 
-// Weight rows per call of WoRows16N: 8 with one row block (8 FMA chains), 4
-// with two.
-inline int WoQuad(int mr) { return mr == 1 ? 8 : 4; }
+// Weight rows per call of WoRows16N for mr row blocks: 8 (8 to 24 FMA chains)
+// up to three blocks, 6 with four (24 chains).
+constexpr int WoQuad(int mr) { return mr <= 3 ? 8 : 6; }
+// Row blocks (16 rows each) per register tile.
+constexpr int64_t kWoBlocks = 4;
+
+// Weight rows per tile and k per slice of the blocked path: a slice of the
+// tile dequantized once (kWoTileN x kWoSliceK x 4 = 24 KiB) and a register
+// tile's row blocks (kWoBlocks x kWoSliceK x 64 = 32 KiB) stay in L1/L2 while
+// every weight row of the tile passes over them.
+constexpr int64_t kWoTileN = 48, kWoSliceK = 128;
 
 // nr weight rows, k in [k0, k1) of one plane (the even-k plane is k < K / 2,
-// the odd-k plane K / 2 + k2) -> bt ([nr][256] float32 (q - 8) * s).
+// the odd-k plane K / 2 + k2) -> bt ([nr][kWoSliceK] float32 (q - 8) * s).
 __attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, int nr, int64_t K,
                                                               int64_t groupsize, const float* s,
                                                               int64_t k0, int64_t k1, float* bt) {
-  constexpr int64_t kSlice = 256;  // kWoSliceK
+  constexpr int64_t kSlice = kWoSliceK;
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
                                       3.f, 4.f, 5.f, 6.f, 7.f);
   const int64_t half = K / 2, gb = groupsize / 2, G = K / groupsize;
@@ -1453,49 +1470,52 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
     }
   }
   // Tiles of kWoTileN weight rows; K in slices of kWoSliceK (within one
-  // plane), each slice of the tile dequantized once (kWoTileN x kWoSliceK x 4
-  // bytes) and kept in L1 with a pair of row blocks (2 x kWoSliceK x 64 bytes)
-  // while every weight row of the tile passes over it; the accumulators of the
-  // tile ([row pair][n][2][16]) are kept between slices.
-  constexpr int64_t kWoTileN = 32, kWoSliceK = 256;
+  // plane), each slice of the tile dequantized once and kept in L1/L2 while
+  // the row blocks pass over it kWoBlocks at a time (the register tile: up to
+  // 4 x 16 rows by WoQuad weight rows); the accumulators of the tile
+  // ([block group][n][block][16]) are kept between slices.
   const int threads =
       static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
-  const int64_t pairs = (Mb + 1) / 2;
+  const int64_t groups = (Mb + kWoBlocks - 1) / kWoBlocks;
+  constexpr int64_t kGroupFloats = kWoTileN * kWoBlocks * 16;
   std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kWoTileN * kWoSliceK));
-  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(pairs * kWoTileN * 32));
+  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(groups * kGroupFloats));
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
     float* b = bt[id].data();
     float* cacc = acc[id].data();
     for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
       const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
-      std::fill(cacc, cacc + pairs * kWoTileN * 32, 0.0f);
+      std::fill(cacc, cacc + groups * kGroupFloats, 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
         // slices within one plane: [k0, k1) of the even (k0 < half) or odd plane
         const int64_t k1 = std::min(k0 < half ? half : K, k0 + kWoSliceK);
         DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
-        for (int64_t p = 0; p < pairs; ++p) {
-          const int64_t b0 = 2 * p;
-          const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
-          const float* a[2] = {xpk.data() + b0 * K * 16, xpk.data() + std::min(b0 + 1, Mb - 1) * K * 16};
+        for (int64_t p = 0; p < groups; ++p) {
+          const int64_t b0 = kWoBlocks * p;
+          const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
+          const float* a[kWoBlocks];
+          for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + std::min(b0 + r, Mb - 1) * K * 16;
           const int qn = WoQuad(mr);
           for (int q = 0; q < nt; q += qn)
             WoRows16N(b - k0 + q * kWoSliceK, a, std::min(qn, nt - q), mr, kWoSliceK, k0, k1,
-                      cacc + (p * kWoTileN + q) * 32);
+                      cacc + p * kGroupFloats + q * kWoBlocks * 16);
         }
         if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
       }
-      // acc of (pair p, weight row q + j, block r) at cacc + (p * kWoTileN + q) * 32 + (j * mr + r) * 16
-      // (q a multiple of WoQuad(mr)); written row by row (contiguous in out).
-      for (int64_t p = 0; p < pairs; ++p) {
-        const int64_t b0 = 2 * p;
-        const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
+      // acc of (group p, weight row q + j, block r) at
+      // cacc + p * kGroupFloats + q * kWoBlocks * 16 + (j * mr + r) * 16 (q a multiple of
+      // WoQuad(mr)); written row by row (contiguous in out).
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t b0 = kWoBlocks * p;
+        const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
         const int qn = WoQuad(mr);
         for (int r = 0; r < mr; ++r)
           for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
             float* o = out + ((b0 + r) * 16 + i) * N + t0;
-            const float* cp = cacc + p * kWoTileN * 32 + r * 16 + i;
+            const float* cp = cacc + p * kGroupFloats + r * 16 + i;
             for (int n = 0; n < nt; ++n)
-              o[n] = cp[(n / qn * qn) * 32 + (n % qn) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
+              o[n] = cp[(n / qn * qn) * kWoBlocks * 16 + (n % qn) * mr * 16] +
+                     (bias ? bias[t0 + n] : 0.0f);
           }
       }
     }

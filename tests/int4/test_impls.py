@@ -126,6 +126,7 @@ _GROUP_CASES = [
     (33, 2176, 37, 128),
     (50, 384, 8, 128),
     (9, 256, 11, 128),  # the first blocked size
+    (70, 384, 53, 128),  # two groups of row blocks (4 + 1), a ragged weight tile (48 + 5)
 ]
 
 
