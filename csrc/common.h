@@ -76,6 +76,19 @@ inline bool HasAvx512Vnni() {
 #endif
 }
 
+// HasAvx512() and AVX512-BF16 (vdpbf16ps).
+inline bool HasAvx512Bf16() {
+#if JB_X86
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return HasAvx512() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 #if JB_X86
 #define JB_AVX2 __attribute__((target("avx2,fma")))
 

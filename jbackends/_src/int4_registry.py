@@ -52,7 +52,8 @@ def _cpp_run(x, packed, *, op, compute_dtype=None):
     if op == "dyn_quant":
         out = lazy(f"{_PKG}.cpp:dyn_quant_matmul")(x.astype(jnp.float32), packed)
         return lazy(f"{_PKG}.base:truncate_to_bfloat16")(out) if x.dtype == jnp.bfloat16 else out
-    return lazy(f"{_PKG}.cpp:weight_only_matmul")(x.astype(jnp.float32), packed).astype(x.dtype)
+    xk = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)  # bf16: the kernel's own bf16 path
+    return lazy(f"{_PKG}.cpp:weight_only_matmul")(xk, packed).astype(x.dtype)
 
 
 def _xla_run(x, packed, *, op, compute_dtype=None):
@@ -112,7 +113,8 @@ CPP = Implementation(
     _cpp_run,
     description=(
         "AVX2 / AVX-512 (VNNI) kernels; row paths for decode, blocked 16-rows-per-vector paths from "
-        "9 (dyn-quant) / 16 (weight-only) rows; weight-only up to a measured crossover (cpp.weight_only_max_rows)"
+        "9 (dyn-quant) / 16 (weight-only) rows; weight-only up to a measured crossover (cpp.weight_only_max_rows); "
+        "bfloat16 weight-only activations up to 31 rows by AVX512-BF16 dots where the CPU has them"
     ),
 )
 XLA = Implementation(

@@ -4,10 +4,10 @@ The shared library is built by ``setup.py`` when the package is installed
 (``pip install -e .``); when it is absent (no compiler at install time, or a
 non-CPU-only wheel), `available()` is False and callers use `xla.py`.
 
-The kernels take ``x`` float32 ``[..., K]`` (any leading dims, flattened to
-rows), the packed weight ``[N, K/2]``, float32 scales ``[N, K/g]`` and a bias
+The kernels take ``x`` float32 ``[..., K]`` (weight-only: or bfloat16; any leading dims,
+flattened to rows), the packed weight ``[N, K/2]``, float32 scales ``[N, K/g]`` and a bias
 (zeros with ``has_bias=False`` when there is none). They are multi-threaded
-over N with ``std::thread`` and pick AVX512-VNNI / AVX512BW / AVX2 / scalar
+over N on XLA's intra-op thread pool and pick AVX512-VNNI / AVX512BW / AVX2 / scalar
 code at run time. ``vmap`` over ``x`` folds the batch into the rows; ``vmap`` over the
 weight runs the kernel once per weight (``lax.map``).
 
@@ -17,6 +17,9 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
   load); from 9 rows (measured crossover): the blocked path (16 rows per vector, u8 x s8 dots of a
   broadcast weight against 16 rows, torch's float tail one lane per row). Both bit-exact with torch.
 * weight-only, up to 15 rows: weights dequantized in registers (vpermps on a per-group table);
+  bfloat16 activations up to 31 rows on a CPU with AVX512-BF16: bf16 x int4 products by
+  ``vdpbf16ps`` (exact in float32), the nibbles turned into bf16 integers by one ``vpermw`` per 32
+  weights, scales applied per group in float32, the result rounded to bfloat16 in the kernel;
   from 16: the blocked float GEMM form (dequantized weight tiles, 16 rows per vector); above
   `weight_only_max_rows()` XLA's GEMM on the dequantized weight is faster and runs instead.
 """
@@ -45,19 +48,33 @@ __all__ = [
     "WEIGHT_ONLY_MAX_ROWS",
     "WEIGHT_ONLY_MAX_ROWS_AVX512",
     "weight_only_max_rows",
+    "weight_only_bf16_dots",
 ]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"
+_WO_BF16_TARGET = "jb_int4_matmul_bf16"
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return load_library(
         f"{__package__}._int4_cpu",
-        targets={_DYN_TARGET: "JbInt4DynQuantMatmulF32", _WO_TARGET: "JbInt4MatmulF32"},
-        restypes={"JbInt4Isa": ctypes.c_char_p, "JbInt4SetIsa": ctypes.c_int},
-        argtypes={"JbInt4SetIsa": [ctypes.c_char_p], "JbInt4SetXlaPool": [ctypes.c_int]},
+        targets={
+            _DYN_TARGET: "JbInt4DynQuantMatmulF32",
+            _WO_TARGET: "JbInt4MatmulF32",
+            _WO_BF16_TARGET: "JbInt4MatmulBf16",
+        },
+        restypes={
+            "JbInt4Isa": ctypes.c_char_p,
+            "JbInt4SetIsa": ctypes.c_int,
+            "JbInt4WeightOnlyBf16Dots": ctypes.c_int,
+        },
+        argtypes={
+            "JbInt4SetIsa": [ctypes.c_char_p],
+            "JbInt4SetXlaPool": [ctypes.c_int],
+            "JbInt4WeightOnlyBf16Dots": [ctypes.c_int64, ctypes.c_int64],
+        },
     )
 
 
@@ -108,6 +125,16 @@ def weight_only_max_rows() -> int:
     return WEIGHT_ONLY_MAX_ROWS_AVX512 if isa().startswith("avx512") else WEIGHT_ONLY_MAX_ROWS
 
 
+def weight_only_bf16_dots(rows: int, in_features: int) -> bool:
+    """Whether `weight_only_matmul` with bfloat16 ``x`` of ``rows`` rows and ``in_features`` takes the
+    AVX512-BF16 kernel here (exact bf16 x int4 products by ``vdpbf16ps``, float32 sums): a CPU with
+    AVX512-BF16, an AVX-512 code path selected, ``in_features`` a multiple of 128 and ``rows`` up to
+    31 (measured crossover with the float32 blocked path). Otherwise bfloat16 ``x`` is widened to float32 in the kernel (same results within float32
+    rounding)."""
+    lib = _library()
+    return lib is not None and lib.JbInt4WeightOnlyBf16Dots(rows, in_features) == 1
+
+
 def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
     """Reasons these kernels cannot (or should not) run ``call`` when lowered for ``platform``
     (empty when they can)."""
@@ -128,8 +155,10 @@ def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
 
 @functools.cache
 def _op(target: str, groupsize: int, has_bias: bool):
+    out_dtype = jnp.bfloat16 if target == _WO_BF16_TARGET else jnp.float32
+
     def call(x, w, s, b):
-        out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), jnp.float32)
+        out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), out_dtype)
         return jax.ffi.ffi_call(target, out)(x, w, s, b, groupsize=groupsize, has_bias=has_bias)
 
     @jax.custom_batching.custom_vmap
@@ -153,8 +182,11 @@ def _call(target: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
     # The kernel's own limits (the weight-only row rule is a dispatch preference, not a limit).
     if why := unsupported(base.Int4Call.of("dyn_quant", x, packed), "cpu"):
         raise NotImplementedError("C++ int4 kernel: " + "; ".join(why))
-    if x.dtype != jnp.float32:
-        raise TypeError(f"x must be float32 for the C++ kernel, got {x.dtype}")
+    if x.dtype == jnp.bfloat16 and target == _WO_TARGET:
+        target = _WO_BF16_TARGET
+    elif x.dtype != jnp.float32:
+        allowed = "float32 or bfloat16" if target == _WO_TARGET else "float32"
+        raise TypeError(f"x must be {allowed} for this C++ kernel, got {x.dtype}")
     bias = packed.bias
     has_bias = bias is not None
     if not has_bias:
@@ -168,5 +200,7 @@ def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
 
 
 def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
-    """``x @ dequantize(w).T + bias`` for float32 ``x[..., K]``, fp32 accumulation."""
+    """``x @ dequantize(w).T + bias`` for float32 or bfloat16 ``x[..., K]``, fp32 accumulation; the
+    result has ``x``'s dtype (bfloat16: the float32 sums rounded to nearest even in the kernel, as
+    ``.astype(jnp.bfloat16)`` rounds; see `weight_only_bf16_dots` for the bfloat16 kernel)."""
     return _call(_WO_TARGET, x, packed)

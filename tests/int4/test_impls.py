@@ -206,3 +206,84 @@ def test_cpp_own_threads_match_xla_pool(M):
     want = np.asarray(x, np.float64) @ w.T + np.asarray(p.bias, np.float64)
     for got in (pooled[1], own[1]):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+# bfloat16 activations: chunks of 128 k with 1 to 4 groups per chunk (groupsize 32, 64), groups that
+# straddle chunks (96), an odd number of chunks (K = 2176), channel-wise, several K slices with 5 row
+# blocks, and the shapes that are widened to float32 in the kernel (K not a multiple of 128; rows above
+# the crossover).
+_BF16_CASES = [
+    (1, 256, 40, 32),
+    (1, 128, 8, 128),
+    (3, 384, 24, 64),
+    (4, 1152, 33, 96),
+    (5, 2176, 37, 128),
+    (15, 256, 9, 256),
+    (2, 512, 7, 512),
+    (20, 4096, 20, 128),
+    (1, 160, 5, 32),
+    (40, 256, 21, 64),
+]
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("M,K,N,g", _BF16_CASES)
+def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
+    """bfloat16 x: the AVX512-BF16 kernel (exact bf16 x int4 products) where the CPU and shape allow,
+    else widened to float32 in the kernel; the float32 sums within float tolerance of the float64
+    reference, rounded to bfloat16 in the kernel as XLA rounds (at most one bf16 ulp from the
+    reference's own rounding, which may sit on the other side of a tie)."""
+    import ml_dtypes
+    import numpy as np
+
+    from pallas_kernels.int4_matmul import base
+    from tests.int4.int4_base import make_case
+
+    default = cpp.isa()
+    if not cpp.set_isa(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    try:
+        x, p = make_case(M, K, N, g, True, seed=M + K)
+        xb = x.astype(jnp.bfloat16)
+        if isa == "avx2" or isa == "scalar" or K % 128 or M > 31:
+            assert not cpp.weight_only_bf16_dots(M, K)
+        got = jax.jit(cpp.weight_only_matmul)(xb, p)
+        assert got.dtype == jnp.bfloat16 and got.shape == (M, N)
+        w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
+        want = np.asarray(xb, np.float64) @ w.T + np.asarray(p.bias, np.float64)
+        got = np.asarray(got, np.float64)
+        want_bf16 = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+        ulp = np.spacing(np.abs(want_bf16).astype(ml_dtypes.bfloat16)).astype(np.float64)
+        assert np.all(np.abs(got - want_bf16) <= ulp + 2e-5 * np.abs(want).max()), np.abs(
+            got - want_bf16
+        ).max()
+    finally:
+        cpp.set_isa(default)
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+def test_cpp_weight_only_bfloat16_nonfinite():
+    """NaN and Inf activations come out as in the float64 reference: NaN where it is NaN, the same
+    infinities; rows of large finite activations stay finite."""
+    import numpy as np
+
+    from pallas_kernels.int4_matmul import base
+    from tests.int4.int4_base import make_case
+
+    x, p = make_case(4, 256, 24, 64, True, seed=9)
+    x = np.array(x)
+    x[0, 3] = np.inf
+    x[1, 200] = -np.inf
+    x[2, 7] = np.nan
+    x[3] *= 1e30
+    xb = jnp.asarray(x).astype(jnp.bfloat16)
+    w = np.asarray(base.dequantize(p.weight, p.scales, 64), np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (np.asarray(xb, np.float64) @ w.T + np.asarray(p.bias, np.float64)).astype(np.float32)
+    got = np.asarray(jax.jit(cpp.weight_only_matmul)(xb, p), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert np.isfinite(want[3]).all() and np.isnan(want[2]).all() and np.isinf(want[0]).any()
+    np.testing.assert_allclose(got[3], want[3], rtol=2**-7)
