@@ -1631,6 +1631,146 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
     }
   });
 }
+
+// ---------------- weight-only blocked path, bfloat16 activations (AVX512-BF16)
+//
+// WeightOnlyRows16 with vdpbf16ps: the activations packed [K / 2][16 rows] of
+// bf16 pairs (x[2j], x[2j + 1]) (a 32-bit lane per row), weight byte j
+// dequantized to the pair (bf16(lo - 8), bf16(hi - 8)) of exact integers, so
+// one dot multiplies a broadcast weight pair by 16 rows (32 products, exact in
+// float32). The scales cannot be folded into bf16 weights without rounding
+// them, so K runs in slices within one group: the register tile sums a
+// slice's dots from zero and adds them, times the group's scale, to the tile's
+// float32 accumulators.
+
+// Weight bytes [c0, c1) of nr rows (row stride half) -> bt [nr][c1 - c0] bf16
+// pairs: 16 bytes widen to 16 lanes b; b | b << 12 puts the low nibble in the
+// low word's index bits and the high nibble in the high word's (vpermw reads 5
+// bits; kBf16Nibbles repeats, so the extra bit 4 of the low index is moot).
+__attribute__((target("avx512f,avx512bw"))) void DequantPairs(const uint8_t* w, int nr, int64_t half,
+                                                              int64_t c0, int64_t c1, uint32_t* bt) {
+  const __m512i table = _mm512_load_si512(kBf16Nibbles);
+  for (int n = 0; n < nr; ++n)
+    for (int64_t c = c0; c < c1; c += 16) {
+      const __m512i v =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
+      const __m512i idx = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
+      _mm512_storeu_si512(bt + n * (c1 - c0) + (c - c0), _mm512_permutexvar_epi16(idx, table));
+    }
+}
+
+// c[n][r] (float32 [NR][MR][16]) += s[n * G] * sum over pairs [0, np) of the MR
+// row blocks (a[r]: [np][16] bf16 pairs) x the NR weight rows of bt ([NR][ldb]
+// pairs).
+template <int NR, int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void WoRows16Bf16(
+    const uint32_t* bt, const uint32_t* const* a, int64_t ldb, int64_t np, const float* s, int64_t G,
+    float* c) {
+  __m512 acc[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < np; ++j) {
+    __m512bh av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = (__m512bh)_mm512_loadu_si512(a[r] + j * 16);
+    for (int n = 0; n < NR; ++n) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(bt[n * ldb + j]));
+      for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], b, av[r]);
+    }
+  }
+  for (int n = 0; n < NR; ++n) {
+    const __m512 sv = _mm512_set1_ps(s[n * G]);
+    for (int r = 0; r < MR; ++r) {
+      float* cp = c + (n * MR + r) * 16;
+      _mm512_storeu_ps(cp, _mm512_fmadd_ps(acc[n][r], sv, _mm512_loadu_ps(cp)));
+    }
+  }
+}
+
+using WoRows16Bf16Fn = void (*)(const uint32_t*, const uint32_t* const*, int64_t, int64_t, const float*,
+                                int64_t, float*);
+
+template <int MR, int... NR>
+constexpr std::array<WoRows16Bf16Fn, sizeof...(NR)> WoRows16Bf16Column(std::integer_sequence<int, NR...>) {
+  return {&WoRows16Bf16<NR + 1, MR>...};
+}
+
+void WoRows16Bf16N(const uint32_t* bt, const uint32_t* const* a, int nr, int mr, int64_t ldb, int64_t np,
+                   const float* s, int64_t G, float* c) {
+  static constexpr auto kOne = WoRows16Bf16Column<1>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kTwo = WoRows16Bf16Column<2>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kThree = WoRows16Bf16Column<3>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kFour = WoRows16Bf16Column<4>(std::make_integer_sequence<int, 6>());
+  switch (mr) {
+    case 1: return kOne[nr - 1](bt, a, ldb, np, s, G, c);
+    case 2: return kTwo[nr - 1](bt, a, ldb, np, s, G, c);
+    case 3: return kThree[nr - 1](bt, a, ldb, np, s, G, c);
+    default: return kFour[nr - 1](bt, a, ldb, np, s, G, c);
+  }
+}
+
+// Weight bytes per slice of the bf16 blocked path: 64 (128 k) when that
+// divides the group, else the group's bytes up to 128, else 16.
+int64_t Bf16SliceBytes(int64_t groupsize) {
+  const int64_t gb = groupsize / 2;  // a multiple of 16
+  if (gb % 64 == 0) return 64;
+  return gb <= 128 ? gb : 16;
+}
+
+// x [M, K] bf16 -> out [M, N] float32, the blocked form (AVX512-BF16).
+void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scales, const float* bias,
+                          float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
+  const int64_t G = K / groupsize, half = K / 2;
+  const int64_t Mb = (M + 15) / 16;
+  std::vector<uint32_t> xpk(Mb * half * 16, 0u);
+  for (int64_t m = 0; m < M; ++m) {
+    uint32_t* a = xpk.data() + (m / 16) * half * 16 + m % 16;
+    for (int64_t j = 0; j < half; ++j)
+      a[j * 16] = static_cast<uint32_t>(x[m * K + 2 * j]) | (static_cast<uint32_t>(x[m * K + 2 * j + 1]) << 16);
+  }
+  const int64_t sb = Bf16SliceBytes(groupsize), gb = groupsize / 2;
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+  const int64_t groups = (Mb + kWoBlocks - 1) / kWoBlocks;
+  constexpr int64_t kGroupFloats = kWoTileN * kWoBlocks * 16;
+  std::vector<std::vector<uint32_t>> bt(std::max(threads, 1), std::vector<uint32_t>(kWoTileN * sb));
+  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(groups * kGroupFloats));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    uint32_t* b = bt[id].data();
+    float* cacc = acc[id].data();
+    for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
+      std::fill(cacc, cacc + groups * kGroupFloats, 0.0f);
+      for (int64_t c0 = 0; c0 < half; c0 += sb) {
+        DequantPairs(w + t0 * half, nt, half, c0, c0 + sb, b);
+        const float* sg = scales + t0 * G + c0 / gb;
+        for (int64_t p = 0; p < groups; ++p) {
+          const int64_t b0 = kWoBlocks * p;
+          const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
+          const uint32_t* a[kWoBlocks];
+          for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + (std::min(b0 + r, Mb - 1) * half + c0) * 16;
+          const int qn = WoQuad(mr);
+          for (int q = 0; q < nt; q += qn)
+            WoRows16Bf16N(b + q * sb, a, std::min(qn, nt - q), mr, sb, sb, sg + q * G, G,
+                          cacc + p * kGroupFloats + q * kWoBlocks * 16);
+        }
+      }
+      // written out as WeightOnlyRows16 does (the same accumulator layout)
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t b0 = kWoBlocks * p;
+        const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
+        const int qn = WoQuad(mr);
+        for (int r = 0; r < mr; ++r)
+          for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
+            float* o = out + ((b0 + r) * 16 + i) * N + t0;
+            const float* cp = cacc + p * kGroupFloats + r * 16 + i;
+            for (int n = 0; n < nt; ++n)
+              o[n] = cp[(n / qn * qn) * kWoBlocks * 16 + (n % qn) * mr * 16] +
+                     (bias ? bias[t0 + n] : 0.0f);
+          }
+      }
+    }
+  });
+}
 #endif  // JB_X86
 
 // Rows from which the AVX-512 weight-only kernel takes the blocked path.
@@ -1703,21 +1843,34 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
   });
 }
 
-// Rows up to which bfloat16 activations take the AVX512-BF16 kernel (above:
-// widened to float32 for the blocked path). Measured on a 2-core AVX-512
-// EPYC (K = 4096, groupsize 128): ahead of the float32 paths up to 24 rows at
-// N = 4096 and 11008, mixed at 32-48 (the blocked path reads each weight once
-// for 64 rows, this kernel once per 4).
-constexpr int64_t kWoBf16MaxRows = 31;
+// Rows up to which bfloat16 activations take the AVX512-BF16 row kernel; from
+// 16 the AVX512-BF16 blocked path (WeightOnlyRows16Bf16). Measured on a
+// 2-core AVX-512 EPYC (K = 4096, N = 4096 / 11008, groupsize 128): even at 16
+// rows, the blocked path 1.8x / 1.03x faster at 32.
+constexpr int64_t kWoBf16MaxRows = 15;
+std::atomic<bool> g_wo_bf16_blocked{true};
+std::atomic<int64_t> g_wo_bf16_max_rows{kWoBf16MaxRows};
 
 // Whether weight-only calls with bfloat16 activations of M rows and K take
 // the AVX512-BF16 kernel.
 bool UseBf16Dots(int64_t M, int64_t K) {
 #if JB_X86
-  return M <= kWoBf16MaxRows && K % kBfChunk == 0 && jb::HasAvx512Bf16() &&
+  return M <= g_wo_bf16_max_rows.load() && K % kBfChunk == 0 && jb::HasAvx512Bf16() &&
          g_wo_row.load() == &WeightOnlyRowAvx512;
 #else
   (void)M, (void)K;
+  return false;
+#endif
+}
+
+// Whether bfloat16 activations of M rows (above UseBf16Dots) take the
+// blocked AVX512-BF16 path.
+bool UseBf16Blocked(int64_t M) {
+#if JB_X86
+  return M > g_wo_bf16_max_rows.load() && jb::HasAvx512Bf16() && g_wo_row.load() == &WeightOnlyRowAvx512 &&
+         g_wo_bf16_blocked.load();
+#else
+  (void)M;
   return false;
 #endif
 }
@@ -1744,6 +1897,10 @@ void WeightOnlyMatmulBf16(const uint16_t* x, const uint8_t* w, const float* scal
   std::vector<float> acc(M * N);
   if (UseBf16Dots(M, K)) {
     WeightOnlyMatmulBf16Into(x, w, scales, bias, acc.data(), M, N, K, groupsize);
+#if JB_X86
+  } else if (UseBf16Blocked(M)) {
+    WeightOnlyRows16Bf16(x, w, scales, bias, acc.data(), M, N, K, groupsize);
+#endif
   } else {
     std::vector<float> xf(M * K);
     for (int64_t i = 0; i < M * K; ++i) {
@@ -1894,9 +2051,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulBf16, WeightOnlyBf16Impl,
                                   .Attr<int64_t>("groupsize")
                                   .Attr<bool>("has_bias"));
 
-// 1 if weight-only calls with bfloat16 activations of `rows` rows and K = k
-// take the AVX512-BF16 kernel (this CPU, the selected code path, the shape).
-extern "C" int JbInt4WeightOnlyBf16Dots(int64_t rows, int64_t k) { return UseBf16Dots(rows, k) ? 1 : 0; }
+// The path of weight-only calls with bfloat16 activations of `rows` rows and
+// K = k here (this CPU, the selected code path, the shape): 1 the AVX512-BF16
+// row kernel, 2 the AVX512-BF16 blocked path, 0 widened to float32.
+extern "C" int JbInt4WeightOnlyBf16Path(int64_t rows, int64_t k) {
+  if (UseBf16Dots(rows, k)) return 1;
+  return UseBf16Blocked(rows) ? 2 : 0;
+}
+
+// Benchmarks: the row limit of the bf16 row kernel and whether the bf16
+// blocked path runs (else bf16 x is widened for the float32 blocked path).
+extern "C" void JbInt4SetBf16Paths(int64_t max_rows, int blocked) {
+  g_wo_bf16_max_rows = max_rows;
+  g_wo_bf16_blocked = blocked != 0;
+}
 
 // 1: the kernels' threads run on XLA's intra-op pool (the default); 0: each
 // call starts threads of its own (tests, benchmarks).

@@ -17,11 +17,12 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
   load); from 9 rows (measured crossover): the blocked path (16 rows per vector, u8 x s8 dots of a
   broadcast weight against 16 rows, torch's float tail one lane per row). Both bit-exact with torch.
 * weight-only, up to 15 rows: weights dequantized in registers (vpermps on a per-group table);
-  bfloat16 activations up to 31 rows on a CPU with AVX512-BF16: bf16 x int4 products by
-  ``vdpbf16ps`` (exact in float32), the nibbles turned into bf16 integers by one ``vpermw`` per 32
-  weights, scales applied per group in float32, the result rounded to bfloat16 in the kernel;
   from 16: the blocked float GEMM form (dequantized weight tiles, 16 rows per vector); above
   `weight_only_max_rows()` XLA's GEMM on the dequantized weight is faster and runs instead.
+* weight-only with bfloat16 activations on a CPU with AVX512-BF16 (`weight_only_bf16_path`): the
+  same two forms with ``vdpbf16ps`` (exact bf16 x int4 products, float32 sums, the scales applied per
+  group in float32), at any number of rows (ahead of XLA at every size measured, up to 2048 rows);
+  the result rounded to bfloat16 in the kernel.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ __all__ = [
     "WEIGHT_ONLY_MAX_ROWS",
     "WEIGHT_ONLY_MAX_ROWS_AVX512",
     "weight_only_max_rows",
-    "weight_only_bf16_dots",
+    "weight_only_bf16_path",
 ]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
@@ -68,12 +69,13 @@ def _library() -> ctypes.CDLL | None:
         restypes={
             "JbInt4Isa": ctypes.c_char_p,
             "JbInt4SetIsa": ctypes.c_int,
-            "JbInt4WeightOnlyBf16Dots": ctypes.c_int,
+            "JbInt4WeightOnlyBf16Path": ctypes.c_int,
         },
         argtypes={
             "JbInt4SetIsa": [ctypes.c_char_p],
             "JbInt4SetXlaPool": [ctypes.c_int],
-            "JbInt4WeightOnlyBf16Dots": [ctypes.c_int64, ctypes.c_int64],
+            "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64],
+            "JbInt4SetBf16Paths": [ctypes.c_int64, ctypes.c_int],
         },
     )
 
@@ -125,14 +127,23 @@ def weight_only_max_rows() -> int:
     return WEIGHT_ONLY_MAX_ROWS_AVX512 if isa().startswith("avx512") else WEIGHT_ONLY_MAX_ROWS
 
 
-def weight_only_bf16_dots(rows: int, in_features: int) -> bool:
-    """Whether `weight_only_matmul` with bfloat16 ``x`` of ``rows`` rows and ``in_features`` takes the
-    AVX512-BF16 kernel here (exact bf16 x int4 products by ``vdpbf16ps``, float32 sums): a CPU with
-    AVX512-BF16, an AVX-512 code path selected, ``in_features`` a multiple of 128 and ``rows`` up to
-    31 (measured crossover with the float32 blocked path). Otherwise bfloat16 ``x`` is widened to float32 in the kernel (same results within float32
-    rounding)."""
+def weight_only_bf16_path(rows: int, in_features: int) -> str:
+    """The kernel `weight_only_matmul` runs here for bfloat16 ``x`` of ``rows`` rows and
+    ``in_features``:
+
+    * ``"bf16 row"``: up to 15 rows, ``in_features`` a multiple of 128: the AVX512-BF16 row kernel
+      (weights turned into bf16 integers in registers, exact bf16 x int4 products by ``vdpbf16ps``,
+      float32 sums, scales applied per group in float32);
+    * ``"bf16 blocked"``: from 16 rows: the AVX512-BF16 blocked GEMM (16 rows per vector, one dot
+      multiplies a broadcast pair of weights by 16 rows);
+    * ``"float32"``: ``x`` widened to float32 in the kernel (a CPU without AVX512-BF16, or a non
+      AVX-512 code path selected with `set_isa`); the same results within float32 rounding.
+
+    Every path rounds the float32 sums to bfloat16 in the kernel, as ``.astype`` rounds."""
     lib = _library()
-    return lib is not None and lib.JbInt4WeightOnlyBf16Dots(rows, in_features) == 1
+    if lib is None:
+        return "unavailable"
+    return ("float32", "bf16 row", "bf16 blocked")[lib.JbInt4WeightOnlyBf16Path(rows, in_features)]
 
 
 def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
@@ -145,7 +156,11 @@ def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
         why.append("the C++ extension is not built (pip install -e . with a C++ compiler)")
     if call.packed.in_features % 32:
         why.append(f"in_features={call.packed.in_features} is not a multiple of 32")
-    if call.op == "weight_only" and call.rows > (limit := weight_only_max_rows()):
+    bf16_blocked = (
+        call.x_dtype == jnp.bfloat16
+        and weight_only_bf16_path(call.rows, call.packed.in_features) == "bf16 blocked"
+    )
+    if call.op == "weight_only" and not bf16_blocked and call.rows > (limit := weight_only_max_rows()):
         why.append(
             f"M={call.rows} > {limit} ({isa()} kernels): XLA's GEMM on the dequantized weight is faster "
             "(measured crossover)"
@@ -202,5 +217,5 @@ def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
 def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
     """``x @ dequantize(w).T + bias`` for float32 or bfloat16 ``x[..., K]``, fp32 accumulation; the
     result has ``x``'s dtype (bfloat16: the float32 sums rounded to nearest even in the kernel, as
-    ``.astype(jnp.bfloat16)`` rounds; see `weight_only_bf16_dots` for the bfloat16 kernel)."""
+    ``.astype(jnp.bfloat16)`` rounds; see `weight_only_bf16_path`)."""
     return _call(_WO_TARGET, x, packed)

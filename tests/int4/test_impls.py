@@ -208,10 +208,11 @@ def test_cpp_own_threads_match_xla_pool(M):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
-# bfloat16 activations: chunks of 128 k with 1 to 4 groups per chunk (groupsize 32, 64), groups that
-# straddle chunks (96), an odd number of chunks (K = 2176), channel-wise, several K slices with 5 row
-# blocks, and the shapes that are widened to float32 in the kernel (K not a multiple of 128; rows above
-# the crossover).
+# bfloat16 activations. The row kernel (up to 15 rows): chunks of 128 k with 1 to 4 groups per chunk
+# (groupsize 32, 64), groups that straddle chunks (96), an odd number of chunks (K = 2176),
+# channel-wise, K not a multiple of 128 (widened to float32). The blocked path (from 16 rows): slices
+# of 64, 48 and 16 weight bytes (groupsize 128+, 96, 32), two groups of row blocks with a ragged one,
+# a ragged weight tile, channel-wise.
 _BF16_CASES = [
     (1, 256, 40, 32),
     (1, 128, 8, 128),
@@ -220,9 +221,14 @@ _BF16_CASES = [
     (5, 2176, 37, 128),
     (15, 256, 9, 256),
     (2, 512, 7, 512),
-    (20, 4096, 20, 128),
+    (12, 4096, 20, 128),
     (1, 160, 5, 32),
     (40, 256, 21, 64),
+    (16, 256, 9, 256),
+    (33, 384, 24, 96),
+    (70, 1152, 53, 32),
+    (40, 512, 9, 512),
+    (100, 160, 30, 32),
 ]
 
 
@@ -246,8 +252,11 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
     try:
         x, p = make_case(M, K, N, g, True, seed=M + K)
         xb = x.astype(jnp.bfloat16)
-        if isa == "avx2" or isa == "scalar" or K % 128 or M > 31:
-            assert not cpp.weight_only_bf16_dots(M, K)
+        path = cpp.weight_only_bf16_path(M, K)
+        if isa in ("avx2", "scalar"):
+            assert path == "float32"
+        elif path != "float32":  # a CPU with AVX512-BF16
+            assert path == ("bf16 row" if M <= 15 and K % 128 == 0 else "bf16 blocked")
         got = jax.jit(cpp.weight_only_matmul)(xb, p)
         assert got.dtype == jnp.bfloat16 and got.shape == (M, N)
         w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
@@ -287,3 +296,20 @@ def test_cpp_weight_only_bfloat16_nonfinite():
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     assert np.isfinite(want[3]).all() and np.isnan(want[2]).all() and np.isinf(want[0]).any()
     np.testing.assert_allclose(got[3], want[3], rtol=2**-7)
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+def test_cpp_weight_only_bfloat16_row_limit_is_explained():
+    """bfloat16 activations on the AVX512-BF16 blocked path stay in C++ above the float32 crossover
+    (measured ahead of XLA up to 2048 rows); without it they follow the float32 rule."""
+    import jbackends as jb
+    from tests.int4.int4_base import make_case
+
+    _, p = make_case(1, 128, 16, 32, False)
+    rows = cpp.weight_only_max_rows() + 1
+    with jb.with_backends(quantized_engine="auto"):
+        got = jb.quantized.explain(jax.ShapeDtypeStruct((rows, 128), jnp.bfloat16), p, platform="cpu")
+    if cpp.weight_only_bf16_path(rows, 128) == "bf16 blocked":
+        assert got.implementation == "cpp", str(got)
+    else:
+        assert got.implementation == "xla" and "crossover" in got.reasons["cpp"], str(got)
