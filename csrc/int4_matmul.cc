@@ -1696,8 +1696,8 @@ constexpr std::array<WoRows16Bf16Fn, sizeof...(NR)> WoRows16Bf16Column(std::inte
 
 void WoRows16Bf16N(const uint32_t* bt, const uint32_t* const* a, int nr, int mr, int64_t ldb, int64_t np,
                    const float* s, int64_t G, float* c) {
-  static constexpr auto kOne = WoRows16Bf16Column<1>(std::make_integer_sequence<int, 8>());
-  static constexpr auto kTwo = WoRows16Bf16Column<2>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kOne = WoRows16Bf16Column<1>(std::make_integer_sequence<int, 16>());
+  static constexpr auto kTwo = WoRows16Bf16Column<2>(std::make_integer_sequence<int, 12>());
   static constexpr auto kThree = WoRows16Bf16Column<3>(std::make_integer_sequence<int, 8>());
   static constexpr auto kFour = WoRows16Bf16Column<4>(std::make_integer_sequence<int, 6>());
   switch (mr) {
@@ -1707,6 +1707,11 @@ void WoRows16Bf16N(const uint32_t* bt, const uint32_t* const* a, int nr, int mr,
     default: return kFour[nr - 1](bt, a, ldb, np, s, G, c);
   }
 }
+
+// Weight rows per call of WoRows16Bf16N for mr row blocks: 16 to 24
+// accumulators (enough independent dot chains to cover vdpbf16ps's latency
+// with a single row block).
+constexpr int WoQuadBf16(int mr) { return mr == 1 ? 16 : mr == 2 ? 12 : mr == 3 ? 8 : 6; }
 
 // Weight bytes per slice of the bf16 blocked path: 64 (128 k) when that
 // divides the group, else the group's bytes up to 128, else 16.
@@ -1748,7 +1753,7 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
           const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
           const uint32_t* a[kWoBlocks];
           for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + (std::min(b0 + r, Mb - 1) * half + c0) * 16;
-          const int qn = WoQuad(mr);
+          const int qn = WoQuadBf16(mr);
           for (int q = 0; q < nt; q += qn)
             WoRows16Bf16N(b + q * sb, a, std::min(qn, nt - q), mr, sb, sb, sg + q * G, G,
                           cacc + p * kGroupFloats + q * kWoBlocks * 16);
@@ -1758,7 +1763,7 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
       for (int64_t p = 0; p < groups; ++p) {
         const int64_t b0 = kWoBlocks * p;
         const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
-        const int qn = WoQuad(mr);
+        const int qn = WoQuadBf16(mr);
         for (int r = 0; r < mr; ++r)
           for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
             float* o = out + ((b0 + r) * 16 + i) * N + t0;

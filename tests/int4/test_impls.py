@@ -211,8 +211,8 @@ def test_cpp_own_threads_match_xla_pool(M):
 # bfloat16 activations. The row kernel (up to 15 rows): chunks of 128 k with 1 to 4 groups per chunk
 # (groupsize 32, 64), groups that straddle chunks (96), an odd number of chunks (K = 2176),
 # channel-wise, K not a multiple of 128 (widened to float32). The blocked path (from 16 rows): slices
-# of 64, 48 and 16 weight bytes (groupsize 128+, 96, 32), two groups of row blocks with a ragged one,
-# a ragged weight tile, channel-wise.
+# of 64, 48 and 16 weight bytes (groupsize 128+, 96, 32), 1 to 4 row blocks per register tile, two
+# groups of row blocks with a ragged one, ragged weight tiles, channel-wise.
 _BF16_CASES = [
     (1, 256, 40, 32),
     (1, 128, 8, 128),
@@ -229,6 +229,7 @@ _BF16_CASES = [
     (70, 1152, 53, 32),
     (40, 512, 9, 512),
     (100, 160, 30, 32),
+    (20, 256, 29, 64),
 ]
 
 
