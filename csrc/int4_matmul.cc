@@ -2009,6 +2009,34 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
+// Dyn-quant with bfloat16 x: x widened to float32 (exact), the float32 result
+// truncated to bfloat16 (the low 16 bits dropped, torch's rule), here rather
+// than in two more XLA ops (which cost as much as the kernel at M = 1).
+ffi::Error DynQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> bias,
+                            ffi::ResultBuffer<ffi::BF16> out, int64_t groupsize, bool has_bias) {
+  jb::PoolScope scope(pool);
+  int64_t M, N, K;
+  ffi::Error e = CheckShapes(x, w, scales, bias, groupsize, &M, &N, &K);
+  if (e.failure()) return e;
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const uint16_t* xb = x.typed_data();
+  std::vector<float> xf(M * K), acc(M * N);
+  for (int64_t i = 0; i < M * K; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+    std::memcpy(&xf[i], &bits, 4);
+  }
+  DynQuantMatmul(xf.data(), w.typed_data(), scales.typed_data(), has_bias ? bias.typed_data() : nullptr,
+                 acc.data(), M, N, K, groupsize);
+  uint16_t* o = out->typed_data();
+  for (int64_t i = 0; i < M * N; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &acc[i], 4);
+    o[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error WeightOnlyBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> w,
                               ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> bias,
                               ffi::ResultBuffer<ffi::BF16> out, int64_t groupsize, bool has_bias) {
@@ -2042,6 +2070,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("groupsize")
+                                  .Attr<bool>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulBf16, DynQuantBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("groupsize")
                                   .Attr<bool>("has_bias"));
 

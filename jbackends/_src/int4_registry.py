@@ -49,10 +49,10 @@ def _pallas_run(interpret: bool):
 
 def _cpp_run(x, packed, *, op, compute_dtype=None):
     del compute_dtype
+    # bfloat16 x goes in as it is: the kernels widen it and round / truncate the result themselves
+    xk = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
     if op == "dyn_quant":
-        out = lazy(f"{_PKG}.cpp:dyn_quant_matmul")(x.astype(jnp.float32), packed)
-        return lazy(f"{_PKG}.base:truncate_to_bfloat16")(out) if x.dtype == jnp.bfloat16 else out
-    xk = x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)  # bf16: the kernel's own bf16 path
+        return lazy(f"{_PKG}.cpp:dyn_quant_matmul")(xk, packed)
     return lazy(f"{_PKG}.cpp:weight_only_matmul")(xk, packed).astype(x.dtype)
 
 

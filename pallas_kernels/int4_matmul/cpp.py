@@ -4,8 +4,8 @@ The shared library is built by ``setup.py`` when the package is installed
 (``pip install -e .``); when it is absent (no compiler at install time, or a
 non-CPU-only wheel), `available()` is False and callers use `xla.py`.
 
-The kernels take ``x`` float32 ``[..., K]`` (weight-only: or bfloat16; any leading dims,
-flattened to rows), the packed weight ``[N, K/2]``, float32 scales ``[N, K/g]`` and a bias
+The kernels take ``x`` float32 or bfloat16 ``[..., K]`` (any leading dims, flattened to
+rows), the packed weight ``[N, K/2]``, float32 scales ``[N, K/g]`` and a bias
 (zeros with ``has_bias=False`` when there is none). They are multi-threaded
 over N on XLA's intra-op thread pool and pick AVX512-VNNI / AVX512BW / AVX2 / scalar
 code at run time. ``vmap`` over ``x`` folds the batch into the rows; ``vmap`` over the
@@ -55,6 +55,7 @@ __all__ = [
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"
 _WO_BF16_TARGET = "jb_int4_matmul_bf16"
+_DYN_BF16_TARGET = "jb_int4_dyn_quant_matmul_bf16"
 
 
 @functools.cache
@@ -65,6 +66,7 @@ def _library() -> ctypes.CDLL | None:
             _DYN_TARGET: "JbInt4DynQuantMatmulF32",
             _WO_TARGET: "JbInt4MatmulF32",
             _WO_BF16_TARGET: "JbInt4MatmulBf16",
+            _DYN_BF16_TARGET: "JbInt4DynQuantMatmulBf16",
         },
         restypes={
             "JbInt4Isa": ctypes.c_char_p,
@@ -170,7 +172,7 @@ def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
 
 @functools.cache
 def _op(target: str, groupsize: int, has_bias: bool):
-    out_dtype = jnp.bfloat16 if target == _WO_BF16_TARGET else jnp.float32
+    out_dtype = jnp.bfloat16 if target in (_WO_BF16_TARGET, _DYN_BF16_TARGET) else jnp.float32
 
     def call(x, w, s, b):
         out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), out_dtype)
@@ -197,11 +199,10 @@ def _call(target: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
     # The kernel's own limits (the weight-only row rule is a dispatch preference, not a limit).
     if why := unsupported(base.Int4Call.of("dyn_quant", x, packed), "cpu"):
         raise NotImplementedError("C++ int4 kernel: " + "; ".join(why))
-    if x.dtype == jnp.bfloat16 and target == _WO_TARGET:
-        target = _WO_BF16_TARGET
+    if x.dtype == jnp.bfloat16:
+        target = _WO_BF16_TARGET if target == _WO_TARGET else _DYN_BF16_TARGET
     elif x.dtype != jnp.float32:
-        allowed = "float32 or bfloat16" if target == _WO_TARGET else "float32"
-        raise TypeError(f"x must be {allowed} for this C++ kernel, got {x.dtype}")
+        raise TypeError(f"x must be float32 or bfloat16 for the C++ kernels, got {x.dtype}")
     bias = packed.bias
     has_bias = bias is not None
     if not has_bias:
@@ -210,7 +211,9 @@ def _call(target: str, x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
 
 
 def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
-    """torch-exact dyn-quant matmul of float32 ``x[..., K]`` (see base.py)."""
+    """torch-exact dyn-quant matmul of float32 or bfloat16 ``x[..., K]`` (see base.py); bfloat16
+    ``x`` is widened to float32 and the float32 result truncated to bfloat16 (torch's rule), both in
+    the kernel."""
     return _call(_DYN_TARGET, x, packed)
 
 

@@ -19,7 +19,6 @@ class TestCpp(Int4Suite):
     impl = staticmethod(lambda x, p: cpp.dyn_quant_matmul(x, p))
     weight_only = staticmethod(cpp.weight_only_matmul)
     supports_odd_channelwise = False
-    supports_bf16 = False
 
     @pytest.mark.parametrize("isa", ["avx512bw", "avx2", "scalar"])
     def test_other_code_paths(self, isa):
