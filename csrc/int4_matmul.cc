@@ -1110,8 +1110,10 @@ __attribute__((target("avx512f,avx512bw"))) void UnpackScaledRowAvx512(
   const int64_t bytes = K / 2;
   const __m512i eight = _mm512_set1_epi32(8);
   const __m512i fifteen = _mm512_set1_epi32(15);
-  for (int64_t c = 0; c < bytes; c += 16) {
-    const __m512 sv = _mm512_set1_ps(s[(2 * c) / groupsize]);
+  const int64_t gb = groupsize / 2;  // bytes per group, a multiple of 16
+  for (int64_t c = 0, g = 0, next = gb; c < bytes; c += 16) {
+    if (c == next) ++g, next += gb;  // no division per step
+    const __m512 sv = _mm512_set1_ps(s[g]);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
     const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, fifteen), eight);
     const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
@@ -1184,7 +1186,7 @@ __attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, 
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
-  for (int64_t c = c0, g = c0 / gb; c < c1; ++g) {  // one group (or its part in the slice)
+  for (int64_t c = c0, g = c0 == 0 ? 0 : c0 / gb; c < c1; ++g) {  // one group (or its part in the slice)
     const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[g]));
     const int64_t end = std::min(c1, (g + 1) * gb);
     for (; c + 32 <= end; c += 32) {
@@ -1279,14 +1281,14 @@ alignas(64) constexpr uint16_t kBf16Nibbles[32] = {
 // scaled, into acc[m][A] and acc[m][A + 1].
 template <int MR, bool kWhole, int A>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void WoBf16Chunk(
-    const uint8_t* w, const uint16_t* xa, int64_t K, int64_t j, int64_t groupsize, int64_t G,
+    const uint8_t* w, const uint16_t* xa, int64_t K, int64_t j, const int32_t* cg, int64_t G,
     const float* s, const int32_t* gidx, __m512i table, __m512 (&acc)[MR][4]) {
   const __m512i v = _mm512_loadu_si512(w + j * (kBfChunk / 2));
   const __m512bh q0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
   const __m512bh q1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
   const __m512bh q2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
   const __m512bh q3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
-  const int64_t g0 = j * kBfChunk / groupsize;
+  const int64_t g0 = cg[j];
   __m512 sv;
   if constexpr (kWhole) {
     sv = _mm512_set1_ps(s[g0]);
@@ -1311,7 +1313,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void WoBf16Chunk(
 // accumulators per row).
 template <int MR, bool kWhole>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void WoBf16Rows(
-    const uint8_t* w, const uint16_t* xa, int64_t K, int64_t j0, int64_t j1, int64_t groupsize,
+    const uint8_t* w, const uint16_t* xa, int64_t K, int64_t j0, int64_t j1, const int32_t* cg,
     int64_t G, const float* s, const int32_t* gidx, float* out) {
   const __m512i table = _mm512_load_si512(kBf16Nibbles);
   __m512 acc[MR][4];
@@ -1319,17 +1321,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void WoBf16Rows(
     for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
   int64_t j = j0;
   for (; j + 2 <= j1; j += 2) {
-    WoBf16Chunk<MR, kWhole, 0>(w, xa, K, j, groupsize, G, s, gidx, table, acc);
-    WoBf16Chunk<MR, kWhole, 2>(w, xa, K, j + 1, groupsize, G, s, gidx, table, acc);
+    WoBf16Chunk<MR, kWhole, 0>(w, xa, K, j, cg, G, s, gidx, table, acc);
+    WoBf16Chunk<MR, kWhole, 2>(w, xa, K, j + 1, cg, G, s, gidx, table, acc);
   }
-  if (j < j1) WoBf16Chunk<MR, kWhole, 0>(w, xa, K, j, groupsize, G, s, gidx, table, acc);
+  if (j < j1) WoBf16Chunk<MR, kWhole, 0>(w, xa, K, j, cg, G, s, gidx, table, acc);
   for (int m = 0; m < MR; ++m)
     out[m] = _mm512_reduce_add_ps(
         _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
 }
 
-using WoBf16Fn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          const float*, const int32_t*, float*);
+using WoBf16Fn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t, const int32_t*,
+                          int64_t, const float*, const int32_t*, float*);
 
 WoBf16Fn PickWoBf16(int mr, bool whole) {
   static constexpr WoBf16Fn kWholeFns[4] = {&WoBf16Rows<1, true>, &WoBf16Rows<2, true>,
@@ -1346,8 +1348,10 @@ __attribute__((target("avx2,fma"))) void UnpackScaledRowAvx2(const uint8_t* w, i
   const int64_t bytes = K / 2;
   const __m256i eight = _mm256_set1_epi32(8);
   const __m256i fifteen = _mm256_set1_epi32(15);
-  for (int64_t c = 0; c < bytes; c += 8) {
-    const __m256 sv = _mm256_set1_ps(s[(2 * c) / groupsize]);
+  const int64_t gb = groupsize / 2;  // bytes per group, a multiple of 16
+  for (int64_t c = 0, g = 0, next = gb; c < bytes; c += 8) {
+    if (c == next) ++g, next += gb;  // no division per step
+    const __m256 sv = _mm256_set1_ps(s[g]);
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c)));
     const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(v, fifteen), eight);
     const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight);
@@ -1551,12 +1555,13 @@ __attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, 
   const int64_t half = K / 2, gb = groupsize / 2, G = K / groupsize;
   const bool odd = k0 >= half;
   const int64_t c0 = odd ? k0 - half : k0, c1 = odd ? k1 - half : k1;  // weight bytes
+  const int64_t g0 = c0 / gb;  // once per slice; then by steps (16 bytes never cross a group)
   for (int n = 0; n < nr; ++n) {
-    int64_t g = c0 / gb;
+    int64_t g = g0, next = (g0 + 1) * gb;
     __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
     for (int64_t c = c0; c < c1; c += 16) {
-      if (c >= (g + 1) * gb) {
-        g = c / gb;
+      if (c == next) {
+        ++g, next += gb;
         ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
       }
       __m512i v =
@@ -1927,6 +1932,8 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
   std::vector<uint16_t> xa(M * K);
   ArrangeBf16(x, M, K, xa.data());
   const std::vector<int32_t> gidx = whole ? std::vector<int32_t>() : Bf16GroupIndex(K, groupsize);
+  std::vector<int32_t> cg(chunks);  // chunk -> its first group (no division per chunk)
+  for (int64_t j = 0; j < chunks; ++j) cg[j] = static_cast<int32_t>(j * kBfChunk / groupsize);
   // K in slices whose activations (up to 4 rows) stay in L1 (kWoRowPathBytes)
   // while a tile of weight rows passes over them; partial sums add up in out.
   const int64_t slice = std::max<int64_t>(
@@ -1945,7 +1952,7 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
           const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
           const WoBf16Fn fn = PickWoBf16(nm, whole);
           for (int64_t n = t0; n < t1; ++n) {
-            fn(w + n * half, xa.data() + m0 * K, K, j0, j1, groupsize, G, scales + n * G, gidx.data(),
+            fn(w + n * half, xa.data() + m0 * K, K, j0, j1, cg.data(), G, scales + n * G, gidx.data(),
                res);
             for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] += res[i];
           }
