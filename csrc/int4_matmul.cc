@@ -1572,6 +1572,27 @@ __attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, 
   }
 }
 
+// The accumulators of a tile of the blocked paths -> out rows (+ bias): the acc
+// of (block group p, weight row q + j, block r) is at cacc + p * kWoBlocks *
+// kWoTileN * 16 + q * kWoBlocks * 16 + (j * mr + r) * 16, q a multiple of
+// quad(mr); written row by row (contiguous in out).
+void StoreRows16Tile(const float* cacc, int (*quad)(int), int64_t Mb, int64_t M, int64_t N, int64_t t0,
+                     int nt, const float* bias, float* out) {
+  constexpr int64_t kGroupFloats = kWoTileN * kWoBlocks * 16;
+  for (int64_t p = 0; p * kWoBlocks < Mb; ++p) {
+    const int64_t b0 = kWoBlocks * p;
+    const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
+    const int qn = quad(mr);
+    for (int r = 0; r < mr; ++r)
+      for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
+        float* o = out + ((b0 + r) * 16 + i) * N + t0;
+        const float* cp = cacc + p * kGroupFloats + r * 16 + i;
+        for (int n = 0; n < nt; ++n)
+          o[n] = cp[(n / qn * qn) * kWoBlocks * 16 + (n % qn) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
+      }
+  }
+}
+
 void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, const float* bias,
                       float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   const int64_t G = K / groupsize, half = K / 2;
@@ -1617,22 +1638,7 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
         }
         if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
       }
-      // acc of (group p, weight row q + j, block r) at
-      // cacc + p * kGroupFloats + q * kWoBlocks * 16 + (j * mr + r) * 16 (q a multiple of
-      // WoQuad(mr)); written row by row (contiguous in out).
-      for (int64_t p = 0; p < groups; ++p) {
-        const int64_t b0 = kWoBlocks * p;
-        const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
-        const int qn = WoQuad(mr);
-        for (int r = 0; r < mr; ++r)
-          for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
-            float* o = out + ((b0 + r) * 16 + i) * N + t0;
-            const float* cp = cacc + p * kGroupFloats + r * 16 + i;
-            for (int n = 0; n < nt; ++n)
-              o[n] = cp[(n / qn * qn) * kWoBlocks * 16 + (n % qn) * mr * 16] +
-                     (bias ? bias[t0 + n] : 0.0f);
-          }
-      }
+      StoreRows16Tile(cacc, &WoQuad, Mb, M, N, t0, nt, bias, out);
     }
   });
 }
@@ -1764,20 +1770,7 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
                           cacc + p * kGroupFloats + q * kWoBlocks * 16);
         }
       }
-      // written out as WeightOnlyRows16 does (the same accumulator layout)
-      for (int64_t p = 0; p < groups; ++p) {
-        const int64_t b0 = kWoBlocks * p;
-        const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
-        const int qn = WoQuadBf16(mr);
-        for (int r = 0; r < mr; ++r)
-          for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
-            float* o = out + ((b0 + r) * 16 + i) * N + t0;
-            const float* cp = cacc + p * kGroupFloats + r * 16 + i;
-            for (int n = 0; n < nt; ++n)
-              o[n] = cp[(n / qn * qn) * kWoBlocks * 16 + (n % qn) * mr * 16] +
-                     (bias ? bias[t0 + n] : 0.0f);
-          }
-      }
+      StoreRows16Tile(cacc, &WoQuadBf16, Mb, M, N, t0, nt, bias, out);
     }
   });
 }
@@ -2058,49 +2051,27 @@ ffi::Error WeightOnlyBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulF32, DynQuantImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("groupsize")
-                                  .Attr<bool>("has_bias"));
+namespace {
+// The binding of every int4 handler: x (T), packed weight, scales, bias ->
+// out (T); attributes groupsize and has_bias.
+template <ffi::DataType T>
+auto Int4Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<ffi::U8>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<T>>()
+      .template Attr<int64_t>("groupsize")
+      .template Attr<bool>("has_bias");
+}
+}  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("groupsize")
-                                  .Attr<bool>("has_bias"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulBf16, DynQuantBf16Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("groupsize")
-                                  .Attr<bool>("has_bias"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulBf16, WeightOnlyBf16Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("groupsize")
-                                  .Attr<bool>("has_bias"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulF32, DynQuantImpl, Int4Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulF32, WeightOnlyImpl, Int4Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulBf16, DynQuantBf16Impl, Int4Binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulBf16, WeightOnlyBf16Impl, Int4Binding<ffi::BF16>());
 
 // The path of weight-only calls with bfloat16 activations of `rows` rows and
 // K = k here (this CPU, the selected code path, the shape): 1 the AVX512-BF16

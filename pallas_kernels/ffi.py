@@ -68,3 +68,18 @@ def load_library(
     except (OSError, AttributeError):
         return None
     return lib
+
+
+def xla_pool_setter(library, symbol: str):
+    """``set_xla_pool(on=True)`` for the kernels of ``library()`` (a cached loader returning the
+    CDLL or None): ``symbol`` is their exported ``void (int on)`` switch."""
+
+    def set_xla_pool(on: bool = True) -> None:
+        """Whether the kernels run their threads on XLA's intra-op thread pool (``True``, the
+        default) or start threads of their own on every call (``False``: what they do where a
+        runtime offers no pool). For tests and benchmarks; read when a kernel runs."""
+        lib = library()
+        if lib is not None:
+            getattr(lib, symbol)(1 if on else 0)
+
+    return set_xla_pool

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import base, sharded
-from pallas_kernels.ffi import load_library
+from pallas_kernels.ffi import load_library, xla_pool_setter
 
 __all__ = [
     "Config",
@@ -106,13 +106,7 @@ def set_threads(n: int = 0) -> None:
         lib.JbFlashSetThreads(int(n))
 
 
-def set_xla_pool(on: bool = True) -> None:
-    """Whether the kernels run their threads on XLA's intra-op thread pool (``True``, the default)
-    or start threads of their own on every call (``False``: what they do where a runtime offers no
-    pool). For tests and benchmarks; read when a kernel runs."""
-    lib = _library()
-    if lib is not None:
-        lib.JbFlashSetXlaPool(1 if on else 0)
+set_xla_pool = xla_pool_setter(_library, "JbFlashSetXlaPool")
 
 
 #: The kernels' code paths, best first; the default is the best this CPU runs (AVX2 + FMA at least).

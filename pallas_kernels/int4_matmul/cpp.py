@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..ffi import load_library
+from ..ffi import load_library, xla_pool_setter
 from . import base
 from .base import PackedInt4Weight
 
@@ -105,13 +105,7 @@ def set_isa(name: str) -> bool:
     return lib is not None and lib.JbInt4SetIsa(name.encode()) == 0
 
 
-def set_xla_pool(on: bool = True) -> None:
-    """Whether the kernels run their threads on XLA's intra-op thread pool (``True``, the default)
-    or start threads of their own on every call (``False``: what they do where a runtime offers no
-    pool). For tests and benchmarks; read when a kernel runs."""
-    lib = _library()
-    if lib is not None:
-        lib.JbInt4SetXlaPool(1 if on else 0)
+set_xla_pool = xla_pool_setter(_library, "JbInt4SetXlaPool")
 
 
 #: Weight-only rows above which these kernels lose to XLA's GEMM on the dequantized weight: the AVX2 and
