@@ -122,16 +122,22 @@ inline int AffinityThreads(int cap) {
   return HardwareThreads(static_cast<unsigned>(cap));
 }
 
+// The pool state is private to each extension (an unnamed namespace: each
+// extension is one translation unit). As `inline` variables GCC would make
+// them unique symbols that the dynamic loader merges across the two
+// extensions, so one library's switch would flip the other's.
+namespace {
+
 // Whether the kernels run their threads on XLA's intra-op pool (the default)
 // or start threads of their own on every call (the fallback where a runtime
 // has no pool; switchable for tests and benchmarks).
-inline std::atomic<bool> g_use_xla_pool{true};
+std::atomic<bool> g_use_xla_pool{true};
 inline bool UseXlaPool() { return g_use_xla_pool.load(std::memory_order_relaxed); }
 inline void SetUseXlaPool(bool on) { g_use_xla_pool.store(on, std::memory_order_relaxed); }
 
 // The XLA intra-op thread pool of the FFI call running on this thread, or
 // null (then RunThreads starts threads of its own). Set by PoolScope.
-inline thread_local xla::ffi::ThreadPool* t_pool = nullptr;
+thread_local xla::ffi::ThreadPool* t_pool = nullptr;
 
 // Makes `pool` (the handler's Ctx<ThreadPool>) the pool of this thread's
 // RunThreads calls for its lifetime. A pool that reports no threads (no
@@ -148,6 +154,8 @@ class PoolScope {
  private:
   xla::ffi::ThreadPool* prev_;
 };
+
+}  // namespace
 
 // Runs worker(id) for every id in [0, threads) and returns when all have
 // finished. Inside an FFI call with a pool (PoolScope) the ids are claimed in
@@ -191,7 +199,11 @@ void RunThreads(int threads, F&& worker) {
     }
   };
   if (xla::ffi::ThreadPool* xla_pool = t_pool) {
-    for (int i = 1; i < threads; ++i) xla_pool->Schedule(decltype(claim)(claim));
+    try {
+      for (int i = 1; i < threads; ++i) xla_pool->Schedule(decltype(claim)(claim));
+    } catch (...) {
+      // (out of memory) the ids no task claims are run by claim() below
+    }
     claim();
     // The ids left are running on pool threads: spin a little (calls that
     // end together), then sleep until the last one finishes.
@@ -206,8 +218,12 @@ void RunThreads(int threads, F&& worker) {
     }
   } else {
     std::vector<std::thread> pool;
-    pool.reserve(threads - 1);
-    for (int i = 1; i < threads; ++i) pool.emplace_back(claim);
+    try {
+      pool.reserve(threads - 1);
+      for (int i = 1; i < threads; ++i) pool.emplace_back(claim);
+    } catch (...) {
+      // (no thread could start) the ids left are run by claim() below
+    }
     claim();
     for (auto& th : pool) th.join();
   }

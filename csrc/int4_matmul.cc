@@ -1725,11 +1725,12 @@ void WoRows16Bf16N(const uint32_t* bt, const uint32_t* const* a, int nr, int mr,
 constexpr int WoQuadBf16(int mr) { return mr == 1 ? 16 : mr == 2 ? 12 : mr == 3 ? 8 : 6; }
 
 // Weight bytes per slice of the bf16 blocked path: 64 (128 k) when that
-// divides the group, else the group's bytes up to 128, else 16.
+// divides the group, else the group's bytes up to 128, else 32 or 16.
 int64_t Bf16SliceBytes(int64_t groupsize) {
   const int64_t gb = groupsize / 2;  // a multiple of 16
   if (gb % 64 == 0) return 64;
-  return gb <= 128 ? gb : 16;
+  if (gb <= 128) return gb;
+  return gb % 32 == 0 ? 32 : 16;
 }
 
 // x [M, K] bf16 -> out [M, N] float32, the blocked form (AVX512-BF16).

@@ -114,7 +114,7 @@ CPP = Implementation(
     description=(
         "AVX2 / AVX-512 (VNNI) kernels; row paths for decode, blocked 16-rows-per-vector paths from "
         "9 (dyn-quant) / 16 (weight-only) rows; weight-only up to a measured crossover (cpp.weight_only_max_rows); "
-        "bfloat16 weight-only activations up to 31 rows by AVX512-BF16 dots where the CPU has them"
+        "bfloat16 weight-only activations by AVX512-BF16 dots where the CPU has them (no row limit)"
     ),
 )
 XLA = Implementation(

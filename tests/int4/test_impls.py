@@ -125,7 +125,8 @@ _GROUP_CASES = [
     (33, 2176, 37, 128),
     (50, 384, 8, 128),
     (9, 256, 11, 128),  # the first blocked size
-    (70, 384, 53, 128),  # two groups of row blocks (4 + 1), a ragged weight tile (48 + 5)
+    (70, 384, 53, 128),  # two groups of row blocks (4 + 1)
+    (40, 256, 776, 64),  # full 48-row weight tiles (N >= 384 per thread) and a ragged one
 ]
 
 
@@ -210,8 +211,9 @@ def test_cpp_own_threads_match_xla_pool(M):
 # bfloat16 activations. The row kernel (up to 15 rows): chunks of 128 k with 1 to 4 groups per chunk
 # (groupsize 32, 64), groups that straddle chunks (96), an odd number of chunks (K = 2176),
 # channel-wise, K not a multiple of 128 (widened to float32). The blocked path (from 16 rows): slices
-# of 64, 48 and 16 weight bytes (groupsize 128+, 96, 32), 1 to 4 row blocks per register tile, two
-# groups of row blocks with a ragged one, ragged weight tiles, channel-wise.
+# of 64, 48, 32 and 16 weight bytes (groupsize 128+, 96, 320, 32), 1 to 4 row blocks per register
+# tile, two groups of row blocks with a ragged one, ragged weight tiles, full 48-row weight tiles
+# (N >= 384 per thread), channel-wise.
 _BF16_CASES = [
     (1, 256, 40, 32),
     (1, 128, 8, 128),
@@ -229,6 +231,10 @@ _BF16_CASES = [
     (40, 512, 9, 512),
     (100, 160, 30, 32),
     (20, 256, 29, 64),
+    (3, 256, 776, 64),
+    (40, 256, 776, 64),
+    (16, 128, 800, 128),
+    (20, 640, 9, 320),
 ]
 
 
@@ -261,6 +267,11 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
         assert got.dtype == jnp.bfloat16 and got.shape == (M, N)
         w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
         want = np.asarray(xb, np.float64) @ w.T + np.asarray(p.bias, np.float64)
+        if path == "float32":  # widened: the float32 kernel's sums, rounded to nearest even as XLA does
+            want_bits = jax.jit(cpp.weight_only_matmul)(xb.astype(jnp.float32), p).astype(jnp.bfloat16)
+            np.testing.assert_array_equal(
+                np.asarray(got).view(np.uint16), np.asarray(want_bits).view(np.uint16)
+            )
         got = np.asarray(got, np.float64)
         want_bf16 = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
         ulp = np.spacing(np.abs(want_bf16).astype(ml_dtypes.bfloat16)).astype(np.float64)
