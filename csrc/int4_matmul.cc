@@ -1593,6 +1593,44 @@ void StoreRows16Tile(const float* cacc, int (*quad)(int), int64_t Mb, int64_t M,
   }
 }
 
+// The tile loop of both blocked paths: threads over N in tiles of kWoTileN
+// weight rows, per thread a dequant buffer (buf_elems of T) and a tile's
+// accumulators ([block group][n][block][16]); slices(t0, nt, buf, cacc) adds
+// the tile's K slices into cacc, then the tile is written out.
+template <typename T, typename Slices>
+void Rows16Tiles(int64_t M, int64_t N, int64_t K, int64_t buf_elems, int (*quad)(int), const float* bias,
+                 float* out, Slices&& slices) {
+  const int64_t Mb = (M + 15) / 16;
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+  const int64_t floats = (Mb + kWoBlocks - 1) / kWoBlocks * kWoTileN * kWoBlocks * 16;
+  std::vector<std::vector<T>> bt(std::max(threads, 1), std::vector<T>(buf_elems));
+  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(floats));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
+    float* cacc = acc[id].data();
+    for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
+      const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
+      std::fill(cacc, cacc + floats, 0.0f);
+      slices(t0, nt, bt[id].data(), cacc);
+      StoreRows16Tile(cacc, quad, Mb, M, N, t0, nt, bias, out);
+    }
+  });
+}
+
+// Every register tile of a slice: tile(b0, mr, q, nr, c) for the mr <= 4 row
+// blocks from b0 and the nr <= quad(mr) weight rows from q, c their
+// accumulators in the tile's layout (StoreRows16Tile).
+template <typename F>
+void ForRegisterTiles(int64_t Mb, int nt, int (*quad)(int), float* cacc, F&& tile) {
+  for (int64_t p = 0; p * kWoBlocks < Mb; ++p) {
+    const int64_t b0 = kWoBlocks * p;
+    const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
+    const int qn = quad(mr);
+    for (int q = 0; q < nt; q += qn)
+      tile(b0, mr, q, std::min(qn, nt - q), cacc + p * kWoTileN * kWoBlocks * 16 + q * kWoBlocks * 16);
+  }
+}
+
 void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, const float* bias,
                       float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   const int64_t G = K / groupsize, half = K / 2;
@@ -1605,40 +1643,20 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
       a[(half + j) * 16] = x[m * K + 2 * j + 1];
     }
   }
-  // Tiles of kWoTileN weight rows; K in slices of kWoSliceK (within one
-  // plane), each slice of the tile dequantized once and kept in L1/L2 while
-  // the row blocks pass over it kWoBlocks at a time (the register tile: up to
-  // 4 x 16 rows by WoQuad weight rows); the accumulators of the tile
-  // ([block group][n][block][16]) are kept between slices.
-  const int threads =
-      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
-  const int64_t groups = (Mb + kWoBlocks - 1) / kWoBlocks;
-  constexpr int64_t kGroupFloats = kWoTileN * kWoBlocks * 16;
-  std::vector<std::vector<float>> bt(std::max(threads, 1), std::vector<float>(kWoTileN * kWoSliceK));
-  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(groups * kGroupFloats));
-  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
-    float* b = bt[id].data();
-    float* cacc = acc[id].data();
-    for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
-      const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
-      std::fill(cacc, cacc + groups * kGroupFloats, 0.0f);
-      for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
-        // slices within one plane: [k0, k1) of the even (k0 < half) or odd plane
-        const int64_t k1 = std::min(k0 < half ? half : K, k0 + kWoSliceK);
-        DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
-        for (int64_t p = 0; p < groups; ++p) {
-          const int64_t b0 = kWoBlocks * p;
-          const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
-          const float* a[kWoBlocks];
-          for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + std::min(b0 + r, Mb - 1) * K * 16;
-          const int qn = WoQuad(mr);
-          for (int q = 0; q < nt; q += qn)
-            WoRows16N(b - k0 + q * kWoSliceK, a, std::min(qn, nt - q), mr, kWoSliceK, k0, k1,
-                      cacc + p * kGroupFloats + q * kWoBlocks * 16);
-        }
-        if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
-      }
-      StoreRows16Tile(cacc, &WoQuad, Mb, M, N, t0, nt, bias, out);
+  // K in slices of kWoSliceK (within one plane), each slice of the tile
+  // dequantized once and kept in L1/L2 while the row blocks pass over it.
+  Rows16Tiles<float>(M, N, K, kWoTileN * kWoSliceK, &WoQuad, bias, out,
+                     [&](int64_t t0, int nt, float* b, float* cacc) {
+    for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
+      // slices within one plane: [k0, k1) of the even (k0 < half) or odd plane
+      const int64_t k1 = std::min(k0 < half ? half : K, k0 + kWoSliceK);
+      DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
+      ForRegisterTiles(Mb, nt, &WoQuad, cacc, [&](int64_t b0, int mr, int q, int nr, float* c) {
+        const float* a[kWoBlocks];
+        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + std::min(b0 + r, Mb - 1) * K * 16;
+        WoRows16N(b - k0 + q * kWoSliceK, a, nr, mr, kWoSliceK, k0, k1, c);
+      });
+      if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
     }
   });
 }
@@ -1745,37 +1763,50 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
       a[j * 16] = static_cast<uint32_t>(x[m * K + 2 * j]) | (static_cast<uint32_t>(x[m * K + 2 * j + 1]) << 16);
   }
   const int64_t sb = Bf16SliceBytes(groupsize), gb = groupsize / 2;
-  const int threads =
-      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
-  const int64_t groups = (Mb + kWoBlocks - 1) / kWoBlocks;
-  constexpr int64_t kGroupFloats = kWoTileN * kWoBlocks * 16;
-  std::vector<std::vector<uint32_t>> bt(std::max(threads, 1), std::vector<uint32_t>(kWoTileN * sb));
-  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(groups * kGroupFloats));
-  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
-    uint32_t* b = bt[id].data();
-    float* cacc = acc[id].data();
-    for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
-      const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
-      std::fill(cacc, cacc + groups * kGroupFloats, 0.0f);
-      for (int64_t c0 = 0; c0 < half; c0 += sb) {
-        DequantPairs(w + t0 * half, nt, half, c0, c0 + sb, b);
-        const float* sg = scales + t0 * G + c0 / gb;
-        for (int64_t p = 0; p < groups; ++p) {
-          const int64_t b0 = kWoBlocks * p;
-          const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
-          const uint32_t* a[kWoBlocks];
-          for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + (std::min(b0 + r, Mb - 1) * half + c0) * 16;
-          const int qn = WoQuadBf16(mr);
-          for (int q = 0; q < nt; q += qn)
-            WoRows16Bf16N(b + q * sb, a, std::min(qn, nt - q), mr, sb, sb, sg + q * G, G,
-                          cacc + p * kGroupFloats + q * kWoBlocks * 16);
-        }
-      }
-      StoreRows16Tile(cacc, &WoQuadBf16, Mb, M, N, t0, nt, bias, out);
+  Rows16Tiles<uint32_t>(M, N, K, kWoTileN * sb, &WoQuadBf16, bias, out,
+                        [&](int64_t t0, int nt, uint32_t* b, float* cacc) {
+    for (int64_t c0 = 0; c0 < half; c0 += sb) {
+      DequantPairs(w + t0 * half, nt, half, c0, c0 + sb, b);
+      const float* sg = scales + t0 * G + c0 / gb;
+      ForRegisterTiles(Mb, nt, &WoQuadBf16, cacc, [&](int64_t b0, int mr, int q, int nr, float* c) {
+        const uint32_t* a[kWoBlocks];
+        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + (std::min(b0 + r, Mb - 1) * half + c0) * 16;
+        WoRows16Bf16N(b + q * sb, a, nr, mr, sb, sb, sg + q * G, G, c);
+      });
     }
   });
 }
 #endif  // JB_X86
+
+// The tile loop of both weight-only row paths: out = bias, then over tiles of
+// 2 kTileN weight rows, slices [s0, s1) of K's `units` (so that a block of
+// input rows stays in L1 while the tile passes over it) and blocks of up to 4
+// input rows: rows(n, m0, nm, s0, s1, res) gives the partial sums res[i] of
+// input row m0 + i and weight row n, added into out.
+template <typename F>
+void RowTiles(int64_t M, int64_t N, int64_t K, int64_t units, int64_t slice, const float* bias,
+              float* out, F&& rows) {
+  const int threads =
+      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
+  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
+    float res[4];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) out[m * N + n] = bias ? bias[n] : 0.0f;
+    for (int64_t t0 = n0; t0 < n1; t0 += 2 * kTileN) {
+      const int64_t t1 = std::min(n1, t0 + 2 * kTileN);
+      for (int64_t s0 = 0; s0 < units; s0 += slice) {
+        const int64_t s1 = std::min(units, s0 + slice);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
+          for (int64_t n = t0; n < t1; ++n) {
+            rows(n, m0, nm, s0, s1, res);
+            for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] += res[i];
+          }
+        }
+      }
+    }
+  });
+}
 
 // Rows from which the AVX-512 weight-only kernel takes the blocked path.
 constexpr int64_t kWoRows16MinRows = 16;
@@ -1809,26 +1840,10 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
     // partial sums add up in `out`.
     const int64_t half = K / 2;
     const int64_t slice = std::min<int64_t>(M, 4) * K * 4 <= kWoRowPathBytes ? half : kWoSliceBytes;
-    const int threads =
-        static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
-    ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
-      float res[4];
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) out[m * N + n] = bias ? bias[n] : 0.0f;
-      for (int64_t t0 = n0; t0 < n1; t0 += 2 * kTileN) {
-        const int64_t t1 = std::min(n1, t0 + 2 * kTileN);
-        for (int64_t c0 = 0; c0 < half; c0 += slice) {
-          const int64_t c1 = std::min(half, c0 + slice);
-          for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
-            for (int64_t n = t0; n < t1; ++n) {
-              WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm,
-                            c0, c1, groupsize, scales + n * G, res);
-              for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] += res[i];
-            }
-          }
-        }
-      }
+    RowTiles(M, N, K, half, slice, bias, out,
+             [&](int64_t n, int64_t m0, int nm, int64_t c0, int64_t c1, float* res) {
+      WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm, c0, c1,
+                    groupsize, scales + n * G, res);
     });
     return;
   }
@@ -1852,14 +1867,12 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
 // 2-core AVX-512 EPYC (K = 4096, N = 4096 / 11008, groupsize 128): even at 16
 // rows, the blocked path 1.8x / 1.03x faster at 32.
 constexpr int64_t kWoBf16MaxRows = 15;
-std::atomic<bool> g_wo_bf16_blocked{true};
-std::atomic<int64_t> g_wo_bf16_max_rows{kWoBf16MaxRows};
 
 // Whether weight-only calls with bfloat16 activations of M rows and K take
 // the AVX512-BF16 kernel.
 bool UseBf16Dots(int64_t M, int64_t K) {
 #if JB_X86
-  return M <= g_wo_bf16_max_rows.load() && K % kBfChunk == 0 && jb::HasAvx512Bf16() &&
+  return M <= kWoBf16MaxRows && K % kBfChunk == 0 && jb::HasAvx512Bf16() &&
          g_wo_row.load() == &WeightOnlyRowAvx512;
 #else
   (void)M, (void)K;
@@ -1871,12 +1884,21 @@ bool UseBf16Dots(int64_t M, int64_t K) {
 // blocked AVX512-BF16 path.
 bool UseBf16Blocked(int64_t M) {
 #if JB_X86
-  return M > g_wo_bf16_max_rows.load() && jb::HasAvx512Bf16() && g_wo_row.load() == &WeightOnlyRowAvx512 &&
-         g_wo_bf16_blocked.load();
+  return M > kWoBf16MaxRows && jb::HasAvx512Bf16() && g_wo_row.load() == &WeightOnlyRowAvx512;
 #else
   (void)M;
   return false;
 #endif
+}
+
+// n bfloat16 values (their bits) -> float32 (exact).
+std::vector<float> WidenBf16(const uint16_t* x, int64_t n) {
+  std::vector<float> xf(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(&xf[i], &bits, 4);
+  }
+  return xf;
 }
 
 // float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN):
@@ -1906,11 +1928,7 @@ void WeightOnlyMatmulBf16(const uint16_t* x, const uint8_t* w, const float* scal
     WeightOnlyRows16Bf16(x, w, scales, bias, acc.data(), M, N, K, groupsize);
 #endif
   } else {
-    std::vector<float> xf(M * K);
-    for (int64_t i = 0; i < M * K; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-      std::memcpy(&xf[i], &bits, 4);
-    }
+    const std::vector<float> xf = WidenBf16(x, M * K);
     WeightOnlyMatmul(xf.data(), w, scales, bias, acc.data(), M, N, K, groupsize);
   }
   for (int64_t i = 0; i < M * N; ++i) out[i] = RoundToBf16(acc[i]);
@@ -1932,27 +1950,10 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
   // while a tile of weight rows passes over them; partial sums add up in out.
   const int64_t slice = std::max<int64_t>(
       1, std::min<int64_t>(chunks, kWoRowPathBytes / (std::min<int64_t>(M, 4) * kBfChunk * 2)));
-  const int threads =
-      static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
-  ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
-    float res[4];
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) out[m * N + n] = bias ? bias[n] : 0.0f;
-    for (int64_t t0 = n0; t0 < n1; t0 += 2 * kTileN) {
-      const int64_t t1 = std::min(n1, t0 + 2 * kTileN);
-      for (int64_t j0 = 0; j0 < chunks; j0 += slice) {
-        const int64_t j1 = std::min(chunks, j0 + slice);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int nm = static_cast<int>(std::min<int64_t>(4, M - m0));
-          const WoBf16Fn fn = PickWoBf16(nm, whole);
-          for (int64_t n = t0; n < t1; ++n) {
-            fn(w + n * half, xa.data() + m0 * K, K, j0, j1, cg.data(), G, scales + n * G, gidx.data(),
-               res);
-            for (int i = 0; i < nm; ++i) out[(m0 + i) * N + n] += res[i];
-          }
-        }
-      }
-    }
+  RowTiles(M, N, K, chunks, slice, bias, out,
+           [&](int64_t n, int64_t m0, int nm, int64_t j0, int64_t j1, float* res) {
+    PickWoBf16(nm, whole)(w + n * half, xa.data() + m0 * K, K, j0, j1, cg.data(), G, scales + n * G,
+                          gidx.data(), res);
   });
 #endif
 }
@@ -2021,12 +2022,8 @@ ffi::Error DynQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi:
   ffi::Error e = CheckShapes(x, w, scales, bias, groupsize, &M, &N, &K);
   if (e.failure()) return e;
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const uint16_t* xb = x.typed_data();
-  std::vector<float> xf(M * K), acc(M * N);
-  for (int64_t i = 0; i < M * K; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-    std::memcpy(&xf[i], &bits, 4);
-  }
+  const std::vector<float> xf = WidenBf16(x.typed_data(), M * K);
+  std::vector<float> acc(M * N);
   DynQuantMatmul(xf.data(), w.typed_data(), scales.typed_data(), has_bias ? bias.typed_data() : nullptr,
                  acc.data(), M, N, K, groupsize);
   uint16_t* o = out->typed_data();
@@ -2080,13 +2077,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulBf16, WeightOnlyBf16Impl, Int4Binding<
 extern "C" int JbInt4WeightOnlyBf16Path(int64_t rows, int64_t k) {
   if (UseBf16Dots(rows, k)) return 1;
   return UseBf16Blocked(rows) ? 2 : 0;
-}
-
-// Benchmarks: the row limit of the bf16 row kernel and whether the bf16
-// blocked path runs (else bf16 x is widened for the float32 blocked path).
-extern "C" void JbInt4SetBf16Paths(int64_t max_rows, int blocked) {
-  g_wo_bf16_max_rows = max_rows;
-  g_wo_bf16_blocked = blocked != 0;
 }
 
 // 1: the kernels' threads run on XLA's intra-op pool (the default); 0: each

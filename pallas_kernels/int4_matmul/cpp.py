@@ -77,7 +77,6 @@ def _library() -> ctypes.CDLL | None:
             "JbInt4SetIsa": [ctypes.c_char_p],
             "JbInt4SetXlaPool": [ctypes.c_int],
             "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64],
-            "JbInt4SetBf16Paths": [ctypes.c_int64, ctypes.c_int],
         },
     )
 
