@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -1492,17 +1493,19 @@ template <int NR, int MR>
 __attribute__((target("avx512f,avx512bw"))) void WoRows16(const float* bt, const float* const* a,
                                                           int64_t ldb, int64_t k0, int64_t k1,
                                                           float* c) {
+  if (k0 >= k1) return;
   __m512 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_loadu_ps(c + (n * MR + r) * 16);
-  for (int64_t k = k0; k < k1; ++k) {
+  int64_t k = k0;
+  do {  // at least once: a loop that may run zero times kept acc on the stack (GCC)
     __m512 av[MR];
     for (int r = 0; r < MR; ++r) av[r] = _mm512_loadu_ps(a[r] + k * 16);
     for (int n = 0; n < NR; ++n) {
       const __m512 b = _mm512_set1_ps(bt[n * ldb + k]);
       for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_fmadd_ps(b, av[r], acc[n][r]);
     }
-  }
+  } while (++k < k1);
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + (n * MR + r) * 16, acc[n][r]);
 }
@@ -1544,6 +1547,19 @@ constexpr int64_t kWoBlocks = 4;
 // every weight row of the tile passes over them.
 constexpr int64_t kWoTileN = 48, kWoSliceK = 128;
 
+// The weight bytes the next dequant step of a blocked path will read, fetched
+// into L1 now: a tile's rows are `half` bytes apart, more streams than the
+// hardware prefetcher follows, and the dequant loops stalled on those loads.
+// Row `row` (bytes [0, half)) reads [c0, c1) now; next it reads [c1, 2 c1 -
+// c0), or after its last slice (c1 == half) the first slice of row `row` of
+// the next tile (nr rows on) or, with `again`, its own first slice (the odd
+// plane of DequantSlice). A prefetch past the weight's end does not fault.
+inline void PrefetchNextSlice(const uint8_t* row, int64_t half, int nr, int64_t c0, int64_t c1,
+                              bool again) {
+  const uint8_t* p = c1 < half ? row + c1 : again ? row : row + nr * half;
+  for (int64_t i = 0; i < c1 - c0; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 // nr weight rows, k in [k0, k1) of one plane (the even-k plane is k < K / 2,
 // the odd-k plane K / 2 + k2) -> bt ([nr][kWoSliceK] float32 (q - 8) * s).
 __attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, int nr, int64_t K,
@@ -1569,6 +1585,7 @@ __attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, 
       if (odd) v = _mm512_srli_epi32(v, 4);
       _mm512_storeu_ps(bt + n * kSlice + (c - c0), _mm512_permutexvar_ps(v, ts));
     }
+    PrefetchNextSlice(w + n * half, half, nr, c0, c1, !odd);
   }
 }
 
@@ -1579,16 +1596,20 @@ __attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, 
 void StoreRows16Tile(const float* cacc, int (*quad)(int), int64_t Mb, int64_t M, int64_t N, int64_t t0,
                      int nt, const float* bias, float* out) {
   constexpr int64_t kGroupFloats = kWoTileN * kWoBlocks * 16;
+  float b[kWoTileN];
+  int32_t off[kWoTileN];  // weight row n's accumulators (no division per element)
+  for (int n = 0; n < nt; ++n) b[n] = bias ? bias[t0 + n] : 0.0f;
   for (int64_t p = 0; p * kWoBlocks < Mb; ++p) {
     const int64_t b0 = kWoBlocks * p;
     const int mr = static_cast<int>(std::min<int64_t>(kWoBlocks, Mb - b0));
     const int qn = quad(mr);
+    for (int q = 0; q < nt; q += qn)
+      for (int j = 0; j < qn && q + j < nt; ++j) off[q + j] = static_cast<int32_t>((q * kWoBlocks + j * mr) * 16);
     for (int r = 0; r < mr; ++r)
       for (int64_t i = 0; i < 16 && (b0 + r) * 16 + i < M; ++i) {
         float* o = out + ((b0 + r) * 16 + i) * N + t0;
         const float* cp = cacc + p * kGroupFloats + r * 16 + i;
-        for (int n = 0; n < nt; ++n)
-          o[n] = cp[(n / qn * qn) * kWoBlocks * 16 + (n % qn) * mr * 16] + (bias ? bias[t0 + n] : 0.0f);
+        for (int n = 0; n < nt; ++n) o[n] = cp[off[n]] + b[n];
       }
   }
 }
@@ -1635,14 +1656,21 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
                       float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   const int64_t G = K / groupsize, half = K / 2;
   const int64_t Mb = (M + 15) / 16;
-  std::vector<float> xpk(Mb * K * 16, 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    float* a = xpk.data() + (m / 16) * K * 16 + m % 16;
-    for (int64_t j = 0; j < half; ++j) {
-      a[j * 16] = x[m * K + 2 * j];
-      a[(half + j) * 16] = x[m * K + 2 * j + 1];
+  // Packed by blocks on the kernel's threads, written in order (16 rows read
+  // side by side), the rows past M zero.
+  std::unique_ptr<float[]> xpk(new float[Mb * K * 16]);
+  jb::ParallelFor(Mb, NumThreads(M * N * K), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t bm = b0; bm < b1; ++bm) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, M - bm * 16));
+      float* a = xpk.get() + bm * K * 16;
+      const float* xb = x + bm * 16 * K;
+      for (int64_t j = 0; j < half; ++j)
+        for (int i = 0; i < 16; ++i) {
+          a[j * 16 + i] = i < rows ? xb[i * K + 2 * j] : 0.0f;
+          a[(half + j) * 16 + i] = i < rows ? xb[i * K + 2 * j + 1] : 0.0f;
+        }
     }
-  }
+  });
   // K in slices of kWoSliceK (within one plane), each slice of the tile
   // dequantized once and kept in L1/L2 while the row blocks pass over it.
   Rows16Tiles<float>(M, N, K, kWoTileN * kWoSliceK, &WoQuad, bias, out,
@@ -1653,7 +1681,7 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
       DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
       ForRegisterTiles(Mb, nt, &WoQuad, cacc, [&](int64_t b0, int mr, int q, int nr, float* c) {
         const float* a[kWoBlocks];
-        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + std::min(b0 + r, Mb - 1) * K * 16;
+        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.get() + std::min(b0 + r, Mb - 1) * K * 16;
         WoRows16N(b - k0 + q * kWoSliceK, a, nr, mr, kWoSliceK, k0, k1, c);
       });
       if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
@@ -1679,13 +1707,15 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
 __attribute__((target("avx512f,avx512bw"))) void DequantPairs(const uint8_t* w, int nr, int64_t half,
                                                               int64_t c0, int64_t c1, uint32_t* bt) {
   const __m512i table = _mm512_load_si512(kBf16Nibbles);
-  for (int n = 0; n < nr; ++n)
+  for (int n = 0; n < nr; ++n) {
     for (int64_t c = c0; c < c1; c += 16) {
       const __m512i v =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
       const __m512i idx = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
       _mm512_storeu_si512(bt + n * (c1 - c0) + (c - c0), _mm512_permutexvar_epi16(idx, table));
     }
+    PrefetchNextSlice(w + n * half, half, nr, c0, c1, false);
+  }
 }
 
 // c[n][r] (float32 [NR][MR][16]) += s[n * G] * sum over pairs [0, np) of the MR
@@ -1695,17 +1725,19 @@ template <int NR, int MR>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void WoRows16Bf16(
     const uint32_t* bt, const uint32_t* const* a, int64_t ldb, int64_t np, const float* s, int64_t G,
     float* c) {
+  if (np <= 0) return;
   __m512 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < np; ++j) {
+  int64_t j = 0;
+  do {  // at least once (see WoRows16)
     __m512bh av[MR];
     for (int r = 0; r < MR; ++r) av[r] = (__m512bh)_mm512_loadu_si512(a[r] + j * 16);
     for (int n = 0; n < NR; ++n) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(bt[n * ldb + j]));
       for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], b, av[r]);
     }
-  }
+  } while (++j < np);
   for (int n = 0; n < NR; ++n) {
     const __m512 sv = _mm512_set1_ps(s[n * G]);
     for (int r = 0; r < MR; ++r) {
@@ -1756,12 +1788,19 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
                           float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   const int64_t G = K / groupsize, half = K / 2;
   const int64_t Mb = (M + 15) / 16;
-  std::vector<uint32_t> xpk(Mb * half * 16, 0u);
-  for (int64_t m = 0; m < M; ++m) {
-    uint32_t* a = xpk.data() + (m / 16) * half * 16 + m % 16;
-    for (int64_t j = 0; j < half; ++j)
-      a[j * 16] = static_cast<uint32_t>(x[m * K + 2 * j]) | (static_cast<uint32_t>(x[m * K + 2 * j + 1]) << 16);
-  }
+  std::unique_ptr<uint32_t[]> xpk(new uint32_t[Mb * half * 16]);  // as in WeightOnlyRows16
+  jb::ParallelFor(Mb, NumThreads(M * N * K), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t bm = b0; bm < b1; ++bm) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, M - bm * 16));
+      uint32_t* a = xpk.get() + bm * half * 16;
+      const uint16_t* xb = x + bm * 16 * K;
+      for (int64_t j = 0; j < half; ++j)
+        for (int i = 0; i < 16; ++i)
+          a[j * 16 + i] = i < rows ? static_cast<uint32_t>(xb[i * K + 2 * j]) |
+                                         (static_cast<uint32_t>(xb[i * K + 2 * j + 1]) << 16)
+                                   : 0u;
+    }
+  });
   const int64_t sb = Bf16SliceBytes(groupsize), gb = groupsize / 2;
   Rows16Tiles<uint32_t>(M, N, K, kWoTileN * sb, &WoQuadBf16, bias, out,
                         [&](int64_t t0, int nt, uint32_t* b, float* cacc) {
@@ -1770,7 +1809,7 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
       const float* sg = scales + t0 * G + c0 / gb;
       ForRegisterTiles(Mb, nt, &WoQuadBf16, cacc, [&](int64_t b0, int mr, int q, int nr, float* c) {
         const uint32_t* a[kWoBlocks];
-        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.data() + (std::min(b0 + r, Mb - 1) * half + c0) * 16;
+        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.get() + (std::min(b0 + r, Mb - 1) * half + c0) * 16;
         WoRows16Bf16N(b + q * sb, a, nr, mr, sb, sb, sg + q * G, G, c);
       });
     }
