@@ -34,6 +34,20 @@ namespace jb {
 
 inline int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// n uninitialised T on a 64-byte boundary, so that 64-byte vector loads and
+// stores of the buffers the kernels lay out in vectors split no cache line.
+template <typename T>
+struct AlignedDelete {
+  void operator()(T* p) const { ::operator delete[](p, std::align_val_t(64)); }
+};
+template <typename T>
+using AlignedBuffer = std::unique_ptr<T[], AlignedDelete<T>>;
+template <typename T>
+AlignedBuffer<T> NewAligned(int64_t n) {
+  return AlignedBuffer<T>(static_cast<T*>(::operator new[](
+      static_cast<size_t>(RoundUp(std::max<int64_t>(n, 1) * sizeof(T), 64)), std::align_val_t(64))));
+}
+
 // ------------------------------------------------------------ instruction sets
 
 // AVX2 + FMA (the AVX2 code paths use both).

@@ -995,13 +995,14 @@ void DynQuantRows16(const std::vector<QRow>& rows, const uint8_t* w, const float
   const int64_t per_group = groupsize / 32;
   const int64_t Mb = (M + 15) / 16;
   const int64_t plane = K / 2 * 16;
-  std::vector<int8_t> apack(Mb * 2 * plane, 0);
+  const jb::AlignedBuffer<int8_t> apack = jb::NewAligned<int8_t>(Mb * 2 * plane);
+  std::fill(apack.get(), apack.get() + Mb * 2 * plane, int8_t{0});
   std::vector<int32_t> cpk(Mb * G * 16, 0), zpk(Mb * 16, 0);
   std::vector<float> rpk(Mb * 16, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     const QRow& r = rows[m];
     const int64_t b = m / 16, i = m % 16;
-    int8_t* ae = apack.data() + b * 2 * plane;
+    int8_t* ae = apack.get() + b * 2 * plane;
     int8_t* ao = ae + plane;
     for (int64_t j = 0; j < K / 2; ++j) {
       const int64_t idx = (j / 4) * 64 + i * 4 + j % 4;
@@ -1018,21 +1019,22 @@ void DynQuantRows16(const std::vector<QRow>& rows, const uint8_t* w, const float
   }
   std::vector<RowBlock16> blk(Mb);
   for (int64_t b = 0; b < Mb; ++b)
-    blk[b] = {apack.data() + b * 2 * plane, cpk.data() + b * G * 16, zpk.data() + b * 16,
+    blk[b] = {apack.get() + b * 2 * plane, cpk.data() + b * G * 16, zpk.data() + b * 16,
               rpk.data() + b * 16, static_cast<int>(std::min<int64_t>(16, M - 16 * b))};
   const int threads =
       static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
-  std::vector<std::vector<uint8_t>> ut(std::max(threads, 1), std::vector<uint8_t>(kTileN * K));
+  std::vector<jb::AlignedBuffer<uint8_t>> ut;
+  for (int i = 0; i < std::max(threads, 1); ++i) ut.push_back(jb::NewAligned<uint8_t>(kTileN * K));
   std::vector<std::vector<int32_t>> su(std::max(threads, 1), std::vector<int32_t>(kTileN * G));
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
     for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
       const int nt = static_cast<int>(std::min<int64_t>(kTileN, n1 - t0));
-      UnpackTile(w + t0 * (K / 2), nt, K, groupsize, ut[id].data(), su[id].data());
+      UnpackTile(w + t0 * (K / 2), nt, K, groupsize, ut[id].get(), su[id].data());
       for (int64_t b0 = 0; b0 < Mb; b0 += 2) {
         const int mr = static_cast<int>(std::min<int64_t>(2, Mb - b0));
         for (int q = 0; q < nt; q += 4) {
           const int nr = std::min(4, nt - q);
-          fn(ut[id].data() + q * K, su[id].data() + q * G, blk.data() + b0, nr, mr, K, groupsize,
+          fn(ut[id].get() + q * K, su[id].data() + q * G, blk.data() + b0, nr, mr, K, groupsize,
              scales + (t0 + q) * G, bias ? bias + t0 + q : nullptr, t0 + q, out + b0 * 16 * N, N);
         }
       }
@@ -1625,14 +1627,18 @@ void Rows16Tiles(int64_t M, int64_t N, int64_t K, int64_t buf_elems, int (*quad)
   const int threads =
       static_cast<int>(std::min<int64_t>(NumThreads(M * N * K), (N + kTileN - 1) / kTileN));
   const int64_t floats = (Mb + kWoBlocks - 1) / kWoBlocks * kWoTileN * kWoBlocks * 16;
-  std::vector<std::vector<T>> bt(std::max(threads, 1), std::vector<T>(buf_elems));
-  std::vector<std::vector<float>> acc(std::max(threads, 1), std::vector<float>(floats));
+  std::vector<jb::AlignedBuffer<T>> bt;
+  std::vector<jb::AlignedBuffer<float>> acc;
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    bt.push_back(jb::NewAligned<T>(buf_elems));
+    acc.push_back(jb::NewAligned<float>(floats));
+  }
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
-    float* cacc = acc[id].data();
+    float* cacc = acc[id].get();
     for (int64_t t0 = n0; t0 < n1; t0 += kWoTileN) {
       const int nt = static_cast<int>(std::min<int64_t>(kWoTileN, n1 - t0));
       std::fill(cacc, cacc + floats, 0.0f);
-      slices(t0, nt, bt[id].data(), cacc);
+      slices(t0, nt, bt[id].get(), cacc);
       StoreRows16Tile(cacc, quad, Mb, M, N, t0, nt, bias, out);
     }
   });
@@ -1658,7 +1664,7 @@ void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, con
   const int64_t Mb = (M + 15) / 16;
   // Packed by blocks on the kernel's threads, written in order (16 rows read
   // side by side), the rows past M zero.
-  std::unique_ptr<float[]> xpk(new float[Mb * K * 16]);
+  const jb::AlignedBuffer<float> xpk = jb::NewAligned<float>(Mb * K * 16);
   jb::ParallelFor(Mb, NumThreads(M * N * K), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bm = b0; bm < b1; ++bm) {
       const int rows = static_cast<int>(std::min<int64_t>(16, M - bm * 16));
@@ -1788,7 +1794,7 @@ void WeightOnlyRows16Bf16(const uint16_t* x, const uint8_t* w, const float* scal
                           float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   const int64_t G = K / groupsize, half = K / 2;
   const int64_t Mb = (M + 15) / 16;
-  std::unique_ptr<uint32_t[]> xpk(new uint32_t[Mb * half * 16]);  // as in WeightOnlyRows16
+  const jb::AlignedBuffer<uint32_t> xpk = jb::NewAligned<uint32_t>(Mb * half * 16);  // as in WeightOnlyRows16
   jb::ParallelFor(Mb, NumThreads(M * N * K), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bm = b0; bm < b1; ++bm) {
       const int rows = static_cast<int>(std::min<int64_t>(16, M - bm * 16));
@@ -1862,7 +1868,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
   }
 #endif
   // De-interleave the activations once: even k pair with low nibbles.
-  std::vector<float> xe(M * (K / 2)), xo(M * (K / 2));
+  const jb::AlignedBuffer<float> xe = jb::NewAligned<float>(M * (K / 2)), xo = jb::NewAligned<float>(M * (K / 2));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K / 2; ++k) {
       xe[m * (K / 2) + k] = x[m * K + 2 * k];
@@ -1881,7 +1887,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
     const int64_t slice = std::min<int64_t>(M, 4) * K * 4 <= kWoRowPathBytes ? half : kWoSliceBytes;
     RowTiles(M, N, K, half, slice, bias, out,
              [&](int64_t n, int64_t m0, int nm, int64_t c0, int64_t c1, float* res) {
-      WoRowsAvx512N(w + n * half, xe.data() + m0 * half, xo.data() + m0 * half, half, nm, c0, c1,
+      WoRowsAvx512N(w + n * half, xe.get() + m0 * half, xo.get() + m0 * half, half, nm, c0, c1,
                     groupsize, scales + n * G, res);
     });
     return;
@@ -1892,7 +1898,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
     for (int64_t m0 = 0; m0 < M; m0 += kWoRowBlock) {
       const int nm = static_cast<int>(std::min<int64_t>(kWoRowBlock, M - m0));
       for (int64_t n = n0; n < n1; ++n) {
-        row_fn(w + n * (K / 2), xe.data() + m0 * (K / 2), xo.data() + m0 * (K / 2),
+        row_fn(w + n * (K / 2), xe.get() + m0 * (K / 2), xo.get() + m0 * (K / 2),
                nm, K, groupsize, scales + n * G, ue.data(), uo.data(), res.data());
         for (int i = 0; i < nm; ++i)
           out[(m0 + i) * N + n] = bias ? res[i] + bias[n] : res[i];
@@ -1980,8 +1986,8 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
 #if JB_X86
   const int64_t G = K / groupsize, half = K / 2, chunks = K / kBfChunk;
   const bool whole = groupsize % kBfChunk == 0;
-  std::vector<uint16_t> xa(M * K);
-  ArrangeBf16(x, M, K, xa.data());
+  const jb::AlignedBuffer<uint16_t> xa = jb::NewAligned<uint16_t>(M * K);
+  ArrangeBf16(x, M, K, xa.get());
   const std::vector<int32_t> gidx = whole ? std::vector<int32_t>() : Bf16GroupIndex(K, groupsize);
   std::vector<int32_t> cg(chunks);  // chunk -> its first group (no division per chunk)
   for (int64_t j = 0; j < chunks; ++j) cg[j] = static_cast<int32_t>(j * kBfChunk / groupsize);
@@ -1991,7 +1997,7 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
       1, std::min<int64_t>(chunks, kWoRowPathBytes / (std::min<int64_t>(M, 4) * kBfChunk * 2)));
   RowTiles(M, N, K, chunks, slice, bias, out,
            [&](int64_t n, int64_t m0, int nm, int64_t j0, int64_t j1, float* res) {
-    PickWoBf16(nm, whole)(w + n * half, xa.data() + m0 * K, K, j0, j1, cg.data(), G, scales + n * G,
+    PickWoBf16(nm, whole)(w + n * half, xa.get() + m0 * K, K, j0, j1, cg.data(), G, scales + n * G,
                           gidx.data(), res);
   });
 #endif
