@@ -1246,15 +1246,15 @@ void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t h
 // partial sums are scaled by the scales of their lanes' groups (a broadcast
 // when the groupsize is a multiple of 128, else a permute of up to 5 scales)
 // into float32 accumulators.
-constexpr int64_t kBfChunk = 128;  // k per chunk (64 weight bytes)
+constexpr int64_t kChunk = 128;  // k per chunk (64 weight bytes): the bf16 row kernel, the f32 blocked path
 
 // Lane i of chunk j -> its group, minus the chunk's first group (groupsizes
-// that are not multiples of kBfChunk).
+// that are not multiples of kChunk).
 std::vector<int32_t> Bf16GroupIndex(int64_t K, int64_t groupsize) {
-  std::vector<int32_t> idx((K / kBfChunk) * 16);
-  for (int64_t j = 0; j < K / kBfChunk; ++j)
+  std::vector<int32_t> idx((K / kChunk) * 16);
+  for (int64_t j = 0; j < K / kChunk; ++j)
     for (int i = 0; i < 16; ++i)
-      idx[j * 16 + i] = static_cast<int32_t>((j * kBfChunk + 8 * i) / groupsize - j * kBfChunk / groupsize);
+      idx[j * 16 + i] = static_cast<int32_t>((j * kChunk + 8 * i) / groupsize - j * kChunk / groupsize);
   return idx;
 }
 
@@ -1262,9 +1262,9 @@ std::vector<int32_t> Bf16GroupIndex(int64_t K, int64_t groupsize) {
 // 8i + p (word 2i) and 8i + 4 + p (word 2i + 1).
 void ArrangeBf16(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa) {
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < K / kBfChunk; ++j) {
-      const uint16_t* src = x + m * K + j * kBfChunk;
-      uint16_t* dst = xa + (m * K + j * kBfChunk);
+    for (int64_t j = 0; j < K / kChunk; ++j) {
+      const uint16_t* src = x + m * K + j * kChunk;
+      uint16_t* dst = xa + (m * K + j * kChunk);
       for (int p = 0; p < 4; ++p)
         for (int i = 0; i < 16; ++i) {
           dst[p * 32 + 2 * i] = src[8 * i + p];
@@ -1286,7 +1286,7 @@ template <int MR, bool kWhole, int A>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void WoBf16Chunk(
     const uint8_t* w, const uint16_t* xa, int64_t K, int64_t j, const int32_t* cg, int64_t G,
     const float* s, const int32_t* gidx, __m512i table, __m512 (&acc)[MR][4]) {
-  const __m512i v = _mm512_loadu_si512(w + j * (kBfChunk / 2));
+  const __m512i v = _mm512_loadu_si512(w + j * (kChunk / 2));
   const __m512bh q0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
   const __m512bh q1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
   const __m512bh q2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
@@ -1300,7 +1300,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void WoBf16Chunk(
     sv = _mm512_permutexvar_ps(_mm512_loadu_si512(gidx + j * 16), _mm512_maskz_loadu_ps(live, s + g0));
   }
   for (int m = 0; m < MR; ++m) {
-    const uint16_t* xm = xa + m * K + j * kBfChunk;
+    const uint16_t* xm = xa + m * K + j * kChunk;
     __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xm));
     __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), q2, (__m512bh)_mm512_loadu_si512(xm + 64));
     p0 = _mm512_dpbf16_ps(p0, q1, (__m512bh)_mm512_loadu_si512(xm + 32));
@@ -1312,7 +1312,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void WoBf16Chunk(
 
 // out[m] = sum over chunks [j0, j1) of one weight row for MR <= 4 rows of
 // arranged activations (xa: row m at xa + m * K). kWhole: the groupsize is a
-// multiple of kBfChunk (one scale per chunk). Two chunks per step (4
+// multiple of kChunk (one scale per chunk). Two chunks per step (4
 // accumulators per row).
 template <int MR, bool kWhole>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void WoBf16Rows(
@@ -1543,11 +1543,11 @@ constexpr int WoQuad(int mr) { return mr <= 3 ? 8 : 6; }
 // Row blocks (16 rows each) per register tile.
 constexpr int64_t kWoBlocks = 4;
 
-// Weight rows per tile and k per slice of the blocked path: a slice of the
-// tile dequantized once (kWoTileN x kWoSliceK x 4 = 24 KiB) and a register
-// tile's row blocks (kWoBlocks x kWoSliceK x 64 = 32 KiB) stay in L1/L2 while
-// every weight row of the tile passes over them.
-constexpr int64_t kWoTileN = 48, kWoSliceK = 128;
+// Weight rows per tile of the blocked path: a chunk of the tile dequantized
+// once (kWoTileN x kChunk x 4 = 24 KiB) and a register tile's row blocks
+// (kWoBlocks x kChunk x 64 = 32 KiB) stay in L1/L2 while every weight row of
+// the tile passes over them.
+constexpr int64_t kWoTileN = 48;
 
 // The weight bytes the next dequant step of a blocked path will read, fetched
 // into L1 now: a tile's rows are `half` bytes apart, more streams than the
@@ -1562,32 +1562,55 @@ inline void PrefetchNextSlice(const uint8_t* row, int64_t half, int nr, int64_t 
   for (int64_t i = 0; i < c1 - c0; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
-// nr weight rows, k in [k0, k1) of one plane (the even-k plane is k < K / 2,
-// the odd-k plane K / 2 + k2) -> bt ([nr][kWoSliceK] float32 (q - 8) * s).
-__attribute__((target("avx512f,avx512bw"))) void DequantSlice(const uint8_t* w, int nr, int64_t K,
+// The blocked path's K order: K runs in chunks of kChunk (the last one
+// zero-padded), and within a chunk position 16 p + i holds k = 8 i + p. The
+// 64 weight bytes of a chunk are then 16 dwords whose nibble p is position
+// 16 p + i, so a chunk dequantizes with one shift and one permute per 16
+// weights (vpermps reads the low 4 bits of each lane: no mask, no widening).
+
+// Chunk j's lane i -> its group minus the chunk's first group (clamped to the
+// last group in the padding of the last chunk): groupsizes that are not
+// multiples of kChunk.
+std::vector<int32_t> ChunkGroupIndex(int64_t K, int64_t groupsize) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk, G = K / groupsize;
+  std::vector<int32_t> idx(chunks * 16);
+  for (int64_t j = 0; j < chunks; ++j)
+    for (int i = 0; i < 16; ++i)
+      idx[j * 16 + i] = static_cast<int32_t>(std::min(G - 1, (j * kChunk + 8 * i) / groupsize) -
+                                             j * kChunk / groupsize);
+  return idx;
+}
+
+// Chunk j of nr weight rows (row stride half bytes, scales s with row stride
+// G) -> bt [nr][kChunk] float32 (q - 8) * s in the chunk order above. gidx:
+// ChunkGroupIndex (only when the groupsize is not a multiple of kChunk).
+__attribute__((target("avx512f,avx512bw"))) void DequantChunk(const uint8_t* w, int nr, int64_t K,
                                                               int64_t groupsize, const float* s,
-                                                              int64_t k0, int64_t k1, float* bt) {
-  constexpr int64_t kSlice = kWoSliceK;
+                                                              const int32_t* gidx, int64_t j,
+                                                              float* bt) {
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
                                       3.f, 4.f, 5.f, 6.f, 7.f);
-  const int64_t half = K / 2, gb = groupsize / 2, G = K / groupsize;
-  const bool odd = k0 >= half;
-  const int64_t c0 = odd ? k0 - half : k0, c1 = odd ? k1 - half : k1;  // weight bytes
-  const int64_t g0 = c0 / gb;  // once per slice; then by steps (16 bytes never cross a group)
+  const int64_t half = K / 2, G = K / groupsize, g0 = j * kChunk / groupsize;
+  const int64_t c0 = j * (kChunk / 2), c1 = std::min(half, c0 + kChunk / 2);
+  // the padding of a last chunk reads zeros (q = -8, times the padded x = 0)
+  const __mmask16 live = static_cast<__mmask16>(c1 - c0 == kChunk / 2 ? 0xFFFF : (1u << ((c1 - c0) / 4)) - 1);
+  const bool whole = groupsize % kChunk == 0;
   for (int n = 0; n < nr; ++n) {
-    int64_t g = g0, next = (g0 + 1) * gb;
-    __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
-    for (int64_t c = c0; c < c1; c += 16) {
-      if (c == next) {
-        ++g, next += gb;
-        ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g]));
-      }
-      __m512i v =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * half + c)));
-      if (odd) v = _mm512_srli_epi32(v, 4);
-      _mm512_storeu_ps(bt + n * kSlice + (c - c0), _mm512_permutexvar_ps(v, ts));
+    const __m512i v = _mm512_maskz_loadu_epi32(live, w + n * half + c0);
+    float* dst = bt + n * kChunk;
+    if (whole) {
+      const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[n * G + g0]));
+      for (int p = 0; p < 8; ++p)
+        _mm512_storeu_ps(dst + 16 * p, _mm512_permutexvar_ps(p ? _mm512_srli_epi32(v, 4 * p) : v, ts));
+    } else {
+      const __mmask16 gl = static_cast<__mmask16>((1u << std::min<int64_t>(5, G - g0)) - 1);
+      const __m512 sv = _mm512_permutexvar_ps(_mm512_loadu_si512(gidx + j * 16),
+                                              _mm512_maskz_loadu_ps(gl, s + n * G + g0));
+      for (int p = 0; p < 8; ++p)
+        _mm512_storeu_ps(dst + 16 * p,
+                         _mm512_mul_ps(_mm512_permutexvar_ps(p ? _mm512_srli_epi32(v, 4 * p) : v, table), sv));
     }
-    PrefetchNextSlice(w + n * half, half, nr, c0, c1, !odd);
+    PrefetchNextSlice(w + n * half, half, nr, c0, c1, false);
   }
 }
 
@@ -1660,37 +1683,40 @@ void ForRegisterTiles(int64_t Mb, int nt, int (*quad)(int), float* cacc, F&& til
 
 void WeightOnlyRows16(const float* x, const uint8_t* w, const float* scales, const float* bias,
                       float* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
-  const int64_t G = K / groupsize, half = K / 2;
+  const int64_t G = K / groupsize, Kp = jb::RoundUp(K, kChunk), chunks = Kp / kChunk;
   const int64_t Mb = (M + 15) / 16;
-  // Packed by blocks on the kernel's threads, written in order (16 rows read
-  // side by side), the rows past M zero.
-  const jb::AlignedBuffer<float> xpk = jb::NewAligned<float>(Mb * K * 16);
+  // Packed by blocks on the kernel's threads in the chunk order of
+  // DequantChunk ([Mb][Kp][16]), written in order, the rows past M and the k
+  // past K zero.
+  const jb::AlignedBuffer<float> xpk = jb::NewAligned<float>(Mb * Kp * 16);
   jb::ParallelFor(Mb, NumThreads(M * N * K), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bm = b0; bm < b1; ++bm) {
       const int rows = static_cast<int>(std::min<int64_t>(16, M - bm * 16));
-      float* a = xpk.get() + bm * K * 16;
       const float* xb = x + bm * 16 * K;
-      for (int64_t j = 0; j < half; ++j)
-        for (int i = 0; i < 16; ++i) {
-          a[j * 16 + i] = i < rows ? xb[i * K + 2 * j] : 0.0f;
-          a[(half + j) * 16 + i] = i < rows ? xb[i * K + 2 * j + 1] : 0.0f;
-        }
+      float* a = xpk.get() + bm * Kp * 16;
+      for (int64_t j = 0; j < chunks; ++j)
+        for (int p = 0; p < 8; ++p)
+          for (int i = 0; i < 16; ++i) {
+            const int64_t k = j * kChunk + 8 * i + p;
+            float* d = a + (j * kChunk + 16 * p + i) * 16;
+            for (int r = 0; r < 16; ++r) d[r] = r < rows && k < K ? xb[r * K + k] : 0.0f;
+          }
     }
   });
-  // K in slices of kWoSliceK (within one plane), each slice of the tile
-  // dequantized once and kept in L1/L2 while the row blocks pass over it.
-  Rows16Tiles<float>(M, N, K, kWoTileN * kWoSliceK, &WoQuad, bias, out,
+  const std::vector<int32_t> gidx =
+      groupsize % kChunk == 0 ? std::vector<int32_t>() : ChunkGroupIndex(K, groupsize);
+  // K in chunks, each chunk of the tile dequantized once and kept in L1/L2
+  // while the row blocks pass over it.
+  Rows16Tiles<float>(M, N, K, kWoTileN * kChunk, &WoQuad, bias, out,
                      [&](int64_t t0, int nt, float* b, float* cacc) {
-    for (int64_t k0 = 0; k0 < K; k0 += kWoSliceK) {
-      // slices within one plane: [k0, k1) of the even (k0 < half) or odd plane
-      const int64_t k1 = std::min(k0 < half ? half : K, k0 + kWoSliceK);
-      DequantSlice(w + t0 * half, nt, K, groupsize, scales + t0 * G, k0, k1, b);
+    for (int64_t j = 0; j < chunks; ++j) {
+      DequantChunk(w + t0 * (K / 2), nt, K, groupsize, scales + t0 * G, gidx.data(), j, b);
+      const int64_t k0 = j * kChunk;
       ForRegisterTiles(Mb, nt, &WoQuad, cacc, [&](int64_t b0, int mr, int q, int nr, float* c) {
         const float* a[kWoBlocks];
-        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.get() + std::min(b0 + r, Mb - 1) * K * 16;
-        WoRows16N(b - k0 + q * kWoSliceK, a, nr, mr, kWoSliceK, k0, k1, c);
+        for (int r = 0; r < kWoBlocks; ++r) a[r] = xpk.get() + std::min(b0 + r, Mb - 1) * Kp * 16;
+        WoRows16N(b - k0 + q * kChunk, a, nr, mr, kChunk, k0, k0 + kChunk, c);
       });
-      if (k1 != K && k1 == half) k0 = half - kWoSliceK;  // the odd plane starts at half
     }
   });
 }
@@ -1917,7 +1943,7 @@ constexpr int64_t kWoBf16MaxRows = 15;
 // the AVX512-BF16 kernel.
 bool UseBf16Dots(int64_t M, int64_t K) {
 #if JB_X86
-  return M <= kWoBf16MaxRows && K % kBfChunk == 0 && jb::HasAvx512Bf16() &&
+  return M <= kWoBf16MaxRows && K % kChunk == 0 && jb::HasAvx512Bf16() &&
          g_wo_row.load() == &WeightOnlyRowAvx512;
 #else
   (void)M, (void)K;
@@ -1984,17 +2010,17 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
                               const float* bias, float* out, int64_t M, int64_t N, int64_t K,
                               int64_t groupsize) {
 #if JB_X86
-  const int64_t G = K / groupsize, half = K / 2, chunks = K / kBfChunk;
-  const bool whole = groupsize % kBfChunk == 0;
+  const int64_t G = K / groupsize, half = K / 2, chunks = K / kChunk;
+  const bool whole = groupsize % kChunk == 0;
   const jb::AlignedBuffer<uint16_t> xa = jb::NewAligned<uint16_t>(M * K);
   ArrangeBf16(x, M, K, xa.get());
   const std::vector<int32_t> gidx = whole ? std::vector<int32_t>() : Bf16GroupIndex(K, groupsize);
   std::vector<int32_t> cg(chunks);  // chunk -> its first group (no division per chunk)
-  for (int64_t j = 0; j < chunks; ++j) cg[j] = static_cast<int32_t>(j * kBfChunk / groupsize);
+  for (int64_t j = 0; j < chunks; ++j) cg[j] = static_cast<int32_t>(j * kChunk / groupsize);
   // K in slices whose activations (up to 4 rows) stay in L1 (kWoRowPathBytes)
   // while a tile of weight rows passes over them; partial sums add up in out.
   const int64_t slice = std::max<int64_t>(
-      1, std::min<int64_t>(chunks, kWoRowPathBytes / (std::min<int64_t>(M, 4) * kBfChunk * 2)));
+      1, std::min<int64_t>(chunks, kWoRowPathBytes / (std::min<int64_t>(M, 4) * kChunk * 2)));
   RowTiles(M, N, K, chunks, slice, bias, out,
            [&](int64_t n, int64_t m0, int nm, int64_t j0, int64_t j1, float* res) {
     PickWoBf16(nm, whole)(w + n * half, xa.get() + m0 * K, K, j0, j1, cg.data(), G, scales + n * G,

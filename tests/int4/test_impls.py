@@ -208,6 +208,54 @@ def test_cpp_own_threads_match_xla_pool(M):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+# float32 activations on the blocked path (from 16 rows): K in chunks of 128 in the permuted order of
+# DequantChunk, with a zero-padded last chunk (K = 576, 320, 704), 1 to 4 groups per chunk (groupsize
+# 32, 64), groups that straddle chunks (96, 320), channel-wise with and without a padded chunk, 1 to 4
+# row blocks and a ragged one, ragged and full 48-row weight tiles.
+_F32_BLOCKED_CASES = [
+    (16, 576, 50, 96),
+    (17, 320, 97, 32),
+    (33, 1152, 48, 384),
+    (20, 704, 30, 704),
+    (16, 512, 13, 512),
+    (70, 640, 53, 320),
+    (40, 256, 776, 64),
+    (100, 2176, 9, 128),
+]
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("M,K,N,g", _F32_BLOCKED_CASES)
+def test_cpp_weight_only_float32_blocked(isa, M, K, N, g):
+    """float32 x from 16 rows: against float64 math on the dequantized weight, NaN and Inf rows included
+    (they must spread exactly as in the reference, and not into the other rows)."""
+    import numpy as np
+
+    from pallas_kernels.int4_matmul import base
+    from tests.int4.int4_base import make_case
+
+    default = cpp.isa()
+    if not cpp.set_isa(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    try:
+        x, p = make_case(M, K, N, g, True, seed=K)
+        x = np.array(x)
+        x[3, K - 1] = np.inf  # the last k: in the padded chunk where K % 128 != 0
+        x[5, 7] = np.nan
+        w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
+        with np.errstate(invalid="ignore"):
+            want = x.astype(np.float64) @ w.T + np.asarray(p.bias, np.float64)
+        got = np.asarray(cpp.weight_only_matmul(jnp.asarray(x), p), np.float64)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+        scale = np.abs(x.astype(np.float64)).clip(max=1e30) @ np.abs(w.T)
+        assert (np.abs(got[finite] - want[finite]) <= 2e-6 * scale[finite] + 1e-30).all()
+    finally:
+        cpp.set_isa(default)
+
+
 # bfloat16 activations. The row kernel (up to 15 rows): chunks of 128 k with 1 to 4 groups per chunk
 # (groupsize 32, 64), groups that straddle chunks (96), an odd number of chunks (K = 2176),
 # channel-wise, K not a multiple of 128 (widened to float32). The blocked path (from 16 rows): slices
