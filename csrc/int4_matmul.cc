@@ -1186,12 +1186,34 @@ __attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, 
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f,
                                       3.f, 4.f, 5.f, 6.f, 7.f);
   const int64_t gb = groupsize / 2;
-  __m512 acc[MR][4];
+  // A single row has 8 FMA chains (two steps per iteration): with 4, the
+  // FMA latency bounded the decode loop.
+  constexpr int kChains = MR == 1 ? 8 : 4;
+  __m512 acc[MR][kChains];
   for (int m = 0; m < MR; ++m)
-    for (int a = 0; a < 4; ++a) acc[m][a] = _mm512_setzero_ps();
+    for (int a = 0; a < kChains; ++a) acc[m][a] = _mm512_setzero_ps();
   for (int64_t c = c0, g = c0 == 0 ? 0 : c0 / gb; c < c1; ++g) {  // one group (or its part in the slice)
     const __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(s[g]));
     const int64_t end = std::min(c1, (g + 1) * gb);
+    if constexpr (MR == 1) {
+      for (; c + 64 <= end; c += 64) {
+        const float* e = xe + c;
+        const float* o = xo + c;
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v0 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c + 32 * h)));
+          const __m512i v1 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c + 32 * h + 16)));
+          acc[0][4 * h] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, ts), _mm512_loadu_ps(e + 32 * h), acc[0][4 * h]);
+          acc[0][4 * h + 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), ts),
+                                              _mm512_loadu_ps(o + 32 * h), acc[0][4 * h + 1]);
+          acc[0][4 * h + 2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, ts), _mm512_loadu_ps(e + 32 * h + 16),
+                                              acc[0][4 * h + 2]);
+          acc[0][4 * h + 3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), ts),
+                                              _mm512_loadu_ps(o + 32 * h + 16), acc[0][4 * h + 3]);
+        }
+      }
+    }
     for (; c + 32 <= end; c += 32) {
       const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
       const __m512i v1 =
@@ -1219,9 +1241,12 @@ __attribute__((target("avx512f,avx512bw"))) void WoRowsAvx512(const uint8_t* w, 
       }
     }
   }
-  for (int m = 0; m < MR; ++m)
-    out[m] = _mm512_reduce_add_ps(
-        _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+  for (int m = 0; m < MR; ++m) {
+    __m512 t = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+    if constexpr (kChains == 8)
+      t = _mm512_add_ps(t, _mm512_add_ps(_mm512_add_ps(acc[m][4], acc[m][5]), _mm512_add_ps(acc[m][6], acc[m][7])));
+    out[m] = _mm512_reduce_add_ps(t);
+  }
 }
 
 void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t half, int nm,
