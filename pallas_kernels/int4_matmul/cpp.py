@@ -17,7 +17,9 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
   load); from 9 rows (measured crossover): the blocked path (16 rows per vector, u8 x s8 dots of a
   broadcast weight against 16 rows, torch's float tail one lane per row). Both bit-exact with torch.
 * weight-only, up to 15 rows: weights dequantized in registers (vpermps on a per-group table);
-  from 16: the blocked float GEMM form (dequantized weight tiles, 16 rows per vector); above
+  from 16: the blocked float GEMM form (dequantized weight tiles, 16 rows per vector, K taken in
+  128-k chunks in the order a chunk's weight dwords hold their nibbles, so that a chunk dequantizes
+  with one shift and one permute per 16 weights); above
   `weight_only_max_rows()` XLA's GEMM on the dequantized weight is faster and runs instead.
 * weight-only with bfloat16 activations on a CPU with AVX512-BF16 (`weight_only_bf16_path`): the
   same two forms with ``vdpbf16ps`` (exact bf16 x int4 products, float32 sums, the scales applied per
