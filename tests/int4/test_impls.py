@@ -1,5 +1,7 @@
 """Each implementation against the reference, through the shared `Int4Suite`."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -7,6 +9,19 @@ import pytest
 from pallas_kernels.int4_matmul import cpp, triton, xla
 
 from tests.int4.int4_base import GRID, Int4Suite
+
+
+@contextlib.contextmanager
+def _cpp_isa(isa):
+    """Runs the block on the C++ code path `isa` (skips the test on a CPU without it), then restores
+    the default path."""
+    default = cpp.isa()
+    if not cpp.set_isa(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    try:
+        yield
+    finally:
+        cpp.set_isa(default)
 
 
 class TestXla(Int4Suite):
@@ -27,10 +42,7 @@ class TestCpp(Int4Suite):
         from tests.int4.int4_base import make_case, reference
         import numpy as np
 
-        default = cpp.isa()
-        if not cpp.set_isa(isa):
-            pytest.skip(f"this CPU cannot run {isa}")
-        try:
+        with _cpp_isa(isa):
             for case in GRID:
                 x, p = make_case(*case)
                 np.testing.assert_array_equal(
@@ -45,8 +57,6 @@ class TestCpp(Int4Suite):
                 np.testing.assert_allclose(
                     got, want, rtol=0, atol=self.weight_only_tol * max(np.abs(want).max(initial=0), 1)
                 )
-        finally:
-            cpp.set_isa(default)
 
 
 # Interpret mode is slow: small tiles so that several ragged blocks and split-K are exercised. W4A8 steps
@@ -139,10 +149,7 @@ def test_cpp_group_path_every_isa(isa, M, K, N, g):
     from pallas_kernels.int4_matmul import base
     from tests.int4.int4_base import make_case, reference
 
-    default = cpp.isa()
-    if not cpp.set_isa(isa):
-        pytest.skip(f"this CPU cannot run {isa}")
-    try:
+    with _cpp_isa(isa):
         x, p = make_case(M, K, N, g, M % 2 == 1, seed=M)
         x = np.array(x)
         x[0] = np.abs(x[0])  # zp = -128
@@ -156,8 +163,6 @@ def test_cpp_group_path_every_isa(isa, M, K, N, g):
         want = np.asarray(x, np.float64) @ w.T + (0 if p.bias is None else np.asarray(p.bias, np.float64))
         got = np.asarray(cpp.weight_only_matmul(x, p), np.float64)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1))
-    finally:
-        cpp.set_isa(default)
 
 
 @pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
@@ -235,10 +240,7 @@ def test_cpp_weight_only_float32_blocked(isa, M, K, N, g):
     from pallas_kernels.int4_matmul import base
     from tests.int4.int4_base import make_case
 
-    default = cpp.isa()
-    if not cpp.set_isa(isa):
-        pytest.skip(f"this CPU cannot run {isa}")
-    try:
+    with _cpp_isa(isa):
         x, p = make_case(M, K, N, g, True, seed=K)
         x = np.array(x)
         x[3, K - 1] = np.inf  # the last k: in the padded chunk where K % 128 != 0
@@ -252,8 +254,6 @@ def test_cpp_weight_only_float32_blocked(isa, M, K, N, g):
         np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
         scale = np.abs(x.astype(np.float64)).clip(max=1e30) @ np.abs(w.T)
         assert (np.abs(got[finite] - want[finite]) <= 2e-6 * scale[finite] + 1e-30).all()
-    finally:
-        cpp.set_isa(default)
 
 
 # bfloat16 activations. The row kernel (up to 15 rows): chunks of 128 k with 1 to 4 groups per chunk
@@ -300,10 +300,7 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
     from pallas_kernels.int4_matmul import base
     from tests.int4.int4_base import make_case
 
-    default = cpp.isa()
-    if not cpp.set_isa(isa):
-        pytest.skip(f"this CPU cannot run {isa}")
-    try:
+    with _cpp_isa(isa):
         x, p = make_case(M, K, N, g, True, seed=M + K)
         xb = x.astype(jnp.bfloat16)
         path = cpp.weight_only_bf16_path(M, K)
@@ -326,8 +323,6 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
         assert np.all(np.abs(got - want_bf16) <= ulp + 2e-5 * np.abs(want).max()), np.abs(
             got - want_bf16
         ).max()
-    finally:
-        cpp.set_isa(default)
 
 
 @pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
