@@ -1578,12 +1578,11 @@ constexpr int64_t kWoTileN = 48;
 // into L1 now: a tile's rows are `half` bytes apart, more streams than the
 // hardware prefetcher follows, and the dequant loops stalled on those loads.
 // Row `row` (bytes [0, half)) reads [c0, c1) now; next it reads [c1, 2 c1 -
-// c0), or after its last slice (c1 == half) the first slice of row `row` of
-// the next tile (nr rows on) or, with `again`, its own first slice (the odd
-// plane of DequantSlice). A prefetch past the weight's end does not fault.
-inline void PrefetchNextSlice(const uint8_t* row, int64_t half, int nr, int64_t c0, int64_t c1,
-                              bool again) {
-  const uint8_t* p = c1 < half ? row + c1 : again ? row : row + nr * half;
+// c0), or after its last slice (c1 == half) the first slice of the row nr
+// rows on (the next tile). The address is formed as an integer: past the
+// weight's end it is never dereferenced, and a prefetch does not fault.
+inline void PrefetchNextSlice(const uint8_t* row, int64_t half, int nr, int64_t c0, int64_t c1) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(c1 < half ? c1 : nr * half);
   for (int64_t i = 0; i < c1 - c0; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
@@ -1617,7 +1616,9 @@ __attribute__((target("avx512f,avx512bw"))) void DequantChunk(const uint8_t* w, 
                                       3.f, 4.f, 5.f, 6.f, 7.f);
   const int64_t half = K / 2, G = K / groupsize, g0 = j * kChunk / groupsize;
   const int64_t c0 = j * (kChunk / 2), c1 = std::min(half, c0 + kChunk / 2);
-  // the padding of a last chunk reads zeros (q = -8, times the padded x = 0)
+  // The padding of a last chunk reads zeros (q = -8, times the padded x = 0;
+  // scales are finite). c1 - c0 is a multiple of 16 bytes: CheckShapes admits
+  // groupsizes that are multiples of 32 only, and K is a multiple of them.
   const __mmask16 live = static_cast<__mmask16>(c1 - c0 == kChunk / 2 ? 0xFFFF : (1u << ((c1 - c0) / 4)) - 1);
   const bool whole = groupsize % kChunk == 0;
   for (int n = 0; n < nr; ++n) {
@@ -1635,7 +1636,7 @@ __attribute__((target("avx512f,avx512bw"))) void DequantChunk(const uint8_t* w, 
         _mm512_storeu_ps(dst + 16 * p,
                          _mm512_mul_ps(_mm512_permutexvar_ps(p ? _mm512_srli_epi32(v, 4 * p) : v, table), sv));
     }
-    PrefetchNextSlice(w + n * half, half, nr, c0, c1, false);
+    PrefetchNextSlice(w + n * half, half, nr, c0, c1);
   }
 }
 
@@ -1771,7 +1772,7 @@ __attribute__((target("avx512f,avx512bw"))) void DequantPairs(const uint8_t* w, 
       const __m512i idx = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
       _mm512_storeu_si512(bt + n * (c1 - c0) + (c - c0), _mm512_permutexvar_epi16(idx, table));
     }
-    PrefetchNextSlice(w + n * half, half, nr, c0, c1, false);
+    PrefetchNextSlice(w + n * half, half, nr, c0, c1);
   }
 }
 
