@@ -1273,14 +1273,25 @@ void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t h
 // into float32 accumulators.
 constexpr int64_t kChunk = 128;  // k per chunk (64 weight bytes): the bf16 row kernel, the f32 blocked path
 
-// Lane i of chunk j -> its group, minus the chunk's first group (groupsizes
-// that are not multiples of kChunk).
-std::vector<int32_t> Bf16GroupIndex(int64_t K, int64_t groupsize) {
-  std::vector<int32_t> idx((K / kChunk) * 16);
-  for (int64_t j = 0; j < K / kChunk; ++j)
+// Chunk j's lane i -> its group minus the chunk's first group (clamped to the
+// last group in the padding of the last chunk): groupsizes that are not
+// multiples of kChunk.
+std::vector<int32_t> ChunkGroupIndex(int64_t K, int64_t groupsize) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk, G = K / groupsize;
+  std::vector<int32_t> idx(chunks * 16);
+  for (int64_t j = 0; j < chunks; ++j)
     for (int i = 0; i < 16; ++i)
-      idx[j * 16 + i] = static_cast<int32_t>((j * kChunk + 8 * i) / groupsize - j * kChunk / groupsize);
+      idx[j * 16 + i] = static_cast<int32_t>(std::min(G - 1, (j * kChunk + 8 * i) / groupsize) -
+                                             j * kChunk / groupsize);
   return idx;
+}
+
+// The scales of chunk j's 16 lanes from the chunk's first group's scale s_g0
+// (gidx: ChunkGroupIndex; `groups` scales from s_g0 on exist, at most 5 read).
+__attribute__((target("avx512f"))) inline __m512 LaneScales(const int32_t* gidx, int64_t j,
+                                                            const float* s_g0, int64_t groups) {
+  const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(5, groups)) - 1);
+  return _mm512_permutexvar_ps(_mm512_loadu_si512(gidx + j * 16), _mm512_maskz_loadu_ps(live, s_g0));
 }
 
 // x [M, K] bf16 -> [M][K / 128][4][32] bf16: product p of a chunk reads k =
@@ -1321,8 +1332,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void WoBf16Chunk(
   if constexpr (kWhole) {
     sv = _mm512_set1_ps(s[g0]);
   } else {
-    const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(5, G - g0)) - 1);
-    sv = _mm512_permutexvar_ps(_mm512_loadu_si512(gidx + j * 16), _mm512_maskz_loadu_ps(live, s + g0));
+    sv = LaneScales(gidx, j, s + g0, G - g0);
   }
   for (int m = 0; m < MR; ++m) {
     const uint16_t* xm = xa + m * K + j * kChunk;
@@ -1592,19 +1602,6 @@ inline void PrefetchNextSlice(const uint8_t* row, int64_t half, int nr, int64_t 
 // 16 p + i, so a chunk dequantizes with one shift and one permute per 16
 // weights (vpermps reads the low 4 bits of each lane: no mask, no widening).
 
-// Chunk j's lane i -> its group minus the chunk's first group (clamped to the
-// last group in the padding of the last chunk): groupsizes that are not
-// multiples of kChunk.
-std::vector<int32_t> ChunkGroupIndex(int64_t K, int64_t groupsize) {
-  const int64_t chunks = (K + kChunk - 1) / kChunk, G = K / groupsize;
-  std::vector<int32_t> idx(chunks * 16);
-  for (int64_t j = 0; j < chunks; ++j)
-    for (int i = 0; i < 16; ++i)
-      idx[j * 16 + i] = static_cast<int32_t>(std::min(G - 1, (j * kChunk + 8 * i) / groupsize) -
-                                             j * kChunk / groupsize);
-  return idx;
-}
-
 // Chunk j of nr weight rows (row stride half bytes, scales s with row stride
 // G) -> bt [nr][kChunk] float32 (q - 8) * s in the chunk order above. gidx:
 // ChunkGroupIndex (only when the groupsize is not a multiple of kChunk).
@@ -1629,9 +1626,7 @@ __attribute__((target("avx512f,avx512bw"))) void DequantChunk(const uint8_t* w, 
       for (int p = 0; p < 8; ++p)
         _mm512_storeu_ps(dst + 16 * p, _mm512_permutexvar_ps(p ? _mm512_srli_epi32(v, 4 * p) : v, ts));
     } else {
-      const __mmask16 gl = static_cast<__mmask16>((1u << std::min<int64_t>(5, G - g0)) - 1);
-      const __m512 sv = _mm512_permutexvar_ps(_mm512_loadu_si512(gidx + j * 16),
-                                              _mm512_maskz_loadu_ps(gl, s + n * G + g0));
+      const __m512 sv = LaneScales(gidx, j, s + n * G + g0, G - g0);
       for (int p = 0; p < 8; ++p)
         _mm512_storeu_ps(dst + 16 * p,
                          _mm512_mul_ps(_mm512_permutexvar_ps(p ? _mm512_srli_epi32(v, 4 * p) : v, table), sv));
@@ -2040,7 +2035,7 @@ void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* 
   const bool whole = groupsize % kChunk == 0;
   const jb::AlignedBuffer<uint16_t> xa = jb::NewAligned<uint16_t>(M * K);
   ArrangeBf16(x, M, K, xa.get());
-  const std::vector<int32_t> gidx = whole ? std::vector<int32_t>() : Bf16GroupIndex(K, groupsize);
+  const std::vector<int32_t> gidx = whole ? std::vector<int32_t>() : ChunkGroupIndex(K, groupsize);
   std::vector<int32_t> cg(chunks);  // chunk -> its first group (no division per chunk)
   for (int64_t j = 0; j < chunks; ++j) cg[j] = static_cast<int32_t>(j * kChunk / groupsize);
   // K in slices whose activations (up to 4 rows) stay in L1 (kWoRowPathBytes)
