@@ -17,7 +17,8 @@ GEMM rate is XLA's float32 ``jnp.dot`` on 512 x 4096 x 4096.
     python benchmarks/int4.py --quick         # M=1 only
     python benchmarks/int4.py --groupsize 32
 
-The CPU is often shared: timings are medians of short runs; rerun for stable numbers.
+The CPU is often shared: each cell is timed in `--rounds` interleaved rounds (default 3) and its time is
+the median of their medians; rerun for stable numbers.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def measure_roofs(budget_s: float = 1.0) -> tuple[float, float]:
     return copy_gbs, 2 * M * N * K / t_gemm / 1e9
 
 
-def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s, roofs=(None, None)):
+def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s, roofs=(None, None), rounds=1):
     rows = []
     rng = np.random.default_rng(0)
     for K, N in shapes:
@@ -94,57 +95,59 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s, roofs=(None, None)):
         t_dyn_m16 = None
         for M in ms:
             x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
-            r = {}
-            r["jb dyn-quant (auto)"] = (
-                _time(
+            xb = x.astype(jnp.bfloat16)
+            # name -> (callable, weight bytes, timing kwargs)
+            cells = {
+                "jb dyn-quant (auto)": (
                     _jax(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N), x, packed),
-                    budget_s=budget_s,
+                    int4_bytes,
+                    {},
                 ),
-                int4_bytes,
-            )
-            r["jb dyn-quant (xla)"] = (
-                _time(
+                "jb dyn-quant (xla)": (
                     _jax(
                         lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N, implementation="xla"),
                         x,
                         packed,
                     ),
-                    budget_s=budget_s,
+                    int4_bytes,
+                    {},
                 ),
-                int4_bytes,
-            )
-            r["jb int4_matmul (auto)"] = (
-                _time(_jax(lambda x, p: Q.int4_matmul(x, p), x, packed), budget_s=budget_s),
-                int4_bytes,
-            )
-            xb = x.astype(jnp.bfloat16)
-            r["jb int4_matmul (auto, bf16 x)"] = (
-                _time(_jax(lambda x, p: Q.int4_matmul(x, p), xb, packed), budget_s=budget_s),
-                int4_bytes,
-            )
-            r["dense f32 jnp.dot"] = (_time(_jax(jnp.dot, x, wt32), budget_s=budget_s), N * K * 4)
-            r["dense bf16 jnp.dot"] = (_time(_jax(jnp.dot, xb, wt16), budget_s=budget_s), N * K * 2)
+                "jb int4_matmul (auto)": (_jax(lambda x, p: Q.int4_matmul(x, p), x, packed), int4_bytes, {}),
+                "jb int4_matmul (auto, bf16 x)": (
+                    _jax(lambda x, p: Q.int4_matmul(x, p), xb, packed),
+                    int4_bytes,
+                    {},
+                ),
+                "dense f32 jnp.dot": (_jax(jnp.dot, x, wt32), N * K * 4, {}),
+                "dense bf16 jnp.dot": (_jax(jnp.dot, xb, wt16), N * K * 2, {}),
+            }
             if torch is not None:
                 tx = torch.tensor(np.asarray(x))
                 if M <= torch_dyn_max_m:
-                    t = _time(
-                        lambda: torch.ops.aten._dyn_quant_matmul_4bit(tx, tpk, groupsize, K, N),
-                        min_iters=1,
-                        budget_s=budget_s,
+                    cells["torch _dyn_quant_matmul_4bit"] = (
+                        lambda tx=tx: torch.ops.aten._dyn_quant_matmul_4bit(tx, tpk, groupsize, K, N),
+                        int4_bytes,
+                        {"min_iters": 1},
                     )
-                    if M == 16:
-                        t_dyn_m16 = t
-                    r["torch _dyn_quant_matmul_4bit"] = (t, int4_bytes)
-                elif t_dyn_m16 is not None:
-                    r["torch _dyn_quant_matmul_4bit (est.)"] = (t_dyn_m16 * M / 16, int4_bytes)
                 txb = tx.to(torch.bfloat16)
-                r["torch _weight_int4pack_mm (bf16 x)"] = (
-                    _time(
-                        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(txb, t4, groupsize, sz),
-                        budget_s=budget_s,
-                    ),
+                cells["torch _weight_int4pack_mm (bf16 x)"] = (
+                    lambda txb=txb: torch.ops.aten._weight_int4pack_mm_for_cpu(txb, t4, groupsize, sz),
                     int4_bytes,
+                    {},
                 )
+            # Interleaved rounds: every cell is timed once per round, and its time is the median of its
+            # rounds, so that a slow spell of a shared CPU does not land on one row of the ratio alone.
+            times = {name: [] for name in cells}
+            for _ in range(rounds):
+                for name, (fn, _, kw) in cells.items():
+                    times[name].append(_time(fn, budget_s=budget_s / rounds, **kw))
+            r = {name: (float(np.median(times[name])), cells[name][1]) for name in cells}
+            if "torch _dyn_quant_matmul_4bit" in r and M == 16:
+                t_dyn_m16 = r["torch _dyn_quant_matmul_4bit"][0]
+            if torch is not None and M > torch_dyn_max_m and t_dyn_m16 is not None:
+                t4_row = r.pop("torch _weight_int4pack_mm (bf16 x)")
+                r["torch _dyn_quant_matmul_4bit (est.)"] = (t_dyn_m16 * M / 16, int4_bytes)
+                r["torch _weight_int4pack_mm (bf16 x)"] = t4_row
             rows.append(((K, N, M), r))
             _print_block((K, N, M), r, roofs)
     return rows
@@ -185,6 +188,12 @@ def main():
         help="largest M to time torch's scalar _dyn_quant_matmul_4bit on (above: scaled estimate)",
     )
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timing per cell")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved timing rounds per cell (each gets budget / rounds; a cell's time is their median)",
+    )
     a = ap.parse_args()
     ms = a.ms or ([1] if a.quick else [1, 16, 256])
     print(
@@ -193,7 +202,9 @@ def main():
     )
     roofs = measure_roofs(a.budget)
     print(f"roofs: memory copy {roofs[0]:.1f} GB/s (read + write), XLA float32 GEMM {roofs[1]:.1f} GFLOP/s")
-    run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget, roofs)
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget, roofs, a.rounds)
 
 
 if __name__ == "__main__":

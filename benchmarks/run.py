@@ -53,13 +53,16 @@ def _header(title: str) -> None:
 # int4
 # --------------------------------------------------------------------------------------------------
 
-INT4_QUICK = dict(ms=[1, 4, 16, 64], shapes=[(4096, 4096)], groupsize=128, torch_dyn_max_m=1, budget_s=0.25)
+INT4_QUICK = dict(
+    ms=[1, 4, 16, 64], shapes=[(4096, 4096)], groupsize=128, torch_dyn_max_m=1, budget_s=0.25, rounds=1
+)
 INT4_FULL = dict(
     ms=[1, 4, 16, 64, 256],
     shapes=[(4096, 4096), (4096, 11008)],
     groupsize=128,
     torch_dyn_max_m=16,
     budget_s=1.0,
+    rounds=3,
 )
 
 
@@ -75,7 +78,13 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
     roofs = int4.measure_roofs(cfg["budget_s"])
     print(f"roofs: memory copy {roofs[0]:.1f} GB/s (read + write), XLA float32 GEMM {roofs[1]:.1f} GFLOP/s")
     rows = int4.run(
-        cfg["ms"], cfg["shapes"], cfg["groupsize"], cfg["torch_dyn_max_m"], cfg["budget_s"], roofs
+        cfg["ms"],
+        cfg["shapes"],
+        cfg["groupsize"],
+        cfg["torch_dyn_max_m"],
+        cfg["budget_s"],
+        roofs,
+        cfg["rounds"],
     )
 
     # Summary table and plot: every int4 row against dense f32, per (K, N).
