@@ -38,3 +38,49 @@ def test_jax_time_checks_its_arguments():
         gpu_timing.jax_time(lambda x: x, (jnp.ones(2),), iters=0)
     assert gpu_timing.jax_time(lambda x: x * 2, (jnp.ones(4),), iters=3, repeats=1) > 0
     assert gpu_timing.ratio(2.0, 1.0) == "2.00x" and gpu_timing.ratio(float("nan"), 1.0) == "-"
+
+
+def test_gpu_session_script_smoke(tmp_path):
+    """The one-call GPU session script runs its three steps (on CPU: the benchmarks' smoke shapes, the
+    GPU lane skipped) and leaves its 8 files, each step's summary printed last."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable}
+    env.pop("JAX_PLATFORMS", None)
+    res = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_session.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    tail = res.stdout.split("---- steps", 1)[1]
+    for name in ("lane", "attention_gpu", "int4_gpu"):
+        assert f"{name}: exit 0 after" in tail
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {
+        "env.txt",
+        "lane.log",
+        "attention_gpu.log",
+        "attention_gpu.md",
+        "attention_gpu.png",
+        "int4_gpu.log",
+        "int4_gpu.md",
+        "int4_gpu.png",
+    }
+    assert "skipped" in (tmp_path / "lane.log").read_text()
+    assert "| decode |" in (tmp_path / "attention_gpu.md").read_text()
+
+    bad = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_session.sh")],
+        env={**env, "GPU_SESSION_STEPS": "lane nope", "OUT": str(tmp_path / "bad")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bad.returncode == 2 and "unknown step 'nope'" in bad.stderr
+    assert not (tmp_path / "bad").exists()  # refused before any step ran
