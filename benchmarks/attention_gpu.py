@@ -237,22 +237,33 @@ def main(argv=None):
     max_xla = 8 << 30
 
     rows = []  # (section, mode, H, L, causal, {name: seconds}, flops, jb's choice)
-    for mode in a.modes:
-        bwd = mode == "fwd+bwd"
-        for H in a.head_dims:
-            for L in a.lengths:
-                B, N = max(1, a.tokens // L), max(1, a.model_dim // H)
-                for causal in (False, True):
-                    res, label = run_case(
-                        impls, use_torch, B, L, L, N, N, H, causal, bwd, a.iters, dtype, max_xla
-                    )
-                    rows.append(("train", mode, H, L, causal, res, flops(B, N, L, L, H, causal, bwd), label))
-                    print(f"  done {mode} H={H} L={L} causal={causal}", file=sys.stderr, flush=True)
-    if not a.no_decode:  # one query row, GQA 32 / 8 heads of 128, batch 4
-        B, N, K, H = (1, 4, 2, 16) if a.smoke else (4, 32, 8, 128)
-        for S in a.decode_lengths:
-            res, label = run_case(impls, use_torch, B, 1, S, N, K, H, False, False, a.iters, dtype, max_xla)
-            rows.append(("decode", "fwd", H, S, False, res, flops(B, N, 1, S, H, False, False), label))
+    interrupted = False
+    try:
+        for mode in a.modes:
+            bwd = mode == "fwd+bwd"
+            for H in a.head_dims:
+                for L in a.lengths:
+                    B, N = max(1, a.tokens // L), max(1, a.model_dim // H)
+                    for causal in (False, True):
+                        res, label = run_case(
+                            impls, use_torch, B, L, L, N, N, H, causal, bwd, a.iters, dtype, max_xla
+                        )
+                        rows.append(
+                            ("train", mode, H, L, causal, res, flops(B, N, L, L, H, causal, bwd), label)
+                        )
+                        print(f"  done {mode} H={H} L={L} causal={causal}", file=sys.stderr, flush=True)
+        if not a.no_decode:  # one query row, GQA 32 / 8 heads of 128, batch 4
+            B, N, K, H = (1, 4, 2, 16) if a.smoke else (4, 32, 8, 128)
+            for S in a.decode_lengths:
+                res, label = run_case(
+                    impls, use_torch, B, 1, S, N, K, H, False, False, a.iters, dtype, max_xla
+                )
+                rows.append(("decode", "fwd", H, S, False, res, flops(B, N, 1, S, H, False, False), label))
+    except KeyboardInterrupt:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep the rows done
+        interrupted = True
+        print(f"interrupted after {len(rows)} rows: writing those", file=sys.stderr, flush=True)
+    if interrupted and not rows:
+        sys.exit(130)
 
     lines = [
         f"Attention on {device}, {dtype.name}, jax {jax.__version__}"
@@ -278,11 +289,15 @@ def main(argv=None):
             + f" | {ratio(best, res.get('jb', math.nan))} | {label} |"
         )
     text = "\n".join(lines)
+    if interrupted:
+        text += f"\n\n(interrupted: {len(rows)} rows done)"
     print("\n" + text)
     if a.md:
         with open(a.md, "w") as fh:
             fh.write(text + "\n")
     write_png(rows, names, a, device, dtype)
+    if interrupted:
+        sys.exit(130)
     return rows
 
 

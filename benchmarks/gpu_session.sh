@@ -6,24 +6,30 @@
 #   GPU_SESSION_STEPS="lane int4" OUT=... bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SMOKE=1 OUT=/tmp/x bash benchmarks/gpu_session.sh   # on CPU: checks this script itself
 #
-# Steps, each under its own time limit (seconds, GPU_SESSION_<STEP>_S), so that one slow step cannot eat
-# the others' time; their logs, tables and plots go to $OUT (8 files, what the device tool returns at most):
-#   lane       `pytest -m gpu`: every Pallas kernel compiled, the cuDNN bridge, decode (limit 200 s)
+# Steps, each under its own time limit (seconds, GPU_SESSION_<STEP>_S), and all of them under one total
+# (GPU_SESSION_TOTAL_S, default 420: a step gets at most what is left of it), so that one slow step cannot
+# eat the others' time nor the call run into the device tool's 600 s limit; their logs, tables and plots
+# go to $OUT (8 files, what the device tool returns at most):
+#   lane       `pytest -m gpu` over tests/: every Pallas kernel compiled, the cuDNN bridge, decode
+#              (limit 180 s)
 #   attention  benchmarks/attention_gpu.py with GPU_SESSION_ATTENTION_ARGS (default: head dim 128,
-#              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 200 s)
+#              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 150 s)
 #   int4       benchmarks/int4_gpu.py with GPU_SESSION_INT4_ARGS (default: its own M and shapes)
-#              (limit 150 s)
-# The step summaries and the markdown tables are printed last, so that they are in the tail of the
-# output the device tool returns even where the files are not fetched. Exit status: 0 when every step
-# that ran exited 0.
+#              (limit 120 s)
+# A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
+# summaries and the markdown tables are printed last, so that they are in the tail of the output the
+# device tool returns even where the files are not fetched. Exit status: 0 when every step exited 0,
+# 1 when one did not, 2 for bad settings.
 set -u
 : "${OUT:?set OUT to the folder for the logs (the device tool sets it)}"
-cd "$(dirname "$0")/.." || exit 2
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
-STEPS=${GPU_SESSION_STEPS:-lane attention int4}
+STEPS=${GPU_SESSION_STEPS-lane attention int4}
 SMOKE=${GPU_SESSION_SMOKE:-}
-for s in $STEPS; do  # checked before any step runs
+read -r -a steps <<<"$STEPS"
+if [ "${#steps[@]}" -eq 0 ]; then
+  echo "gpu_session.sh: GPU_SESSION_STEPS names no step (expected some of: lane attention int4)" >&2
+  exit 2
+fi
+for s in "${steps[@]}"; do  # checked before any step runs
   case $s in
     lane | attention | int4) ;;
     *)
@@ -32,21 +38,38 @@ for s in $STEPS; do  # checked before any step runs
       ;;
   esac
 done
-mkdir -p "$OUT"
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd) || exit 2  # absolute: the steps run from the repository root
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+# On CPU (smoke) the lane's tests all skip and the benchmarks take their --smoke shapes: the commands are
+# the real ones otherwise, so that a typo in them fails the smoke test too.
+if [ -n "$SMOKE" ]; then PLATFORMS=cpu; else PLATFORMS=cuda,cpu; fi
+DEADLINE=$((SECONDS + ${GPU_SESSION_TOTAL_S:-420}))
 
 summary=()
 failed=0
 
-# step NAME LIMIT_S COMMAND...: runs COMMAND under LIMIT_S seconds (SIGINT first, SIGKILL 10 s later),
-# its output in $OUT/NAME.log.
+# step NAME LIMIT_S COMMAND...: runs COMMAND under min(LIMIT_S, the time left of the total), its output
+# in $OUT/NAME.log.
 step() {
   local name=$1 limit=$2
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 5 ]; then
+    summary+=("$name: not run (the ${GPU_SESSION_TOTAL_S:-420} s total is spent)")
+    failed=1
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   timeout --signal=INT --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   local note=""
-  [ "$rc" -eq 124 ] && note=" (hit its ${limit} s limit)"
+  case $rc in
+    124 | 137) note=" (hit its ${limit} s limit)" ;;
+  esac
   summary+=("$name: exit $rc after $((SECONDS - t0)) s$note")
   [ "$rc" -eq 0 ] || failed=1
 }
@@ -54,48 +77,49 @@ step() {
 {
   date -u
   if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "nvidia-smi: not found"; fi
-  "$PY" -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '|', jax.devices())"
-  "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| available', torch.cuda.is_available())" 2>&1 | tail -1
+  timeout 60 env JAX_PLATFORMS=$PLATFORMS "$PY" -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '|', jax.devices())"
+  timeout 60 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| available', torch.cuda.is_available())" 2>&1 | tail -1
   git log --oneline -1 2>/dev/null || true
 } >"$OUT/env.txt" 2>&1
 
-for s in $STEPS; do
+set -f  # the *_ARGS below split on spaces, without glob expansion
+for s in "${steps[@]}"; do
   case $s in
     lane)
-      if [ -n "$SMOKE" ]; then  # no GPU: every test of the lane's file is skipped, the invocation is checked
-        step lane "${GPU_SESSION_LANE_S:-200}" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-          tests/attention/test_gpu_lane.py
-      else
-        step lane "${GPU_SESSION_LANE_S:-200}" env JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -m gpu -q -rs \
-          -p no:cacheprovider tests
-      fi
+      step lane "${GPU_SESSION_LANE_S:-180}" env JAX_PLATFORMS=$PLATFORMS "$PY" -m pytest -m gpu -q -rs \
+        -p no:cacheprovider tests
       ;;
     attention)
       args=${GPU_SESSION_ATTENTION_ARGS:---head-dims 128 --lengths 4096 16384 --decode-lengths 16384}
-      [ -n "$SMOKE" ] && args=--smoke
+      [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086  # the arguments are meant to split
-      step attention_gpu "${GPU_SESSION_ATTENTION_S:-200}" "$PY" benchmarks/attention_gpu.py $args \
-        --md "$OUT/attention_gpu.md" --png "$OUT/attention_gpu.png"
+      step attention_gpu "${GPU_SESSION_ATTENTION_S:-150}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+        benchmarks/attention_gpu.py $args --md "$OUT/attention_gpu.md" --png "$OUT/attention_gpu.png"
       ;;
     int4)
       args=${GPU_SESSION_INT4_ARGS:-}
-      [ -n "$SMOKE" ] && args=--smoke
+      [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step int4_gpu "${GPU_SESSION_INT4_S:-150}" "$PY" benchmarks/int4_gpu.py $args \
-        --md "$OUT/int4_gpu.md" --png "$OUT/int4_gpu.png"
+      step int4_gpu "${GPU_SESSION_INT4_S:-120}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+        benchmarks/int4_gpu.py $args --md "$OUT/int4_gpu.md" --png "$OUT/int4_gpu.png"
       ;;
   esac
 done
+set +f
 
 cat "$OUT/env.txt"
-for s in $STEPS; do
+for s in "${steps[@]}"; do
   case $s in
     lane) log=lane ;;
     *) log=${s}_gpu ;;
   esac
-  echo "---- $log.log (last lines)"
-  tail -n 8 "$OUT/$log.log"
-  [ -f "$OUT/$log.md" ] && { echo "---- $log.md"; cat "$OUT/$log.md"; }
+  if [ -f "$OUT/$log.md" ]; then
+    echo "---- $log.md"
+    cat "$OUT/$log.md"
+  else
+    echo "---- $log.log (last lines)"
+    tail -n 12 "$OUT/$log.log" 2>/dev/null
+  fi
 done
 echo "---- steps"
 printf '%s\n' "${summary[@]}"

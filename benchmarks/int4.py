@@ -39,8 +39,9 @@ except ImportError:  # torch is optional
     torch = None
 
 
-def _time(fn, *, min_iters=3, budget_s=1.0, max_iters=50) -> float:
-    fn()  # warm up / compile
+def _time(fn, *, min_iters=3, budget_s=1.0, max_iters=50, warm_up=True) -> float:
+    if warm_up:
+        fn()  # compile, first-touch
     times = []
     t_end = time.perf_counter() + budget_s
     while len(times) < min_iters or (time.perf_counter() < t_end and len(times) < max_iters):
@@ -72,6 +73,11 @@ def measure_roofs(budget_s: float = 1.0) -> tuple[float, float]:
 
 
 def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s, roofs=(None, None), rounds=1):
+    """Times every implementation at every (shape, M) and prints a block per pair; returns
+    [((K, N, M), {row name: (seconds, weight bytes)})]. Each cell is timed in `rounds` interleaved
+    rounds of budget_s / rounds (the first with a warm-up call) and its time is their median."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     rows = []
     rng = np.random.default_rng(0)
     for K, N in shapes:
@@ -138,9 +144,9 @@ def run(ms, shapes, groupsize, torch_dyn_max_m, budget_s, roofs=(None, None), ro
             # Interleaved rounds: every cell is timed once per round, and its time is the median of its
             # rounds, so that a slow spell of a shared CPU does not land on one row of the ratio alone.
             times = {name: [] for name in cells}
-            for _ in range(rounds):
+            for i in range(rounds):
                 for name, (fn, _, kw) in cells.items():
-                    times[name].append(_time(fn, budget_s=budget_s / rounds, **kw))
+                    times[name].append(_time(fn, budget_s=budget_s / rounds, warm_up=i == 0, **kw))
             r = {name: (float(np.median(times[name])), cells[name][1]) for name in cells}
             if "torch _dyn_quant_matmul_4bit" in r and M == 16:
                 t_dyn_m16 = r["torch _dyn_quant_matmul_4bit"][0]
@@ -200,10 +206,10 @@ def main():
         f"jax {jax.__version__}, devices {jax.devices()}, C++ kernel: {_cpp.isa()}, "
         f"torch: {getattr(torch, '__version__', 'absent')}, groupsize={a.groupsize}"
     )
-    roofs = measure_roofs(a.budget)
-    print(f"roofs: memory copy {roofs[0]:.1f} GB/s (read + write), XLA float32 GEMM {roofs[1]:.1f} GFLOP/s")
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    roofs = measure_roofs(a.budget)
+    print(f"roofs: memory copy {roofs[0]:.1f} GB/s (read + write), XLA float32 GEMM {roofs[1]:.1f} GFLOP/s")
     run(ms, [(4096, 4096), (4096, 11008)], a.groupsize, a.torch_dyn_max_m, a.budget, roofs, a.rounds)
 
 

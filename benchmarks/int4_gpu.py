@@ -52,10 +52,12 @@ def torch_operands(torch, q_packed, scales, K, N, groupsize):
     return w4, sz.to(torch.bfloat16).cuda()
 
 
-def run(shapes, ms, groupsize, iters, use_torch):
+def run(shapes, ms, groupsize, iters, use_torch, rows=None):
+    """Times every (shape, M); appends each finished row to `rows` (a new list if None) and returns it, so
+    that a caller interrupted part way keeps the rows done."""
     torch = torch_cuda() if use_torch else None
     rng = np.random.default_rng(0)
-    rows = []
+    rows = [] if rows is None else rows
     for K, N in shapes:
         w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
         q, s = Q.quantize_4bit(w, groupsize)
@@ -180,13 +182,25 @@ def main(argv=None):
     elif jax.default_backend() != "gpu":
         sys.exit("int4_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
     use_torch = not a.no_torch and torch_cuda() is not None
-    rows = run(shapes, a.ms, a.groupsize, a.iters, use_torch)
+    rows = []
+    interrupted = False
+    try:
+        run(shapes, a.ms, a.groupsize, a.iters, use_torch, rows)
+    except KeyboardInterrupt:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep the rows done
+        interrupted = True
+        print(f"interrupted after {len(rows)} rows: writing those", file=sys.stderr, flush=True)
+    if interrupted and not rows:
+        sys.exit(130)
     text, names = table(rows, a.groupsize, use_torch)
+    if interrupted:
+        text += f"\n\n(interrupted: {len(rows)} of {len(shapes) * len(a.ms)} rows)"
     print("\n" + text)
     if a.md:
         with open(a.md, "w") as fh:
             fh.write(text + "\n")
     write_png(rows, names, a.png, a.groupsize)
+    if interrupted:
+        sys.exit(130)
     return rows
 
 

@@ -2,6 +2,7 @@
 GPU session depends on never rot: every row is timed, the table and the PNG are written."""
 
 import os
+import shutil
 
 import pytest
 
@@ -40,29 +41,70 @@ def test_jax_time_checks_its_arguments():
     assert gpu_timing.ratio(2.0, 1.0) == "2.00x" and gpu_timing.ratio(float("nan"), 1.0) == "-"
 
 
-def test_gpu_session_script_smoke(tmp_path):
-    """The one-call GPU session script runs its three steps (on CPU: the benchmarks' smoke shapes, the
-    GPU lane skipped) and leaves its 8 files, each step's summary printed last."""
+def test_gpu_benchmarks_keep_their_rows_when_interrupted(tmp_path, monkeypatch):
+    """A time limit's SIGINT (KeyboardInterrupt) during the second row: the table of the first is still
+    written, marked as partial, and the exit status says it was cut short (130)."""
+    calls = {"n": 0}
+    real_jax_time = int4_gpu.jax_time
+
+    def jax_time_then_interrupt(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] > 3:  # the 3 timings of the first row done
+            raise KeyboardInterrupt
+        return real_jax_time(*args, **kw)
+
+    monkeypatch.setattr(int4_gpu, "jax_time", jax_time_then_interrupt)
+    md = tmp_path / "i.md"
+    with pytest.raises(SystemExit) as e:
+        int4_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "i.png")])
+    assert e.value.code == 130
+    text = md.read_text()
+    assert (
+        "| 256x128 | 1 |" in text and "| 256x128 | 16 |" not in text and "(interrupted: 1 of 2 rows)" in text
+    )
+
+    real_run_case = attention_gpu.run_case
+    cases = {"n": 0}
+
+    def run_case_then_interrupt(*args, **kw):
+        cases["n"] += 1
+        if cases["n"] > 1:
+            raise KeyboardInterrupt
+        return real_run_case(*args, **kw)
+
+    monkeypatch.setattr(attention_gpu, "run_case", run_case_then_interrupt)
+    md = tmp_path / "a.md"
+    with pytest.raises(SystemExit) as e:
+        attention_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "a.png")])
+    assert e.value.code == 130
+    text = md.read_text()
+    assert text.count("| train |") == 1 and "(interrupted: 1 rows done)" in text
+
+
+def _session(tmp_path, **env_over):
+    """Runs benchmarks/gpu_session.sh in smoke mode (CPU) with OUT=tmp_path and these settings."""
     import pathlib
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_SMOKE": "1", "PYTHON": sys.executable}
-    env.pop("JAX_PLATFORMS", None)
-    res = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu_session.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SESSION_")}
+    env.update(OUT=str(tmp_path), GPU_SESSION_SMOKE="1", PYTHON=sys.executable, **env_over)
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
+def test_gpu_session_script_smoke(tmp_path):
+    """The one-call GPU session script runs its three steps with their real command lines (on CPU: the
+    GPU lane's tests skip, the benchmarks take their smoke shapes) and leaves its 8 files, the tables and
+    each step's summary printed last."""
+    res = _session(tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    tail = res.stdout.split("---- steps", 1)[1]
+    head, tail = res.stdout.split("---- steps", 1)
     for name in ("lane", "attention_gpu", "int4_gpu"):
         assert f"{name}: exit 0 after" in tail
-    names = {p.name for p in tmp_path.iterdir()}
-    assert names == {
+    assert "---- attention_gpu.md" in head and "---- int4_gpu.md" in head and "| decode |" in head
+    assert {p.name for p in tmp_path.iterdir()} == {
         "env.txt",
         "lane.log",
         "attention_gpu.log",
@@ -72,15 +114,22 @@ def test_gpu_session_script_smoke(tmp_path):
         "int4_gpu.md",
         "int4_gpu.png",
     }
-    assert "skipped" in (tmp_path / "lane.log").read_text()
-    assert "| decode |" in (tmp_path / "attention_gpu.md").read_text()
+    lane = (tmp_path / "lane.log").read_text()
+    assert "skipped" in lane and "deselected" in lane and "failed" not in lane and "error" not in lane
 
-    bad = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu_session.sh")],
-        env={**env, "GPU_SESSION_STEPS": "lane nope", "OUT": str(tmp_path / "bad")},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert bad.returncode == 2 and "unknown step 'nope'" in bad.stderr
-    assert not (tmp_path / "bad").exists()  # refused before any step ran
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
+def test_gpu_session_script_limits_and_bad_settings(tmp_path):
+    """A step past its limit is stopped, reported as such, and fails the run; steps that are unknown or
+    absent are refused before anything runs."""
+    res = _session(tmp_path / "slow", GPU_SESSION_STEPS="int4", GPU_SESSION_INT4_S="1")
+    assert res.returncode == 1
+    assert "int4_gpu: exit 124 after" in res.stdout and "(hit its 1 s limit)" in res.stdout
+
+    res = _session(tmp_path / "spent", GPU_SESSION_STEPS="int4", GPU_SESSION_TOTAL_S="2")
+    assert res.returncode == 1 and "int4_gpu: not run (the 2 s total is spent)" in res.stdout
+
+    for steps, msg in (("lane nope", "unknown step 'nope'"), ("", "names no step"), ("  ", "names no step")):
+        bad = _session(tmp_path / "bad", GPU_SESSION_STEPS=steps)
+        assert bad.returncode == 2 and msg in bad.stderr, (steps, bad.stderr)
+        assert not (tmp_path / "bad").exists()  # refused before any step ran
