@@ -41,38 +41,32 @@ def test_jax_time_checks_its_arguments():
     assert gpu_timing.ratio(2.0, 1.0) == "2.00x" and gpu_timing.ratio(float("nan"), 1.0) == "-"
 
 
+def _interrupt_after(monkeypatch, module, name, calls):
+    """Patches module.name to run as before `calls` times, then raise KeyboardInterrupt (what SIGINT does)."""
+    real, count = getattr(module, name), [0]
+
+    def wrapper(*args, **kw):
+        count[0] += 1
+        if count[0] > calls:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
 def test_gpu_benchmarks_keep_their_rows_when_interrupted(tmp_path, monkeypatch):
     """A time limit's SIGINT (KeyboardInterrupt) during the second row: the table of the first is still
     written, marked as partial, and the exit status says it was cut short (130)."""
-    calls = {"n": 0}
-    real_jax_time = int4_gpu.jax_time
-
-    def jax_time_then_interrupt(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] > 3:  # the 3 timings of the first row done
-            raise KeyboardInterrupt
-        return real_jax_time(*args, **kw)
-
-    monkeypatch.setattr(int4_gpu, "jax_time", jax_time_then_interrupt)
+    _interrupt_after(monkeypatch, int4_gpu, "jax_time", 3)  # the 3 timings of the first row
     md = tmp_path / "i.md"
     with pytest.raises(SystemExit) as e:
         int4_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "i.png")])
     assert e.value.code == 130
     text = md.read_text()
-    assert (
-        "| 256x128 | 1 |" in text and "| 256x128 | 16 |" not in text and "(interrupted: 1 of 2 rows)" in text
-    )
+    assert "| 256x128 | 1 |" in text and "| 256x128 | 16 |" not in text
+    assert "(interrupted: 1 of 2 rows)" in text
 
-    real_run_case = attention_gpu.run_case
-    cases = {"n": 0}
-
-    def run_case_then_interrupt(*args, **kw):
-        cases["n"] += 1
-        if cases["n"] > 1:
-            raise KeyboardInterrupt
-        return real_run_case(*args, **kw)
-
-    monkeypatch.setattr(attention_gpu, "run_case", run_case_then_interrupt)
+    _interrupt_after(monkeypatch, attention_gpu, "run_case", 1)
     md = tmp_path / "a.md"
     with pytest.raises(SystemExit) as e:
         attention_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "a.png")])
