@@ -661,30 +661,6 @@ JB_DEFINE_GROUP_SUMS(GroupSumsVnni, "avx512f,avx512bw,avx512vl,avx512vnni", Vnni
 JB_DEFINE_GROUP_SUMS(GroupSumsBw, "avx512f,avx512bw,avx512vl", BwDot)
 #undef JB_DEFINE_GROUP_SUMS
 
-// out = clamp((sum_g float(isum_g) * s_g, in order) * recip + bias): torch's
-// tail (the products in one vector multiply, exactly rounded as the scalar
-// ones; the sum in order, no FMA).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline float GroupTailAvx512(
-    const int32_t* isum, int64_t G, const float* s, float recip, const float* bias) {
-  alignas(64) float prod[16];
-  float acc = 0.0f;
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {
-    const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));
-    const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);
-    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + g0)),
-                                   _mm512_maskz_loadu_ps(gm, s + g0));
-    _mm512_store_ps(prod, p);
-    if (G == 1) {
-      acc = prod[0];  // channel-wise: no 0 + (keeps the sign of a zero)
-    } else {
-      for (int i = 0; i < ng; ++i) acc += prod[i];
-    }
-  }
-  acc = acc * recip;
-  if (bias) acc += *bias;
-  acc = std::max(acc, -FLT_MAX);
-  return std::min(acc, FLT_MAX);
-}
 #endif  // JB_X86
 
 // ------------------------------------- blocked group path (16 rows per vector)
@@ -891,12 +867,16 @@ void ForTiles(int64_t N, int threads, F&& f) {
 }
 
 #if JB_X86
-// GroupTailAvx512 for one input row and cnt <= 16 weight rows at once, one
+// out[i] = clamp((sum_g float(isum_g) * s_g, in order) * recip + bias[i]) for
+// one input row and cnt <= 16 weight rows i: torch's tail (the products in one
+// vector multiply, exactly rounded as the scalar ones; the sum in order, no
+// FMA; channel-wise, the product alone, which keeps the sign of a zero). One
 // lane per weight row: the products of 16 groups are transposed (lanes = n)
 // and summed in order with the same operations per lane, so that the serial
-// fp32 chain is shared by 16 outputs. isum: [16][Gp]; out: cnt floats.
+// fp32 chain is shared by 16 outputs. isum: weight row i's G sums at isum + i
+// * stride; s: row i's scales at s + i * G.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void GroupTail16(
-    const int32_t* isum, int64_t G, int64_t Gp, const float* s, int cnt, float recip,
+    const int32_t* isum, int64_t stride, int64_t G, const float* s, int cnt, float recip,
     const float* bias, float* out) {
   alignas(64) float prod[16 * 16];
   alignas(64) int32_t tr[16 * kRowBlock];
@@ -905,7 +885,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void GroupTail16(
     const int ng = static_cast<int>(std::min<int64_t>(16, G - g0));
     const __mmask16 gm = static_cast<__mmask16>((1u << ng) - 1);
     for (int i = 0; i < 16; ++i) {
-      const __m512 p = i < cnt ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + i * Gp + g0)),
+      const __m512 p = i < cnt ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(isum + i * stride + g0)),
                                                _mm512_maskz_loadu_ps(gm, s + i * G + g0))
                                : _mm512_setzero_ps();
       _mm512_store_ps(prod + 16 * i, p);
@@ -944,29 +924,24 @@ void DynQuantGroups(const std::vector<QRow>& rows, const uint8_t* w, const float
              static_cast<int8_t>(std::min(nz, 127)), static_cast<int8_t>(nz - std::min(nz, 127))};
   }
   const int threads = static_cast<int>(std::min<int64_t>(NumThreads(M * N * K / 2), (N + kTileN - 1) / kTileN));
-  std::vector<std::vector<int32_t>> scratch(std::max(threads, 1), std::vector<int32_t>(16 * Gp));
+  // Per thread: the sums of 16 weight rows x kGroupRows input rows, weight
+  // row i's sums for input row m at (i * kGroupRows + m) * Gp.
+  const int64_t stride = kGroupRows * Gp;
+  std::vector<std::vector<int32_t>> scratch(std::max(threads, 1), std::vector<int32_t>(16 * stride));
   ForTiles(N, threads, [&](int64_t n0, int64_t n1, int id) {
     int32_t* isum = scratch[id].data();
-    if (M == 1) {  // decode: 16 weight rows share one tail
-      for (int64_t t0 = n0; t0 < n1; t0 += 16) {
-        const int cnt = static_cast<int>(std::min<int64_t>(16, n1 - t0));
-        for (int i = 0; i < cnt; ++i)
-          group_sums(w + (t0 + i) * (K / 2), gr.data(), 1, K, groupsize, isum + i * Gp);
-        GroupTail16(isum, G, Gp, scales + t0 * G, cnt, rows[0].recip, bias ? bias + t0 : nullptr,
-                    out + t0);
-      }
-      return;
-    }
-    for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
-      const int64_t t1 = std::min(n1, t0 + kTileN);
+    // 16 weight rows share each input row's tail (one lane each): the serial
+    // float chain of torch's in-order sum was the slowest part with one
+    // output per chain (21% of an M = 8 call).
+    for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+      const int cnt = static_cast<int>(std::min<int64_t>(16, n1 - t0));
       for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
         const int nm = static_cast<int>(std::min<int64_t>(kGroupRows, M - m0));
-        for (int64_t n = t0; n < t1; ++n) {
-          group_sums(w + n * (K / 2), gr.data() + m0, nm, K, groupsize, isum);
-          for (int i = 0; i < nm; ++i)
-            out[(m0 + i) * N + n] = GroupTailAvx512(isum + i * Gp, G, scales + n * G,
-                                                    rows[m0 + i].recip, bias ? bias + n : nullptr);
-        }
+        for (int i = 0; i < cnt; ++i)
+          group_sums(w + (t0 + i) * (K / 2), gr.data() + m0, nm, K, groupsize, isum + i * stride);
+        for (int m = 0; m < nm; ++m)
+          GroupTail16(isum + m * Gp, stride, G, scales + t0 * G, cnt, rows[m0 + m].recip,
+                      bias ? bias + t0 : nullptr, out + (m0 + m) * N + t0);
       }
     }
   });
