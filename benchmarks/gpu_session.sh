@@ -2,9 +2,9 @@
 # The GPU checks of one device call, prepared: a session lent a GPU (15 minutes of device time, a few of
 # them spent starting the machine) runs this once instead of composing commands on the clock.
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh          # every step: lane attention int4
+#   OUT=gpu_out bash benchmarks/gpu_session.sh             # every step: lane attention int4
 #   GPU_SESSION_STEPS="lane int4" OUT=... bash benchmarks/gpu_session.sh
-#   GPU_SESSION_SMOKE=1 OUT=/tmp/x bash benchmarks/gpu_session.sh   # on CPU: checks this script itself
+#   GPU_SESSION_SMOKE=1 OUT=gpu_out bash benchmarks/gpu_session.sh  # on CPU: checks this script itself
 #
 # Steps, each under its own time limit (seconds, GPU_SESSION_<STEP>_S), and all of them under one total
 # (GPU_SESSION_TOTAL_S, default 420: a step gets at most what is left of it), so that one slow step cannot
