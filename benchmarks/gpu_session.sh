@@ -42,7 +42,7 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd) || exit 2  # absolute: the steps run from the repository root
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}  # the GPU image's python3 holds torch
 # On CPU (smoke) the lane's tests all skip and the benchmarks take their --smoke shapes: the commands are
 # the real ones otherwise, so that a typo in them fails the smoke test too.
 if [ -n "$SMOKE" ]; then PLATFORMS=cpu; else PLATFORMS=cuda,cpu; fi
@@ -86,8 +86,14 @@ set -f  # the *_ARGS below split on spaces, without glob expansion
 for s in "${steps[@]}"; do
   case $s in
     lane)
-      step lane "${GPU_SESSION_LANE_S:-180}" env JAX_PLATFORMS=$PLATFORMS "$PY" -m pytest -m gpu -q -rs \
-        -p no:cacheprovider tests
+      # Compiling the Triton kernels dominates the lane: pytest-xdist workers (GPU_SESSION_LANE_WORKERS,
+      # default 6; 0 for one process) compile in parallel on the host's cores and share the GPU, each
+      # without JAX's up-front grab of 75% of its memory.
+      workers=()
+      w=${GPU_SESSION_LANE_WORKERS:-6}
+      if [ -z "$SMOKE" ] && [ "$w" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$w"); fi
+      step lane "${GPU_SESSION_LANE_S:-180}" env JAX_PLATFORMS=$PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${workers[@]}" tests
       ;;
     attention)
       args=${GPU_SESSION_ATTENTION_ARGS:---head-dims 128 --lengths 4096 16384 --decode-lengths 16384}
