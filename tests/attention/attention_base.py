@@ -300,9 +300,11 @@ class AttentionTestBase:
             if self.supports_lse_grad
             else jnp.zeros(lse.shape, jnp.float32),
         )
+        # The class's float32 gradient tolerance: on a GPU a float32 dot may run on TF32 tensor cores.
+        gtol = self.tolerances[jnp.dtype(jnp.float32)][1] * self.tol_scale
         for g, r, name in zip(vjp(ct), vjp_ref(ct), "qkv"):
             scale = float(jnp.max(jnp.abs(r)))
-            assert_close(g / scale, r / scale, 5e-5 * self.tol_scale, f"d{name}")
+            assert_close(g / scale, r / scale, gtol, f"d{name}")
 
 
 class DecodeTestBase(AttentionTestBase):
