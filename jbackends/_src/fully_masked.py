@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.attention import base
+
 __all__ = ["JAXNN_LARGE_NEGATIVE", "check_fully_masked_rows", "fix_fully_masked_rows"]
 
 #: jax.nn's masking value (``_get_large_negative``: capped at the float32 range): the LSE residual of
@@ -35,6 +37,10 @@ def fix_fully_masked_rows(args, out, lse, mode):
     kernels' zero output there carries none.
     """
     if check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
+        return out, lse
+    if args.bias is None and not base.rows_can_lack_keys(args):
+        # No row can lose its keys (no mask at all, or a causal / window structure that leaves every
+        # row a key, e.g. jax.nn's top-left causal): no pass over the output.
         return out, lse
     masked = args.mask is not None or args.has_index_masks
     if not masked and args.bias is None:

@@ -56,7 +56,9 @@ from pallas_kernels.attention.reference import (
     full_mask,
     reference,
     reference_vjp,
+    rows_can_lack_keys,
     rows_without_keys,
+    structure_empties_rows,
     unsupported,
 )
 
@@ -73,7 +75,9 @@ __all__ = [
     "dropout_keep_mask",
     "dropout_keep_from_seed",
     "full_mask",
+    "rows_can_lack_keys",
     "rows_without_keys",
+    "structure_empties_rows",
     "check_prng_key",
     "reference_vjp",
     "differentiable_backward",

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = Any
 
@@ -17,7 +18,9 @@ from pallas_kernels.attention.masking import dropout_keep_mask, index_mask, key_
 
 __all__ = [
     "full_mask",
+    "rows_can_lack_keys",
     "rows_without_keys",
+    "structure_empties_rows",
     "reference",
     "reference_vjp",
     "differentiable_backward",
@@ -55,15 +58,50 @@ def full_mask(args: AttentionArgs):
     return m
 
 
+def structure_empties_rows(args: AttentionArgs) -> bool:
+    """Whether the static structure alone (causal, diagonal offset, window) leaves some query row
+    without a key; decided at trace time with numpy, ``O(T)``. A top-left causal mask (jax.nn's) never
+    does; a bottom-right one with more queries than keys, or a window past the keys, does."""
+    T, S = args.q_len, args.kv_len
+    if S == 0:
+        return T > 0
+    if not args.causal and args.window is None:
+        return False
+    i = np.arange(T, dtype=np.int64)
+    lo, hi = np.zeros_like(i), np.full_like(i, S)
+    if args.causal:
+        hi = np.minimum(hi, i + 1 + args.diag_offset)
+    if args.window is not None:
+        left, right = args.window
+        lo = np.maximum(lo, i + args.diag_offset - left)
+        hi = np.minimum(hi, i + 1 + args.diag_offset + right)
+    lo = np.minimum(np.maximum(lo, 0), S)  # as masking.key_range clamps
+    return bool(np.any(lo >= hi))
+
+
+def rows_can_lack_keys(args: AttentionArgs) -> bool:
+    """Whether the masks of ``args`` may leave some query row without a key (static: True whenever a
+    boolean mask, segment ids or lengths are given; for causal / window alone the exact answer)."""
+    if (
+        args.mask is not None
+        or args.q_segment_ids is not None
+        or args.q_seq_lengths is not None
+        or args.kv_seq_lengths is not None
+    ):
+        return True
+    return structure_empties_rows(args)
+
+
 def rows_without_keys(args: AttentionArgs):
     """Bool ``[B, 1 | N, T]``: True where a query row has no key left (the kernels' output 0 / LSE
-    ``-inf`` rows), from the masks alone (a ``-inf`` bias is not looked at). None if no row can be.
+    ``-inf`` rows), from the masks alone (a ``-inf`` bias is not looked at). None if no row can be
+    (decided statically where only causal / window shape the mask: :func:`structure_empties_rows`).
 
     Closed form (``O(B * T)``) for causal / window / lengths; the boolean mask and segment ids are
     reduced over the keys.
     """
     T, S = args.q_len, args.kv_len
-    if not (args.has_index_masks or args.mask is not None) and S > 0:
+    if not rows_can_lack_keys(args):
         return None
     if args.mask is not None or args.q_segment_ids is not None:
         m = full_mask(args)
