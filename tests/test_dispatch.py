@@ -251,6 +251,30 @@ def test_outside_the_measured_envelope_the_priority_order_holds(call):
     assert "measured" not in str(e)
 
 
+@pytest.mark.parametrize(
+    "T, S, dtype, chosen",
+    [
+        (1, 131072, jnp.bfloat16, SDPBackend.CUDNN_ATTENTION),  # measured: cuDNN 573 us, ours 626
+        (16, 262144, jnp.bfloat16, SDPBackend.CUDNN_ATTENTION),
+        (1, 16384, jnp.bfloat16, SDPBackend.FLASH_ATTENTION),  # a tie at 16k: nothing moves
+        (1, 131072, jnp.float16, SDPBackend.FLASH_ATTENTION),  # f16 decode not measured
+        (17, 131072, jnp.bfloat16, SDPBackend.FLASH_ATTENTION),  # not a decode row, shorter than 1k
+    ],
+)
+def test_decode_envelope_bounds_the_query_and_key_lengths(T, S, dtype, chosen):
+    q = jax.ShapeDtypeStruct((4, T, 32, 128), dtype)
+    kv = jax.ShapeDtypeStruct((4, S, 8, 128), dtype)
+    e = jb.attention.explain(q, kv, kv, platform="cuda", compute_capability=9.0)
+    assert e.chosen == chosen
+    if chosen == SDPBackend.CUDNN_ATTENTION:
+        assert (
+            "at decode" in e.reasons[SDPBackend.FLASH_ATTENTION]
+            and "H200" in e.reasons[SDPBackend.FLASH_ATTENTION]
+        )
+    else:
+        assert "measured" not in str(e)
+
+
 def test_a_user_priority_or_the_flag_keeps_the_users_order():
     SB = SDPBackend
     default = [SB.FLASH_ATTENTION, SB.EFFICIENT_ATTENTION, SB.CUDNN_ATTENTION, SB.MATH]

@@ -31,8 +31,8 @@ class Measurement:
 
     The envelope: lowering ``platform``; a device of at least ``min_compute_capability``; q/k/v of one of
     ``dtypes``; ``min_head_dim <= head dim <= max_head_dim`` (q/k and v alike); query and key lengths of
-    at least ``min_length``. ``evidence`` says what was measured, on what and when (shown by
-    ``explain()``).
+    at least ``min_length``, queries of at most ``max_q_length`` rows (None: any) and keys of at least
+    ``min_kv_length``. ``evidence`` says what was measured, on what and when (shown by ``explain()``).
     """
 
     faster: SDPBackend
@@ -44,6 +44,8 @@ class Measurement:
     max_head_dim: int
     min_length: int
     evidence: str
+    max_q_length: Optional[int] = None
+    min_kv_length: int = 0
 
     def __post_init__(self):
         if not isinstance(self.faster, SDPBackend) or not all(isinstance(b, SDPBackend) for b in self.than):
@@ -67,6 +69,23 @@ MEASURED: list[Measurement] = [
             "(the memory-efficient kernel shares its tiling), forward and "
             "forward+backward, causal and not (H100, bf16, head dims 64/128, L 1k-16k; "
             "benchmarks/attention_gpu.py, jax 0.11.2, CUDA 13, 2026-11-23)"
+        ),
+    ),
+    Measurement(
+        faster=SDPBackend.CUDNN_ATTENTION,
+        than=(SDPBackend.FLASH_ATTENTION,),
+        platform="cuda",
+        min_compute_capability=9.0,
+        dtypes=("bfloat16",),
+        min_head_dim=128,
+        max_head_dim=128,
+        min_length=1,
+        max_q_length=16,
+        min_kv_length=131072,
+        evidence=(
+            "measured faster here: at decode (1 query row, 128k keys, GQA 32/8 heads of 128, batch 4) "
+            "cuDNN took 573 us and our Pallas Triton decode kernel 626 us (at 16k keys they tied, 110 us; "
+            "H200, bf16; benchmarks/attention_gpu.py, jax 0.11.2, CUDA 13, 2026-11-26)"
         ),
     ),
 ]
@@ -95,6 +114,8 @@ def applies(
         and m.min_head_dim <= min(args.head_dim, args.v_head_dim)
         and max(args.head_dim, args.v_head_dim) <= m.max_head_dim
         and min(args.q_len, args.kv_len) >= m.min_length
+        and (m.max_q_length is None or args.q_len <= m.max_q_length)
+        and args.kv_len >= m.min_kv_length
         # measured on plain calls (causal or not): a bias, lengths or a window were not measured
         and args.bias is None
         and args.q_seq_lengths is None
