@@ -9,7 +9,8 @@ CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.py``):
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
 * ``jax_xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (quadratic memory: L <= 4k),
 * ``mgpu_example``: jax's example Pallas Mosaic GPU kernel (``attention_mgpu``; sm90, head dims
-  multiple of 64, no causal backward) when importable,
+  multiple of 64, no causal backward, float16 only: it runs on float16 copies of the inputs) when
+  importable,
 * ``tokamax``: ``tokamax.dot_product_attention(implementation="triton")`` when installed,
 * ``torch_flash``, ``torch_cudnn``, ``torch_efficient``: ``torch.nn.functional.scaled_dot_product_attention``
   under ``sdpa_kernel(<backend>)`` when torch with CUDA is importable.
@@ -77,6 +78,8 @@ def _mgpu_example():
     def f(q, k, v, causal):
         cfg = m.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
         return m.attention(q, k, v, cfg)
+
+    f.dtype = jnp.float16  # the example kernel's scratch is float16: it runs on float16 copies
 
     return f
 
@@ -172,8 +175,10 @@ def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_
         if name == "jax_xla" and B * N * T * S * 4 * (3 if bwd else 1) > max_xla_bytes:
             res[name] = math.nan  # quadratic memory: skipped, not failed
             continue
+        dt = getattr(fn, "dtype", None)  # a row that takes one dtype only (mgpu_example: float16)
+        args = (q, k, v) if dt is None else tuple(x.astype(dt) for x in (q, k, v))
         try:
-            res[name] = time_jax(fn, scope, q, k, v, causal, bwd, iters)
+            res[name] = time_jax(fn, scope, *args, causal, bwd, iters)
         except Exception as e:  # noqa: BLE001 - unsupported shapes / OOM: reported, the sweep goes on
             print(
                 f"  {name} B={B} T={T} S={S} H={H} causal={causal} bwd={bwd}: {type(e).__name__}: "

@@ -6,6 +6,9 @@ torch by CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.p
 
 * ``jb int4_matmul``: ``jb.quantized.int4_matmul`` (W4A16, bf16 activations; the engine dispatch picks),
 * ``jb dyn-quant``: ``jb.quantized.dyn_quant_matmul_4bit`` (W4A8, torch's numerics),
+* ``jb xla bf16``: the same call with the XLA engine pinned and bf16 operands
+  (``implementation="xla", compute_dtype=bfloat16``: at M > 16 the weight is dequantized by XLA and one
+  dense bf16 GEMM runs; the candidate for prefill, where our Pallas kernel trails dense bf16),
 * ``dense bf16``: ``jnp.dot`` on the dequantized bf16 weight (what an int4 matmul should cost at
   prefill, and what it must beat at decode),
 * ``torch int4pack``: ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16 activations) when torch
@@ -38,7 +41,7 @@ from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_tim
 
 SHAPES = ((4096, 4096), (4096, 11008), (8192, 28672))
 MS = (1, 4, 16, 64, 256, 1024, 2048)
-ROWS = ("jb int4_matmul", "jb dyn-quant", "dense bf16", "torch int4pack", "torch dense bf16")
+ROWS = ("jb int4_matmul", "jb dyn-quant", "jb xla bf16", "dense bf16", "torch int4pack", "torch dense bf16")
 
 
 def torch_operands(torch, q_packed, scales, K, N, groupsize):
@@ -74,6 +77,11 @@ def run(shapes, ms, groupsize, iters, use_torch, rows=None):
             for name, fn, args in (
                 ("jb int4_matmul", lambda x, p: Q.int4_matmul(x, p), (xb, packed)),
                 ("jb dyn-quant", lambda x, p: Q.dyn_quant_matmul_4bit(x, p, groupsize, K, N), (x, packed)),
+                (
+                    "jb xla bf16",
+                    lambda x, p: Q.int4_matmul(x, p, compute_dtype=jnp.bfloat16, implementation="xla"),
+                    (xb, packed),
+                ),
                 ("dense bf16", jnp.dot, (xb, wbf)),
             ):
                 try:

@@ -57,7 +57,7 @@ def _interrupt_after(monkeypatch, module, name, calls):
 def test_gpu_benchmarks_keep_their_rows_when_interrupted(tmp_path, monkeypatch):
     """A time limit's SIGINT (KeyboardInterrupt) during the second row: the table of the first is still
     written, marked as partial, and the exit status says it was cut short (130)."""
-    _interrupt_after(monkeypatch, int4_gpu, "jax_time", 3)  # the 3 timings of the first row
+    _interrupt_after(monkeypatch, int4_gpu, "jax_time", 4)  # the 4 timings of the first row
     md = tmp_path / "i.md"
     with pytest.raises(SystemExit) as e:
         int4_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "i.png")])
