@@ -39,12 +39,11 @@ def fix_fully_masked_rows(args, out, lse, mode):
     if check_fully_masked_rows(mode) == "zero" or args.kv_len == 0:
         return out, lse
     if args.bias is None and not base.rows_can_lack_keys(args):
-        # No row can lose its keys (no mask at all, or a causal / window structure that leaves every
-        # row a key, e.g. jax.nn's top-left causal): no pass over the output.
+        # No mask can leave a row without a key (none at all, or a causal / window structure that leaves
+        # every row one, e.g. jax.nn's top-left causal): no pass over the output. (A row whose LSE is
+        # -inf only because its inputs are infinite keeps the kernel's answer there.)
         return out, lse
     masked = args.mask is not None or args.has_index_masks
-    if not masked and args.bias is None:
-        return out, lse  # every row has a finite logit
     empty = lse == -jnp.inf  # [B, N, T]
     rows = jnp.swapaxes(empty, 1, 2)[..., None]  # [B, T, N, 1]
     if not masked:  # only a -inf bias removed the keys: jax.nn's softmax of all -inf is NaN

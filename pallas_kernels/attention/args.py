@@ -383,7 +383,10 @@ def make_args(
             or any(not isinstance(w, (int, np.integer)) or w < 0 for w in window)
         ):
             raise ValueError(f"`window` must be a (left, right) pair of ints >= 0; got {window=}")
-        window = (int(window[0]), int(window[1]))
+        # A side wider than every distance between a query and a key masks nothing more: clamped, so
+        # that the kernels' int32 index arithmetic cannot wrap (e.g. a right side of 2**31 - 1).
+        cap = T + S + abs(diag_offset)
+        window = (min(int(window[0]), cap), min(int(window[1]), cap))
     if q_seq_lengths is not None:
         q_seq_lengths = _check_lengths("q_seq_lengths", q_seq_lengths, B, T)
     if kv_seq_lengths is not None:
