@@ -255,7 +255,8 @@ def test_outside_the_measured_envelope_the_priority_order_holds(call):
     "T, S, dtype, chosen",
     [
         (1, 131072, jnp.bfloat16, SDPBackend.CUDNN_ATTENTION),  # measured: cuDNN 573 us, ours 626
-        (16, 262144, jnp.bfloat16, SDPBackend.CUDNN_ATTENTION),
+        (1, 262144, jnp.bfloat16, SDPBackend.CUDNN_ATTENTION),
+        (2, 131072, jnp.bfloat16, SDPBackend.FLASH_ATTENTION),  # only one query row was measured
         (1, 16384, jnp.bfloat16, SDPBackend.FLASH_ATTENTION),  # a tie at 16k: nothing moves
         (1, 131072, jnp.float16, SDPBackend.FLASH_ATTENTION),  # f16 decode not measured
         (17, 131072, jnp.bfloat16, SDPBackend.FLASH_ATTENTION),  # not a decode row, shorter than 1k

@@ -80,7 +80,7 @@ MEASURED: list[Measurement] = [
         min_head_dim=128,
         max_head_dim=128,
         min_length=1,
-        max_q_length=16,
+        max_q_length=1,
         min_kv_length=131072,
         evidence=(
             "measured faster here: at decode (1 query row, 128k keys, GQA 32/8 heads of 128, batch 4) "

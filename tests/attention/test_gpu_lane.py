@@ -148,6 +148,37 @@ def test_default_dispatch_on_the_gpu_matches_jax_nn(dtype, causal):
         np.testing.assert_allclose(np.asarray(f32(a)) / scale, np.asarray(b) / scale, atol=3 * tol)
 
 
+def test_default_decode_at_long_kv_runs_cudnn_and_matches_jax_nn():
+    """One query row against 128k keys, GQA 8 / 2 heads of 128, bf16: the measured order runs cuDNN
+    (our bridge at T != S, GQA), forward and gradients against jax.nn's XLA path on float32 inputs."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(1, 1, 8, 128)), jnp.float32).astype(jnp.bfloat16)
+    k, v = (
+        jnp.asarray(rng.normal(size=(1, 131072, 2, 128)), jnp.float32).astype(jnp.bfloat16) for _ in range(2)
+    )
+    e = jb.attention.explain(q, k, v)
+    if float(jax.devices()[0].compute_capability) >= 9.0:
+        assert e.chosen == jb.SDPBackend.CUDNN_ATTENTION, str(e)
+    ct = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def grads(f, *xs):
+        out, vjp = jax.vjp(f, *xs)
+        return out.astype(jnp.float32), vjp(ct.astype(out.dtype))
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out, g = jax.jit(lambda *xs: grads(jb.dot_product_attention, *xs))(q, k, v)
+    want, gw = jax.jit(
+        lambda *xs: grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"), *xs)
+    )(f32(q), f32(k), f32(v))
+    tol = GPU_TOL[jnp.dtype(jnp.bfloat16)][0] * 2
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=tol, rtol=tol)
+    for a, b, name in zip(g, gw, "qkv"):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(
+            np.asarray(f32(a)) / scale, np.asarray(b) / scale, atol=3 * tol, err_msg=f"d{name}"
+        )
+
+
 def test_the_gpu_lane_reaches_the_compiled_kernels():
     """The lane is not vacuous: on this GPU, the kernels above lower to real GPU code."""
     x = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
