@@ -7,8 +7,9 @@ torch by CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.p
 * ``jb int4_matmul``: ``jb.quantized.int4_matmul`` (W4A16, bf16 activations; the engine dispatch picks),
 * ``jb dyn-quant``: ``jb.quantized.dyn_quant_matmul_4bit`` (W4A8, torch's numerics),
 * ``jb xla bf16``: the same call with the XLA engine pinned and bf16 operands
-  (``implementation="xla", compute_dtype=bfloat16``: at M > 16 the weight is dequantized by XLA and one
-  dense bf16 GEMM runs; the candidate for prefill, where our Pallas kernel trails dense bf16),
+  (``implementation="xla", compute_dtype=bfloat16``: at M > 8, ``xla.SMALL_M``, the weight is
+  dequantized by XLA and one dense bf16 GEMM runs, the candidate for prefill where our Pallas kernel
+  trails dense bf16; at M <= 8 the XLA engine's fused float32 dots run and the bf16 label does not apply),
 * ``dense bf16``: ``jnp.dot`` on the dequantized bf16 weight (what an int4 matmul should cost at
   prefill, and what it must beat at decode),
 * ``torch int4pack``: ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16 activations) when torch
