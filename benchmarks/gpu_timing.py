@@ -5,7 +5,7 @@ Python wall clock around one call measures dispatch and launch latency as much a
 * :func:`jax_time` compiles one ``lax.fori_loop`` of ``iters`` *dependent* calls (each call's inputs
   are nudged by ``eps * sum(previous output)``, with ``eps`` a run-time zero so XLA can neither fold it
   away nor hoist the call out of the loop) and divides the loop's time by ``iters``; the nudge costs
-  one pass over the output, small next to the kernels timed here.
+  one pass over the output, small next to the kernels timed here (`pallas_kernels.timing.loop_time`).
 * :func:`torch_time` times ``iters`` back-to-back launches between two CUDA events.
 
 Both take the median of ``repeats`` runs after a warm-up (compilation, autotuning, caches).
@@ -13,53 +13,26 @@ Both take the median of ``repeats`` runs after a warm-up (compilation, autotunin
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.timing import loop_time
 
 __all__ = ["jax_time", "torch_cuda", "torch_time", "ratio", "pyplot"]
 
 
-def _nudge(carry: Sequence[Any], out: Any, eps) -> tuple:
-    """``carry`` with its first array moved by ``eps * sum(first leaf of out)``: a data dependence of
-    the next call on this one that is numerically a no-op (``eps`` is zero at run time)."""
-    leaf = jax.tree.leaves(out)[0]
-    first = carry[0]
-    delta = (eps * jnp.sum(leaf.astype(jnp.float32))).astype(first.dtype)
-    return (first + delta,) + tuple(carry[1:])
-
-
 def jax_time(fn: Callable, args: Sequence[Any], iters: int = 20, repeats: int = 3) -> float:
-    """Seconds per call of ``fn(*args)`` on the default device, from one jitted loop of dependent calls.
+    """Seconds per call of ``fn(*args)`` on the default device, from one jitted loop of dependent calls
+    (:func:`pallas_kernels.timing.loop_time`, which the autotuner uses too).
 
     Args:
-      fn: traceable; ``args[0]`` must be a floating array (it carries the dependence).
-      args: the inputs (device arrays).
+      fn: traceable; the first floating leaf of ``args`` carries the dependence.
+      args: the inputs (device arrays or pytrees of them).
       iters: calls per timed loop (>= 1).
       repeats: timed loops; the median is returned.
     """
-    if iters < 1 or repeats < 1:
-        raise ValueError(f"jax_time: iters and repeats must be >= 1 (got {iters}, {repeats})")
-    args = tuple(args)
-
-    @jax.jit
-    def loop(args, eps):
-        def body(_, carry):
-            return _nudge(carry, fn(*carry), eps)
-
-        return jax.lax.fori_loop(0, iters, body, args)
-
-    eps = jnp.zeros((), jnp.float32)
-    jax.block_until_ready(loop(args, eps))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(args, eps))
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    return loop_time(fn, args, iters=iters, repeats=repeats)
 
 
 def torch_cuda() -> Optional[Any]:

@@ -7,8 +7,10 @@ key is a *shape class*: the device kind (e.g. ``"NVIDIA H100 80GB HBM3"``), the 
 head dims, power-of-two buckets of the query / key lengths, the GQA group size and which features
 change the inner loop (causal, window, bias, mask, dropout, softcap). Candidates that fail to compile
 (e.g. too much shared memory) are skipped. :func:`autotune_int4` does the same for the Pallas Triton
-int4 kernels (whose ``triton_config.Config`` follows the same protocol); :func:`fastest` is the timing
-loop of both.
+int4 kernels (whose ``triton_config.Config`` follows the same protocol); :func:`timings` /
+:func:`fastest` time both, each candidate in one jitted loop of dependent calls
+(:func:`pallas_kernels.timing.loop_time`), not by a clock around one call. ``benchmarks/tune_gpu.py``
+compares the heuristics with the search spaces on a GPU.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -40,6 +41,7 @@ from pallas_kernels.attention import (
     triton_tuning,
 )
 from pallas_kernels.int4_matmul import base as int4_base, triton as int4_triton, triton_config as int4_config
+from pallas_kernels.timing import loop_time
 
 __all__ = [
     "KERNELS",
@@ -49,6 +51,9 @@ __all__ = [
     "autotune",
     "autotune_int4",
     "fastest",
+    "timings",
+    "runner",
+    "int4_runner",
     "clear_cache",
     "cache",
 ]
@@ -116,7 +121,9 @@ def candidates(kernel: str, head_dim: int, dtype=jnp.bfloat16) -> list:
     return CONFIGS[kernel].search_space(base.make_args(x, x, x))
 
 
-def _runner(kernel: str, args: base.AttentionArgs, config, interpret: bool) -> Callable:
+def runner(kernel: str, args: base.AttentionArgs, config, interpret: bool = False) -> Callable:
+    """The jitted function :func:`autotune` times for ``kernel`` with ``config`` (``args -> outputs``;
+    ``"*_bwd"``: the forward with its default config, then the backward with ``config``)."""
     if kernel in ("flash", "mem_efficient"):
         return jax.jit(lambda a: triton_flash.forward(a, config=config, interpret=interpret))
     if kernel in ("flash_bwd", "mem_efficient_bwd"):
@@ -166,7 +173,13 @@ def autotune(
 
     def measure():
         space = cands if cands is not None else CONFIGS[kernel].search_space(args)
-        return fastest(lambda cfg: _runner(kernel, args, cfg, interpret), space, (args,), repeats=repeats)
+        return fastest(
+            lambda cfg: runner(kernel, args, cfg, interpret),
+            space,
+            (args,),
+            repeats=repeats,
+            iters=_iters(interpret),
+        )
 
     return _cached(shape_class(args, kernel, interpret=interpret), use_cache, measure)
 
@@ -181,6 +194,11 @@ def _cached(key, use_cache: bool, measure: Callable):
     with _lock:
         _cache[key] = best
     return best
+
+
+def _iters(interpret: bool) -> int:
+    """Calls per timed loop: 10 on a GPU; 1 in interpret mode (CPU tests of the tuner, no timing value)."""
+    return 1 if interpret else 10
 
 
 def _check_timing(repeats, interpret) -> None:
@@ -214,39 +232,54 @@ def autotune_int4(
     _check_timing(repeats, interpret)
     key = (_device_kind(interpret), "int4_" + op, str(call.x_dtype), _bucket(call.rows))
     key += (packed.out_features, packed.in_features, packed.groupsize)
-    fn = int4_triton.weight_only_matmul if op == "weight_only" else int4_triton.dyn_quant_matmul
     cands = list(candidates) if candidates is not None else int4_config.Config.search_space(call)
 
     def measure():
-        run = lambda cfg: jax.jit(lambda a, p: fn(a, p, config=cfg, interpret=interpret))  # noqa: E731
-        return fastest(run, cands, (x, packed), repeats=repeats)
+        run = lambda cfg: int4_runner(op, cfg, interpret)  # noqa: E731
+        return fastest(run, cands, (x, packed), repeats=repeats, iters=_iters(interpret))
 
     return _cached(key, use_cache, measure)
 
 
-def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5):
-    """The config whose ``make_fn(config)(*operands)`` runs fastest (median of ``repeats`` timed runs
-    after one warm-up run); a config that fails to compile or run is skipped.
+def timings(
+    make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5, iters: int = 10
+) -> list:
+    """``[(config, seconds per call or None, error or None)]`` for each config: ``make_fn(config)`` timed
+    on ``operands`` in one jitted loop of ``iters`` dependent calls (:func:`pallas_kernels.timing.loop_time`,
+    the median of ``repeats`` loops after a warm-up), not by a clock around one call, whose launch and
+    synchronisation costs would swamp a short kernel. A config that fails to compile or run gets its
+    error instead of a time."""
+    out = []
+    for cfg in configs:
+        try:
+            t = loop_time(make_fn(cfg), operands, iters=iters, repeats=repeats)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
+            out.append((cfg, None, f"{type(e).__name__}: {e}"[:300]))
+            continue
+        out.append((cfg, t, None))
+    return out
+
+
+def int4_runner(op: str, config, interpret: bool = False) -> Callable:
+    """The jitted ``(x, packed) -> out`` :func:`autotune_int4` times: the Pallas Triton int4 kernel of
+    ``op`` (``"weight_only"`` / ``"dyn_quant"``) with ``config``."""
+    if op not in ("weight_only", "dyn_quant"):
+        raise ValueError(f"`op` must be 'weight_only' or 'dyn_quant'; got {op!r}")
+    fn = int4_triton.weight_only_matmul if op == "weight_only" else int4_triton.dyn_quant_matmul
+    return jax.jit(lambda a, p: fn(a, p, config=config, interpret=interpret))
+
+
+def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5, iters: int = 10):
+    """The config whose ``make_fn(config)(*operands)`` runs fastest (:func:`timings`); a config that fails
+    to compile or run is skipped.
 
     Raises:
       RuntimeError: every config failed (their errors are listed).
     """
-    best, best_t, errors = None, math.inf, []
-    for cfg in configs:
-        fn = make_fn(cfg)
-        try:
-            jax.block_until_ready(fn(*operands))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*operands))
-                times.append(time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
-            errors.append(f"{cfg}: {type(e).__name__}: {e}"[:300])
-            continue
-        t = sorted(times)[len(times) // 2]
-        if t < best_t:
-            best, best_t = cfg, t
-    if best is None:
-        raise RuntimeError("autotune: every candidate failed:\n" + "\n".join(errors))
-    return best
+    timed = timings(make_fn, configs, operands, repeats=repeats, iters=iters)
+    ok = [(t, i) for i, (_, t, _) in enumerate(timed) if t is not None]
+    if not ok:
+        raise RuntimeError(
+            "autotune: every candidate failed:\n" + "\n".join(f"{c}: {e}" for c, _, e in timed)
+        )
+    return timed[min(ok)[1]][0]
