@@ -18,6 +18,10 @@
 #              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 150 s)
 #   int4       benchmarks/int4_gpu.py with GPU_SESSION_INT4_ARGS (default: its own M and shapes)
 #              (limit 120 s)
+#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 240): the Pallas
+#              Triton kernels' default configs against the fastest of their search spaces (limit 280 s;
+#              not in the default steps; its table goes to its log, so that the second call's
+#              "attention int4 tune" stays within the 8 files)
 # A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
 # summaries and the markdown tables are printed last, so that they are in the tail of the output the
 # device tool returns even where the files are not fetched. Exit status: 0 when every step exited 0,
@@ -28,14 +32,14 @@ STEPS=${GPU_SESSION_STEPS-lane attention int4}
 SMOKE=${GPU_SESSION_SMOKE:-}
 read -r -a steps <<<"$STEPS"
 if [ "${#steps[@]}" -eq 0 ]; then
-  echo "gpu_session.sh: GPU_SESSION_STEPS names no step (expected some of: lane attention int4)" >&2
+  echo "gpu_session.sh: GPU_SESSION_STEPS names no step (expected some of: lane attention int4 tune)" >&2
   exit 2
 fi
 for s in "${steps[@]}"; do  # checked before any step runs
   case $s in
-    lane | attention | int4) ;;
+    lane | attention | int4 | tune) ;;
     *)
-      echo "gpu_session.sh: unknown step '$s' in GPU_SESSION_STEPS (expected: lane, attention, int4)" >&2
+      echo "gpu_session.sh: unknown step '$s' in GPU_SESSION_STEPS (expected: lane, attention, int4, tune)" >&2
       exit 2
       ;;
   esac
@@ -111,6 +115,12 @@ for s in "${steps[@]}"; do
       step int4_gpu "${GPU_SESSION_INT4_S:-120}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
         benchmarks/int4_gpu.py $args --md "$OUT/int4_gpu.md" --png "$OUT/int4_gpu.png"
       ;;
+    tune)
+      args=${GPU_SESSION_TUNE_ARGS:---budget-s 240}
+      [ -n "$SMOKE" ] && args="$args --smoke"
+      # shellcheck disable=SC2086
+      step tune_gpu "${GPU_SESSION_TUNE_S:-280}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
+      ;;
   esac
 done
 set +f
@@ -124,6 +134,9 @@ for s in "${steps[@]}"; do
   if [ -f "$OUT/$log.md" ]; then
     echo "---- $log.md"
     cat "$OUT/$log.md"
+  elif [ "$s" = tune ]; then
+    echo "---- $log.log (its table)"
+    sed -n '/^Pallas Triton configs/,$p' "$OUT/$log.log" 2>/dev/null
   else
     echo "---- $log.log (last lines)"
     tail -n 12 "$OUT/$log.log" 2>/dev/null

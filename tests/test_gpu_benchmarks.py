@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from benchmarks import attention_gpu, gpu_timing, int4_gpu
+from benchmarks import attention_gpu, gpu_timing, int4_gpu, tune_gpu
 
 
 def test_attention_gpu_smoke(tmp_path):
@@ -41,6 +41,60 @@ def test_jax_time_checks_its_arguments():
     assert gpu_timing.ratio(2.0, 1.0) == "2.00x" and gpu_timing.ratio(float("nan"), 1.0) == "-"
 
 
+def test_loop_time_carries_the_dependence_through_pytrees():
+    """The shared in-jit timer takes records (AttentionArgs, a packed weight) as operands: the first
+    floating leaf carries the dependence; without one it says so."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import base
+    from pallas_kernels.timing import loop_time
+
+    x = jnp.ones((1, 8, 2, 16))
+    args = base.make_args(x, x, x, q_seq_lengths=jnp.array([5], jnp.int32))
+    assert loop_time(lambda a: base.reference(a), (args,), iters=2, repeats=1) > 0
+    with pytest.raises(ValueError, match="no floating array"):
+        loop_time(lambda i: i + 1, (jnp.arange(3),), iters=1, repeats=1)
+    with pytest.raises(ValueError, match="iters and repeats"):
+        loop_time(lambda x: x, (x,), iters=1, repeats=0)
+
+
+def test_autotune_timings_report_failures_beside_times():
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import autotune
+
+    def make(cfg):
+        if cfg == "bad":
+            raise ValueError("does not fit")
+        return lambda x: x * cfg
+
+    timed = autotune.timings(make, [2.0, "bad", 3.0], (jnp.ones(4),), repeats=1, iters=1)
+    assert [c for c, _, _ in timed] == [2.0, "bad", 3.0]
+    assert timed[1][1] is None and "does not fit" in timed[1][2]
+    assert all(t > 0 and e is None for _, t, e in (timed[0], timed[2]))
+    assert autotune.fastest(make, [2.0, "bad"], (jnp.ones(4),), repeats=1, iters=1) == 2.0
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        autotune.fastest(make, ["bad"], (jnp.ones(4),), repeats=1, iters=1)
+
+
+def test_tune_gpu_smoke(tmp_path):
+    """The tuning sweep times each call's default config and walks its search space (interpret mode on
+    CPU: the times mean nothing, the bookkeeping is what is checked)."""
+    md = tmp_path / "t.md"
+    rows = tune_gpu.main(["--smoke", "--cases", "int4_w4a8", "decode", "--md", str(md)])
+    assert [r["label"] for r in rows] == [  # in CASES order, not the command line's
+        "decode S=64 GQA 4/2",
+        "int4_w4a8 256x128 M=1",
+        "int4_w4a8 256x128 M=32",
+    ]
+    for r in rows:
+        assert r["walk"] == "coordinates" and r["tried"] >= 3 and r["failed"] == 0
+        assert r["t_default"] > 0 and 0 < r["t_best"] <= r["t_default"]
+    assert "| decode S=64 GQA 4/2 |" in md.read_text()
+    # the coordinate walk: every config tried is the default or one field from a config tried before
+    assert tune_gpu._distance(rows[0]["best"], rows[0]["default"]) <= 2
+
+
 def _interrupt_after(monkeypatch, module, name, calls):
     """Patches module.name to run as before `calls` times, then raise KeyboardInterrupt (what SIGINT does)."""
     real, count = getattr(module, name), [0]
@@ -65,6 +119,14 @@ def test_gpu_benchmarks_keep_their_rows_when_interrupted(tmp_path, monkeypatch):
     text = md.read_text()
     assert "| 256x128 | 1 |" in text and "| 256x128 | 16 |" not in text
     assert "(interrupted: 1 of 2 rows)" in text
+
+    from pallas_kernels.attention import autotune
+
+    _interrupt_after(monkeypatch, autotune, "timings", 3)  # inside the first call's walk
+    md = tmp_path / "t.md"
+    with pytest.raises(SystemExit) as e:
+        tune_gpu.main(["--smoke", "--cases", "int4_w4a8", "--md", str(md)])
+    assert e.value.code == 130 and "(interrupted: 0 of 2 calls)" in md.read_text()
 
     _interrupt_after(monkeypatch, attention_gpu, "run_case", 1)
     md = tmp_path / "a.md"
@@ -122,6 +184,11 @@ def test_gpu_session_script_limits_and_bad_settings(tmp_path):
 
     res = _session(tmp_path / "spent", GPU_SESSION_STEPS="int4", GPU_SESSION_TOTAL_S="2")
     assert res.returncode == 1 and "int4_gpu: not run (the 2 s total is spent)" in res.stdout
+
+    res = _session(tmp_path / "tune", GPU_SESSION_STEPS="tune", GPU_SESSION_TUNE_ARGS="--cases int4_w4a8")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "tune_gpu: exit 0 after" in res.stdout and "| int4_w4a8 256x128 M=32 |" in res.stdout
+    assert {p.name for p in (tmp_path / "tune").iterdir()} == {"env.txt", "tune_gpu.log"}
 
     for steps, msg in (("lane nope", "unknown step 'nope'"), ("", "names no step"), ("  ", "names no step")):
         bad = _session(tmp_path / "bad", GPU_SESSION_STEPS=steps)
