@@ -183,6 +183,7 @@ def _w4a16_kernel(
     block_k,
     steps_per_prog,
     compute_dtype,
+    scale_after_dot,
 ):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
@@ -193,13 +194,17 @@ def _w4a16_kernel(
     def step(t, acc):
         kstep = pid_s * steps_per_prog + t
         k0 = kstep * bkh
-        g = (kstep * block_k) // groupsize
+        g = (kstep * block_k) // groupsize  # block_k divides groupsize: the step lies in one group
         xe = _load(xe_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
         xo = _load(xo_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
-        s = _load(st_ref.at[g], cmask, 0.0)[:, None]
+        s = _load(st_ref.at[g], cmask, 0.0)
         lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
-        lo = (lo.astype(jnp.float32) * s).astype(compute_dtype)  # dequantized in registers
-        hi = (hi.astype(jnp.float32) * s).astype(compute_dtype)
+        if scale_after_dot:  # the exact integers u - 8; the group's scales multiply the step's dot
+            d = jnp.dot(xe, lo.astype(compute_dtype).T, preferred_element_type=jnp.float32, precision=prec)
+            d += jnp.dot(xo, hi.astype(compute_dtype).T, preferred_element_type=jnp.float32, precision=prec)
+            return acc + d * s[None, :]
+        lo = (lo.astype(jnp.float32) * s[:, None]).astype(compute_dtype)  # dequantized in registers
+        hi = (hi.astype(jnp.float32) * s[:, None]).astype(compute_dtype)
         acc += jnp.dot(xe, lo.T, preferred_element_type=jnp.float32, precision=prec)
         acc += jnp.dot(xo, hi.T, preferred_element_type=jnp.float32, precision=prec)
         return acc
@@ -297,6 +302,10 @@ def dyn_quant_matmul(
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     cfg = config or Config.heuristics(base.Int4Call.of("dyn_quant", x, packed))
+    if cfg.scale_after_dot:
+        raise ValueError(
+            "config.scale_after_dot is a W4A16 option: the W4A8 kernel already runs integer dots per group"
+        )
     qa, zp, recip = base.quantize_activations(x2, packed.channelwise)
     if M == 0:
         out = jnp.zeros((0, packed.out_features), jnp.float32)
@@ -376,6 +385,7 @@ def weight_only_matmul(
             block_k=cfg.block_k,
             steps_per_prog=steps // cfg.split_k,
             compute_dtype=cd,
+            scale_after_dot=cfg.scale_after_dot,
         )
         parts = pl.pallas_call(
             kernel,

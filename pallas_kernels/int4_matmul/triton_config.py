@@ -41,6 +41,12 @@ class Config:
         divides the number of steps (groups).
       num_warps: Triton warps per program.
       num_stages: software-pipelining depth.
+      scale_after_dot: W4A16 only. Dequantize each nibble to the exact
+        integer ``u - 8`` in the compute dtype and multiply each step's dot
+        (its k lie in one group) by the group scales, instead of scaling
+        every weight before the dot: no multiply and no float32 round trip
+        per weight, and no rounding of ``(u - 8) * scale`` to bf16 / f16.
+        Off in the heuristics until measured on a GPU; in the search space.
     """
 
     block_m: int = 16
@@ -49,6 +55,7 @@ class Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    scale_after_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -62,6 +69,8 @@ class Config:
             )
         if self.split_k < 1:
             raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
+        if not isinstance(self.scale_after_dot, bool):
+            raise TypeError(f"Config.scale_after_dot must be a bool, got {self.scale_after_dot!r}")
 
     @classmethod
     def heuristics(cls, call: base.Int4Call, device: Mapping[str, Any] | None = None) -> "Config":
@@ -78,7 +87,8 @@ class Config:
         """The configs the kernel of ``call`` accepts among: decode (``M <= 16``) 16-row tiles x
         32 / 64 / 128 features with split-K 1 / 2 / 4 / 8 / 16, prefill 32 / 64 / 128 rows x 64 / 128
         features; ``block_k`` every power of two from the kernel's minimum up to 256 (decode) / 128
-        (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages."""
+        (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages; W4A16 with and without
+        ``scale_after_dot``."""
         p, mode = call.packed, _mode(call)
         M, K, g = call.rows, p.in_features, p.groupsize
         decode = M <= DECODE_M
@@ -96,7 +106,8 @@ class Config:
                             continue
                         for warps in (4, 8):
                             for stages in (2, 3):
-                                out.append(cls(bm, bn, bk, split, warps, stages))
+                                for after in (False, True) if mode == "w4a16" else (False,):
+                                    out.append(cls(bm, bn, bk, split, warps, stages, after))
         return out
 
 

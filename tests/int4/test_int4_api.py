@@ -68,6 +68,28 @@ def test_export_for_cuda_carries_triton(M, g, mode):
     assert exp.out_avals[0].shape == (2, M, N)
 
 
+@pytest.mark.parametrize("M", [1, 40])
+def test_export_for_cuda_scale_after_dot(M):
+    """The W4A16 kernel's scale-after-dot option (search space only) lowers to Triton for CUDA too."""
+    from pallas_kernels.int4_matmul import triton
+
+    K, N, g = 256, 96, 64
+    p = jax.eval_shape(
+        lambda: Q.dyn_quant_pack_4bit_weight(
+            jnp.zeros((N, K // 2), jnp.uint8), jnp.zeros((N, K // g)), jnp.zeros(N), g, K, N
+        )
+    )
+    x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+    cfg = triton.Config(16 if M <= 16 else 32, 32, 64, 2 if M <= 16 else 1, scale_after_dot=True)
+    with gpu.cuda_target():
+        exp = export.export(
+            jax.jit(lambda x, p: triton.weight_only_matmul(x, p, config=cfg)),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)],
+        )(x, p)
+    assert TRITON in exp.mlir_module() and exp.out_avals[0].shape == (M, N)
+
+
 def test_vmap_over_weights_and_inputs():
     x, p = make_case(2, 64, 16, 32, True)
     x2, p2 = make_case(2, 64, 16, 32, False, seed=5)

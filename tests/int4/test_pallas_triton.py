@@ -11,6 +11,8 @@ run the new masked windows (groupsizes that are odd multiples of 32) bit for bit
 run the compiled kernels against the XLA engine.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,43 @@ def test_w4a8_windows_wider_than_the_group(block_k, split_k):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)))
 
 
+@pytest.mark.parametrize(
+    "M,K,N,g,bias",
+    [(1, 256, 40, 32, True), (3, 512, 24, 128, False), (20, 256, 17, 64, True), (5, 384, 33, 384, True)],
+)
+def test_w4a16_scale_after_dot_near_float64(M, K, N, g, bias):
+    """The option that multiplies each step's dot by the group scales (exact integer weights in the
+    dot) computes the same product: float32 within 3e-7 of float64 like the default path, bf16 no worse
+    than it; split-K, ragged N and rows, channel-wise and bias included."""
+    x, p = make_case(M, K, N, g, bias)
+    want = _f64_reference(x, p) if bias else np.asarray(x, np.float64) @ _f64_weight(p).T
+    split = 2 if M <= triton.DECODE_M and (K // 32) % 2 == 0 else 1
+    errs = {}
+    for after in (False, True):
+        cfg = triton.Config(16 if M <= 16 else 32, 16, 32, split, scale_after_dot=after)
+        for dt in (jnp.float32, jnp.bfloat16):
+            got = np.asarray(
+                triton.weight_only_matmul(x.astype(dt), p, config=cfg, interpret=True), np.float64
+            )
+            errs[after, jnp.dtype(dt).name] = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert errs[True, "float32"] < 3e-7, errs
+    assert errs[True, "bfloat16"] <= 1.05 * errs[False, "bfloat16"] and errs[True, "bfloat16"] < 5e-3, errs
+
+
+def test_scale_after_dot_is_checked_and_w4a16_only():
+    with pytest.raises(TypeError, match="scale_after_dot must be a bool"):
+        triton.Config(scale_after_dot=1)
+    x, p = make_case(2, 128, 16, 64, False)
+    with pytest.raises(ValueError, match="W4A16 option"):
+        triton.dyn_quant_matmul(x, p, config=triton.Config(block_k=64, scale_after_dot=True), interpret=True)
+    spaces = {
+        op: triton.Config.search_space(base.Int4Call.of(op, x, p)) for op in ("weight_only", "dyn_quant")
+    }
+    assert {c.scale_after_dot for c in spaces["weight_only"]} == {False, True}
+    assert {c.scale_after_dot for c in spaces["dyn_quant"]} == {False}
+    assert not triton.Config.heuristics(base.Int4Call.of("weight_only", x, p)).scale_after_dot  # not measured
+
+
 # ------------------------------------------------------------------------------------ the gpu lane
 
 _GPU_SHAPES = (
@@ -148,9 +187,12 @@ _GPU_SHAPES = (
 _GPU_M = (1, 4, 16, 33, 64, 128, 256, 512)
 
 
+def _f64_weight(p):
+    return np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
+
+
 def _f64_reference(x, p):
-    w = np.asarray(base.dequantize(p.weight, p.scales, p.groupsize), np.float64)
-    return np.asarray(x, np.float64) @ w.T + np.asarray(p.bias, np.float64)
+    return np.asarray(x, np.float64) @ _f64_weight(p).T + np.asarray(p.bias, np.float64)
 
 
 @pytest.mark.gpu
@@ -170,8 +212,13 @@ def test_gpu_w4a8_compiled_equals_xla(K, N, g):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,N,g", _GPU_SHAPES[:8], ids=[f"K{k}-N{n}-g{g}" for k, n, g in _GPU_SHAPES[:8]])
-def test_gpu_w4a16_compiled_near_float64(K, N, g):
-    fn = jax.jit(lambda x, p: Q.int4_matmul(x, p, implementation="pallas"))
+@pytest.mark.parametrize("after", [False, True], ids=["scaled_weights", "scale_after_dot"])
+def test_gpu_w4a16_compiled_near_float64(K, N, g, after):
+    def kernel(x, p):
+        cfg = triton.Config.heuristics(base.Int4Call.of("weight_only", x, p))
+        return triton.weight_only_matmul(x, p, config=dataclasses.replace(cfg, scale_after_dot=after))
+
+    fn = jax.jit(kernel) if after else jax.jit(lambda x, p: Q.int4_matmul(x, p, implementation="pallas"))
     for M in _GPU_M:
         x, p = make_case(M, K, N, g, True)
         want = _f64_reference(x, p)
