@@ -184,12 +184,33 @@ def _w4a16_kernel(
     steps_per_prog,
     compute_dtype,
     scale_after_dot,
+    mma,
 ):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
     cmask = pid_n * block_n + jnp.arange(block_n) < N
     bkh = block_k // 2
     prec = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    if not mma:
+        _w4a16_rows(
+            xe_ref,
+            xo_ref,
+            w_ref,
+            st_ref,
+            out_ref,
+            pid_m,
+            pid_s,
+            cmask,
+            M=M,
+            block_m=block_m,
+            bkh=bkh,
+            groupsize=groupsize,
+            block_k=block_k,
+            steps_per_prog=steps_per_prog,
+            compute_dtype=compute_dtype,
+            scale_after_dot=scale_after_dot,
+        )
+        return
 
     def step(t, acc):
         kstep = pid_s * steps_per_prog + t
@@ -211,6 +232,58 @@ def _w4a16_kernel(
 
     acc = lax.fori_loop(0, steps_per_prog, step, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+def _w4a16_rows(
+    xe_ref,
+    xo_ref,
+    w_ref,
+    st_ref,
+    out_ref,
+    pid_m,
+    pid_s,
+    cmask,
+    *,
+    M,
+    block_m,
+    bkh,
+    groupsize,
+    block_k,
+    steps_per_prog,
+    compute_dtype,
+    scale_after_dot,
+):
+    """The W4A16 step without MMAs (``Config.mma=False``, decode): each of the ``min(block_m, M)`` rows
+    of the program is a multiply and a sum over k in float32 against the dequantized tile, in the layout
+    the tile was loaded in (no MMA operand layout, no padding of one row to 16)."""
+    rows = min(block_m, M)
+    valid = [pid_m * block_m + r < M for r in range(rows)]
+
+    def xrow(ref, r, k0):  # row r of the activations, [1, bkh], rounded to the compute dtype as for MMAs
+        x = _load(ref.at[pl.ds(r, 1), pl.ds(k0, bkh)], jnp.full((1, bkh), valid[r]), 0)
+        return x.astype(compute_dtype).astype(jnp.float32)
+
+    def step(t, acc):
+        kstep = pid_s * steps_per_prog + t
+        k0 = kstep * bkh
+        g = (kstep * block_k) // groupsize
+        s = _load(st_ref.at[g], cmask, 0.0)
+        lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
+        if scale_after_dot:
+            lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+        else:  # the weight as the MMA path rounds it: (u - 8) * scale in the compute dtype
+            lo = (lo.astype(jnp.float32) * s[:, None]).astype(compute_dtype).astype(jnp.float32)
+            hi = (hi.astype(jnp.float32) * s[:, None]).astype(compute_dtype).astype(jnp.float32)
+        out = []
+        for r in range(rows):
+            d = jnp.sum(lo * xrow(xe_ref, r, k0), axis=1) + jnp.sum(hi * xrow(xo_ref, r, k0), axis=1)
+            out.append(acc[r] + (d * s if scale_after_dot else d))
+        return tuple(out)
+
+    zero = jnp.zeros(cmask.shape, jnp.float32)
+    acc = lax.fori_loop(0, steps_per_prog, step, tuple(zero for _ in range(rows)))
+    for r in range(rows):
+        plgpu.store(out_ref.at[pl.ds(r, 1), :], acc[r][None, :], mask=(cmask & valid[r])[None, :])
 
 
 # ------------------------------------------------------------------- launches
@@ -302,9 +375,10 @@ def dyn_quant_matmul(
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     cfg = config or Config.heuristics(base.Int4Call.of("dyn_quant", x, packed))
-    if cfg.scale_after_dot:
+    if cfg.scale_after_dot or not cfg.mma:
         raise ValueError(
-            "config.scale_after_dot is a W4A16 option: the W4A8 kernel already runs integer dots per group"
+            "config.scale_after_dot and config.mma=False are W4A16 options: the W4A8 kernel runs integer "
+            "MMAs per group"
         )
     qa, zp, recip = base.quantize_activations(x2, packed.channelwise)
     if M == 0:
@@ -386,6 +460,7 @@ def weight_only_matmul(
             steps_per_prog=steps // cfg.split_k,
             compute_dtype=cd,
             scale_after_dot=cfg.scale_after_dot,
+            mma=cfg.mma,
         )
         parts = pl.pallas_call(
             kernel,

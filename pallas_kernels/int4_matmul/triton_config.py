@@ -47,6 +47,12 @@ class Config:
         every weight before the dot: no multiply and no float32 round trip
         per weight, and no rounding of ``(u - 8) * scale`` to bf16 / f16.
         Off in the heuristics until measured on a GPU; in the search space.
+      mma: W4A16 only. False: no MMA; each of the program's rows (at most
+        ``min(block_m, M)``) is a float32 multiply and sum over k against the
+        dequantized tile in the layout it was loaded in (a GEMV: no operand
+        layout conversion, no padding of one row to 16). For decode; on in
+        the heuristics until measured on a GPU; both in the decode search
+        space.
     """
 
     block_m: int = 16
@@ -56,6 +62,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 2
     scale_after_dot: bool = False
+    mma: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -69,8 +76,9 @@ class Config:
             )
         if self.split_k < 1:
             raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
-        if not isinstance(self.scale_after_dot, bool):
-            raise TypeError(f"Config.scale_after_dot must be a bool, got {self.scale_after_dot!r}")
+        for name in ("scale_after_dot", "mma"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def heuristics(cls, call: base.Int4Call, device: Mapping[str, Any] | None = None) -> "Config":
@@ -88,7 +96,7 @@ class Config:
         32 / 64 / 128 features with split-K 1 / 2 / 4 / 8 / 16, prefill 32 / 64 / 128 rows x 64 / 128
         features; ``block_k`` every power of two from the kernel's minimum up to 256 (decode) / 128
         (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages; W4A16 with and without
-        ``scale_after_dot``."""
+        ``scale_after_dot``, and at decode with and without ``mma``."""
         p, mode = call.packed, _mode(call)
         M, K, g = call.rows, p.in_features, p.groupsize
         decode = M <= DECODE_M
@@ -107,7 +115,8 @@ class Config:
                         for warps in (4, 8):
                             for stages in (2, 3):
                                 for after in (False, True) if mode == "w4a16" else (False,):
-                                    out.append(cls(bm, bn, bk, split, warps, stages, after))
+                                    for mma in (True, False) if mode == "w4a16" and decode else (True,):
+                                        out.append(cls(bm, bn, bk, split, warps, stages, after, mma))
         return out
 
 

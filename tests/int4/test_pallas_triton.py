@@ -144,37 +144,45 @@ def test_w4a8_windows_wider_than_the_group(block_k, split_k):
     "M,K,N,g,bias",
     [(1, 256, 40, 32, True), (3, 512, 24, 128, False), (20, 256, 17, 64, True), (5, 384, 33, 384, True)],
 )
-def test_w4a16_scale_after_dot_near_float64(M, K, N, g, bias):
-    """The option that multiplies each step's dot by the group scales (exact integer weights in the
-    dot) computes the same product: float32 within 3e-7 of float64 like the default path, bf16 no worse
-    than it; split-K, ragged N and rows, channel-wise and bias included."""
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "no_mma"])
+def test_w4a16_search_space_options_near_float64(M, K, N, g, bias, mma):
+    """The W4A16 options of the search space compute the same product: ``scale_after_dot`` (exact
+    integer weights in the dot, the group scales on each step's dot) and ``mma=False`` (each row a
+    float32 multiply-and-sum, no MMA): float32 within 3e-7 of float64 like the default path, bf16 no
+    worse than it; split-K, ragged N and rows (more rows than one program holds), channel-wise and bias
+    included."""
     x, p = make_case(M, K, N, g, bias)
     want = _f64_reference(x, p) if bias else np.asarray(x, np.float64) @ _f64_weight(p).T
     split = 2 if M <= triton.DECODE_M and (K // 32) % 2 == 0 else 1
     errs = {}
     for after in (False, True):
-        cfg = triton.Config(16 if M <= 16 else 32, 16, 32, split, scale_after_dot=after)
+        cfg = triton.Config(16, 16, 32, split, scale_after_dot=after, mma=mma)
         for dt in (jnp.float32, jnp.bfloat16):
-            got = np.asarray(
-                triton.weight_only_matmul(x.astype(dt), p, config=cfg, interpret=True), np.float64
-            )
-            errs[after, jnp.dtype(dt).name] = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert errs[True, "float32"] < 3e-7, errs
+            got = triton.weight_only_matmul(x.astype(dt), p, config=cfg, interpret=True)
+            errs[after, jnp.dtype(dt).name] = np.linalg.norm(
+                np.asarray(got, np.float64) - want
+            ) / np.linalg.norm(want)
+    assert errs[False, "float32"] < 3e-7 and errs[True, "float32"] < 3e-7, errs
     assert errs[True, "bfloat16"] <= 1.05 * errs[False, "bfloat16"] and errs[True, "bfloat16"] < 5e-3, errs
 
 
-def test_scale_after_dot_is_checked_and_w4a16_only():
+def test_w4a16_options_are_checked_and_w4a16_only():
     with pytest.raises(TypeError, match="scale_after_dot must be a bool"):
         triton.Config(scale_after_dot=1)
-    x, p = make_case(2, 128, 16, 64, False)
-    with pytest.raises(ValueError, match="W4A16 option"):
-        triton.dyn_quant_matmul(x, p, config=triton.Config(block_k=64, scale_after_dot=True), interpret=True)
-    spaces = {
-        op: triton.Config.search_space(base.Int4Call.of(op, x, p)) for op in ("weight_only", "dyn_quant")
-    }
-    assert {c.scale_after_dot for c in spaces["weight_only"]} == {False, True}
-    assert {c.scale_after_dot for c in spaces["dyn_quant"]} == {False}
-    assert not triton.Config.heuristics(base.Int4Call.of("weight_only", x, p)).scale_after_dot  # not measured
+    with pytest.raises(TypeError, match="mma must be a bool"):
+        triton.Config(mma=None)
+    for M in (2, 40):
+        x, p = make_case(M, 128, 16, 64, False)
+        for opt in (dict(scale_after_dot=True), dict(mma=False)):
+            with pytest.raises(ValueError, match="W4A16 options"):
+                triton.dyn_quant_matmul(x, p, config=triton.Config(block_k=64, **opt), interpret=True)
+        calls = {op: base.Int4Call.of(op, x, p) for op in ("weight_only", "dyn_quant")}
+        spaces = {op: triton.Config.search_space(c) for op, c in calls.items()}
+        assert {c.scale_after_dot for c in spaces["weight_only"]} == {False, True}
+        assert {c.mma for c in spaces["weight_only"]} == ({True, False} if M <= triton.DECODE_M else {True})
+        assert {(c.scale_after_dot, c.mma) for c in spaces["dyn_quant"]} == {(False, True)}
+        default = triton.Config.heuristics(calls["weight_only"])
+        assert not default.scale_after_dot and default.mma  # the measured kernel, until a GPU says otherwise
 
 
 # ------------------------------------------------------------------------------------ the gpu lane
@@ -210,16 +218,27 @@ def test_gpu_w4a8_compiled_equals_xla(K, N, g):
         assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.05, (M, K, N, g)
 
 
+# The W4A16 options only the search space has (until a GPU measures them): fewer shapes and rows.
+_VARIANTS = {"default": {}, "scale_after_dot": dict(scale_after_dot=True), "no_mma": dict(mma=False)}
+_VARIANTS["no_mma_scale_after_dot"] = dict(scale_after_dot=True, mma=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,N,g", _GPU_SHAPES[:8], ids=[f"K{k}-N{n}-g{g}" for k, n, g in _GPU_SHAPES[:8]])
-@pytest.mark.parametrize("after", [False, True], ids=["scaled_weights", "scale_after_dot"])
-def test_gpu_w4a16_compiled_near_float64(K, N, g, after):
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_gpu_w4a16_compiled_near_float64(K, N, g, variant):
+    if variant != "default" and (K, N, g) not in _GPU_SHAPES[:3]:
+        pytest.skip("the search-space options run on the first three shapes")
+
     def kernel(x, p):
         cfg = triton.Config.heuristics(base.Int4Call.of("weight_only", x, p))
-        return triton.weight_only_matmul(x, p, config=dataclasses.replace(cfg, scale_after_dot=after))
+        return triton.weight_only_matmul(x, p, config=dataclasses.replace(cfg, **_VARIANTS[variant]))
 
-    fn = jax.jit(kernel) if after else jax.jit(lambda x, p: Q.int4_matmul(x, p, implementation="pallas"))
-    for M in _GPU_M:
+    if variant == "default":
+        fn = jax.jit(lambda x, p: Q.int4_matmul(x, p, implementation="pallas"))
+    else:
+        fn = jax.jit(kernel)
+    for M in _GPU_M if variant == "default" else (1, 4, 16, 33):
         x, p = make_case(M, K, N, g, True)
         want = _f64_reference(x, p)
         got = np.asarray(fn(x, p), np.float64)
