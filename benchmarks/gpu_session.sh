@@ -17,9 +17,9 @@
 #   attention  benchmarks/attention_gpu.py with GPU_SESSION_ATTENTION_ARGS (default: head dim 128,
 #              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 150 s)
 #   int4       benchmarks/int4_gpu.py with GPU_SESSION_INT4_ARGS (default: its own M and shapes)
-#              (limit 120 s)
-#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 240): the Pallas
-#              Triton kernels' default configs against the fastest of their search spaces (limit 280 s;
+#              (limit 150 s)
+#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 210): the Pallas
+#              Triton kernels' default configs against the fastest of their search spaces (limit 250 s;
 #              not in the default steps; its table goes to its log, so that the second call's
 #              "attention int4 tune" stays within the 8 files)
 # A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
@@ -112,14 +112,14 @@ for s in "${steps[@]}"; do
       args=${GPU_SESSION_INT4_ARGS:-}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step int4_gpu "${GPU_SESSION_INT4_S:-120}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+      step int4_gpu "${GPU_SESSION_INT4_S:-150}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
         benchmarks/int4_gpu.py $args --md "$OUT/int4_gpu.md" --png "$OUT/int4_gpu.png"
       ;;
     tune)
-      args=${GPU_SESSION_TUNE_ARGS:---budget-s 240}
+      args=${GPU_SESSION_TUNE_ARGS:---budget-s 210}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step tune_gpu "${GPU_SESSION_TUNE_S:-280}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
+      step tune_gpu "${GPU_SESSION_TUNE_S:-250}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
       ;;
   esac
 done
