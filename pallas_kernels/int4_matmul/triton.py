@@ -32,7 +32,9 @@ through the Pallas interpreter (tests); on a GPU leave it False. Their tiles
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -168,49 +170,35 @@ def _w4a8_kernel(
         plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
 
 
-def _w4a16_kernel(
-    xe_ref,
-    xo_ref,
-    w_ref,
-    st_ref,
-    out_ref,
-    *,
-    M,
-    N,
-    groupsize,
-    block_m,
-    block_n,
-    block_k,
-    steps_per_prog,
-    compute_dtype,
-    scale_after_dot,
-    mma,
-):
+@dataclasses.dataclass(frozen=True)
+class _W4A16:
+    """The static shape and options of one W4A16 launch (what both program bodies read)."""
+
+    M: int
+    N: int
+    groupsize: int
+    block_m: int
+    block_n: int
+    block_k: int
+    steps_per_prog: int
+    compute_dtype: Any
+    scale_after_dot: bool
+    mma: bool
+
+
+def _w4a16_kernel(xe_ref, xo_ref, w_ref, st_ref, out_ref, *, c: _W4A16):
+    """The W4A16 program: MMAs per nibble plane, or (``mma=False``) a multiply-and-sum per row."""
+    (_w4a16_mma if c.mma else _w4a16_rows)(xe_ref, xo_ref, w_ref, st_ref, out_ref, c)
+
+
+def _w4a16_mma(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
+    M, N, groupsize, block_m, block_n, block_k = c.M, c.N, c.groupsize, c.block_m, c.block_n, c.block_k
+    steps_per_prog, compute_dtype, scale_after_dot = c.steps_per_prog, c.compute_dtype, c.scale_after_dot
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
     cmask = pid_n * block_n + jnp.arange(block_n) < N
     bkh = block_k // 2
     prec = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    if not mma:
-        _w4a16_rows(
-            xe_ref,
-            xo_ref,
-            w_ref,
-            st_ref,
-            out_ref,
-            pid_m,
-            pid_s,
-            cmask,
-            M=M,
-            block_m=block_m,
-            bkh=bkh,
-            groupsize=groupsize,
-            block_k=block_k,
-            steps_per_prog=steps_per_prog,
-            compute_dtype=compute_dtype,
-            scale_after_dot=scale_after_dot,
-        )
-        return
 
     def step(t, acc):
         kstep = pid_s * steps_per_prog + t
@@ -234,28 +222,15 @@ def _w4a16_kernel(
     plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
 
 
-def _w4a16_rows(
-    xe_ref,
-    xo_ref,
-    w_ref,
-    st_ref,
-    out_ref,
-    pid_m,
-    pid_s,
-    cmask,
-    *,
-    M,
-    block_m,
-    bkh,
-    groupsize,
-    block_k,
-    steps_per_prog,
-    compute_dtype,
-    scale_after_dot,
-):
+def _w4a16_rows(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
     """The W4A16 step without MMAs (``Config.mma=False``, decode): each of the ``min(block_m, M)`` rows
     of the program is a multiply and a sum over k in float32 against the dequantized tile, in the layout
     the tile was loaded in (no MMA operand layout, no padding of one row to 16)."""
+    M, groupsize, block_m, block_k = c.M, c.groupsize, c.block_m, c.block_k
+    steps_per_prog, compute_dtype, scale_after_dot = c.steps_per_prog, c.compute_dtype, c.scale_after_dot
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cmask = pid_n * c.block_n + jnp.arange(c.block_n) < c.N
+    bkh = block_k // 2
     rows = min(block_m, M)
     valid = [pid_m * block_m + r < M for r in range(rows)]
 
@@ -451,16 +426,18 @@ def weight_only_matmul(
         x_spec, w_spec, st_spec = _specs(cfg, K // 2, packed.num_groups)
         kernel = functools.partial(
             _w4a16_kernel,
-            M=M,
-            N=N,
-            groupsize=g,
-            block_m=cfg.block_m,
-            block_n=cfg.block_n,
-            block_k=cfg.block_k,
-            steps_per_prog=steps // cfg.split_k,
-            compute_dtype=cd,
-            scale_after_dot=cfg.scale_after_dot,
-            mma=cfg.mma,
+            c=_W4A16(
+                M,
+                N,
+                g,
+                cfg.block_m,
+                cfg.block_n,
+                cfg.block_k,
+                steps // cfg.split_k,
+                cd,
+                cfg.scale_after_dot,
+                cfg.mma,
+            ),
         )
         parts = pl.pallas_call(
             kernel,
