@@ -48,6 +48,7 @@ class Case:
     subject: object  # AttentionArgs, or an Int4Call (what heuristics / search_space look at)
     make_fn: object  # config -> jitted function of the operands
     operands: tuple
+    priority: int = 0  # within one kernel, lower runs first (decode rows, head dim 128)
 
 
 def _attention_cases(smoke: bool, interpret: bool, rng) -> list:
@@ -67,6 +68,7 @@ def _attention_cases(smoke: bool, interpret: bool, rng) -> list:
                         args,
                         lambda cfg, kernel=kernel, args=args: autotune.runner(kernel, args, cfg, interpret),
                         (args,),
+                        priority=0 if H >= 128 else 1,
                     )
                 )
     B, N, K, H, S = (4, 32, 8, 128, 131072) if not smoke else (1, 4, 2, 16, 64)
@@ -112,6 +114,7 @@ def _int4_cases(smoke: bool, interpret: bool, rng) -> list:
                         call,
                         lambda cfg, op=op: autotune.int4_runner(op, cfg, interpret),
                         (x, packed),
+                        priority=0 if M == 1 else 1 if M <= 16 else 2,
                     )
                 )
     return out
@@ -223,7 +226,7 @@ def main(argv=None):
         cases += _attention_cases(a.smoke, interpret, rng)
     if {"int4_w4a16", "int4_w4a8"} & set(a.cases):
         cases += _int4_cases(a.smoke, interpret, rng)
-    cases = sorted((c for c in cases if c.name in a.cases), key=lambda c: CASES.index(c.name))  # stable
+    cases = sorted((c for c in cases if c.name in a.cases), key=lambda c: (CASES.index(c.name), c.priority))
     deadline = time.monotonic() + a.budget_s
     rows, interrupted = [], False
     try:
