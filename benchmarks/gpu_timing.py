@@ -2,10 +2,11 @@
 
 Python wall clock around one call measures dispatch and launch latency as much as the kernel. Here:
 
-* :func:`jax_time` compiles one ``lax.fori_loop`` of ``iters`` *dependent* calls (each call's inputs
-  are nudged by ``eps * sum(previous output)``, with ``eps`` a run-time zero so XLA can neither fold it
-  away nor hoist the call out of the loop) and divides the loop's time by ``iters``; the nudge costs
-  one pass over the output, small next to the kernels timed here (`pallas_kernels.timing.loop_time`).
+* :func:`jax_time` compiles one loop of *dependent* calls (each passes its operands and a token made
+  from the previous call's output through ``lax.optimization_barrier``, so XLA can neither hoist a
+  call or any work on its operands out of the loop nor drop it) and divides the loop's time by the
+  number of calls, at least enough for a 5 ms loop; the token costs one pass over the first output,
+  small next to the kernels timed here (`pallas_kernels.timing.loop_time`).
 * :func:`torch_time` times ``iters`` back-to-back launches between two CUDA events.
 
 Both take the median of ``repeats`` runs after a warm-up (compilation, autotuning, caches).
@@ -22,17 +23,21 @@ from pallas_kernels.timing import loop_time
 __all__ = ["jax_time", "torch_cuda", "torch_time", "ratio", "pyplot"]
 
 
-def jax_time(fn: Callable, args: Sequence[Any], iters: int = 20, repeats: int = 3) -> float:
+def jax_time(
+    fn: Callable, args: Sequence[Any], iters: int = 20, repeats: int = 3, min_loop_s: float = 0.005
+) -> float:
     """Seconds per call of ``fn(*args)`` on the default device, from one jitted loop of dependent calls
     (:func:`pallas_kernels.timing.loop_time`, which the autotuner uses too).
 
     Args:
-      fn: traceable; the first floating leaf of ``args`` carries the dependence.
+      fn: traceable; the first leaf of its output must be an array.
       args: the inputs (device arrays or pytrees of them).
-      iters: calls per timed loop (>= 1).
+      iters: calls per timed loop (>= 1), raised until one loop lasts ``min_loop_s``.
       repeats: timed loops; the median is returned.
+      min_loop_s: the shortest timed loop (5 ms: a loop of 10-microsecond decode calls would otherwise
+        be mostly its own launch).
     """
-    return loop_time(fn, args, iters=iters, repeats=repeats)
+    return loop_time(fn, args, iters=iters, repeats=repeats, min_loop_s=min_loop_s)
 
 
 def torch_cuda() -> Optional[Any]:

@@ -2,15 +2,18 @@
 
 A Python clock around a single call measures dispatch, launch latency and host synchronisation as much
 as the kernel (tens of microseconds, the whole run time of a decode kernel). :func:`loop_time` compiles
-one ``lax.fori_loop`` of ``iters`` calls in which each call's inputs depend on the previous output (the
-first floating input is moved by ``eps * sum(first output)``, with ``eps`` a run-time zero, so XLA can
-neither fold the nudge away nor hoist the call out of the loop), times the whole loop and divides. The
-nudge costs one pass over the first output, small next to the kernels it is meant for. The autotuner
-(`pallas_kernels.attention.autotune`) and the GPU benchmarks (``benchmarks/gpu_timing.py``) share it.
+one ``lax.while``-style loop of calls and divides its time by their number. Each iteration passes the
+operands and a token through ``lax.optimization_barrier``; the token is ``eps * sum(first output)`` of
+the previous call (``eps`` a run-time zero). The barrier makes every call depend on the one before it,
+so XLA can neither hoist a call, nor any work on one of its operands, out of the loop, nor drop it, and
+the operands are never modified. The token's sum costs one pass over the first output per call, small
+next to the kernels this is meant for. The autotuner (`pallas_kernels.attention.autotune`) and the GPU
+benchmarks (``benchmarks/gpu_timing.py``) share it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -18,26 +21,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["loop_time"]
+__all__ = ["loop_time", "timed_loop"]
 
 
-def _first_floating(leaves) -> int:
-    for i, leaf in enumerate(leaves):
-        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-            return i
-    raise ValueError("loop_time: the operands hold no floating array to carry the dependence between calls")
+def timed_loop(fn: Callable) -> Callable:
+    """The jitted ``(operands, n, eps) -> token`` loop :func:`loop_time` times: ``n`` (a run-time int32)
+    dependent calls of ``fn(*operands)`` (see the module docstring; exposed to check what XLA keeps
+    inside the loop)."""
+
+    @jax.jit
+    def loop(operands, n, eps):
+        def body(_, state):
+            carry, _token = jax.lax.optimization_barrier(state)
+            out = jax.tree.leaves(fn(*carry))[0]
+            return carry, eps * jnp.sum(out.astype(jnp.float32))
+
+        return jax.lax.fori_loop(0, n, body, (operands, jnp.zeros((), jnp.float32)))[1]
+
+    return loop
 
 
-def loop_time(fn: Callable, operands: Sequence[Any], *, iters: int = 20, repeats: int = 3) -> float:
+def loop_time(
+    fn: Callable, operands: Sequence[Any], *, iters: int = 20, repeats: int = 3, min_loop_s: float = 0.0
+) -> float:
     """Seconds per call of ``fn(*operands)`` on the default device: the median over ``repeats`` timed runs
-    of one jitted loop of ``iters`` dependent calls, after one untimed run (compilation, warm-up).
+    of one jitted loop of dependent calls, after an untimed run (compilation, warm-up).
 
     Args:
-      fn: traceable; its first output leaf must be an array (it feeds the dependence).
-      operands: a sequence of pytrees (arrays, or records such as ``AttentionArgs`` / a packed weight);
-        the first floating leaf among them carries the dependence.
-      iters: calls per timed loop (>= 1).
+      fn: traceable; the first leaf of its output must be an array (it feeds the dependence).
+      operands: a sequence of pytrees (arrays, or records such as ``AttentionArgs`` / a packed weight).
+      iters: calls per timed loop (>= 1), raised so that one loop lasts at least ``min_loop_s``.
       repeats: timed loops (>= 1); the median counts.
+      min_loop_s: the shortest loop worth timing, in seconds (0: ``iters`` as given). A loop of a few
+        microsecond-long calls is dominated by the fixed cost of launching it; the count is raised from
+        the warm-up run's time (the loop bound is a run-time value: no recompilation).
 
     Example:
       >>> import jax.numpy as jnp
@@ -47,25 +64,21 @@ def loop_time(fn: Callable, operands: Sequence[Any], *, iters: int = 20, repeats
     """
     if not (isinstance(iters, int) and isinstance(repeats, int)) or iters < 1 or repeats < 1:
         raise ValueError(f"loop_time: iters and repeats must be ints >= 1 (got {iters!r}, {repeats!r})")
+    if not min_loop_s >= 0:
+        raise ValueError(f"loop_time: min_loop_s must be >= 0 (got {min_loop_s!r})")
     operands = tuple(operands)
-    idx = _first_floating(jax.tree.leaves(operands))
+    loop = timed_loop(fn)
 
-    @jax.jit
-    def loop(operands, eps):
-        def body(_, carry):
-            out = jax.tree.leaves(fn(*carry))[0]
-            ls, t = jax.tree.flatten(carry)
-            delta = eps * jnp.sum(out.astype(jnp.float32))
-            ls[idx] = ls[idx] + delta.astype(ls[idx].dtype)
-            return jax.tree.unflatten(t, ls)
-
-        return jax.lax.fori_loop(0, iters, body, operands)
+    def run(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(operands, jnp.int32(n), eps))
+        return time.perf_counter() - t0
 
     eps = jnp.zeros((), jnp.float32)
-    jax.block_until_ready(loop(operands, eps))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(operands, eps))
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    n = iters
+    t = run(n)  # compile and warm up
+    if min_loop_s > 0:
+        t = run(n)
+        if t < min_loop_s:
+            n = int(min(math.ceil(n * min_loop_s / max(t, 1e-9)), 1 << 20))
+    return float(np.median([run(n) / n for _ in range(repeats)]))

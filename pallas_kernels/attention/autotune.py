@@ -179,6 +179,7 @@ def autotune(
             (args,),
             repeats=repeats,
             iters=_iters(interpret),
+            min_loop_s=0.0 if interpret else 0.005,
         )
 
     return _cached(shape_class(args, kernel, interpret=interpret), use_cache, measure)
@@ -236,23 +237,36 @@ def autotune_int4(
 
     def measure():
         run = lambda cfg: int4_runner(op, cfg, interpret)  # noqa: E731
-        return fastest(run, cands, (x, packed), repeats=repeats, iters=_iters(interpret))
+        return fastest(
+            run,
+            cands,
+            (x, packed),
+            repeats=repeats,
+            iters=_iters(interpret),
+            min_loop_s=0.0 if interpret else 0.005,
+        )
 
     return _cached(key, use_cache, measure)
 
 
 def timings(
-    make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5, iters: int = 10
+    make_fn: Callable,
+    configs: Sequence[Any],
+    operands: tuple,
+    *,
+    repeats: int = 5,
+    iters: int = 10,
+    min_loop_s: float = 0.005,
 ) -> list:
     """``[(config, seconds per call or None, error or None)]`` for each config: ``make_fn(config)`` timed
-    on ``operands`` in one jitted loop of ``iters`` dependent calls (:func:`pallas_kernels.timing.loop_time`,
-    the median of ``repeats`` loops after a warm-up), not by a clock around one call, whose launch and
-    synchronisation costs would swamp a short kernel. A config that fails to compile or run gets its
-    error instead of a time."""
+    on ``operands`` in one jitted loop of at least ``iters`` dependent calls lasting at least
+    ``min_loop_s`` (:func:`pallas_kernels.timing.loop_time`, the median of ``repeats`` loops after a
+    warm-up), not by a clock around one call, whose launch and synchronisation costs would swamp a short
+    kernel. A config that fails to compile or run gets its error instead of a time."""
     out = []
     for cfg in configs:
         try:
-            t = loop_time(make_fn(cfg), operands, iters=iters, repeats=repeats)
+            t = loop_time(make_fn(cfg), operands, iters=iters, repeats=repeats, min_loop_s=min_loop_s)
         except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
             out.append((cfg, None, f"{type(e).__name__}: {e}"[:300]))
             continue
@@ -269,14 +283,22 @@ def int4_runner(op: str, config, interpret: bool = False) -> Callable:
     return jax.jit(lambda a, p: fn(a, p, config=config, interpret=interpret))
 
 
-def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, *, repeats: int = 5, iters: int = 10):
+def fastest(
+    make_fn: Callable,
+    configs: Sequence[Any],
+    operands: tuple,
+    *,
+    repeats: int = 5,
+    iters: int = 10,
+    min_loop_s: float = 0.005,
+):
     """The config whose ``make_fn(config)(*operands)`` runs fastest (:func:`timings`); a config that fails
     to compile or run is skipped.
 
     Raises:
       RuntimeError: every config failed (their errors are listed).
     """
-    timed = timings(make_fn, configs, operands, repeats=repeats, iters=iters)
+    timed = timings(make_fn, configs, operands, repeats=repeats, iters=iters, min_loop_s=min_loop_s)
     ok = [(t, i) for i, (_, t, _) in enumerate(timed) if t is not None]
     if not ok:
         raise RuntimeError(
