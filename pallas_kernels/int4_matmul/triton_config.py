@@ -46,13 +46,14 @@ class Config:
         (its k lie in one group) by the group scales, instead of scaling
         every weight before the dot: no multiply and no float32 round trip
         per weight, and no rounding of ``(u - 8) * scale`` to bf16 / f16.
-        Off in the heuristics until measured on a GPU; in the search space.
-      mma: W4A16 only. False: no MMA; each of the program's rows (at most
-        ``min(block_m, M)``) is a float32 multiply and sum over k against the
-        dequantized tile in the layout it was loaded in (a GEMV: no operand
-        layout conversion, no padding of one row to 16). For decode; on in
-        the heuristics until measured on a GPU; both in the decode search
-        space.
+        Off in the heuristics until measured on a GPU; in the search space
+        with ``options=True``.
+      mma: W4A16 only. False: no MMA; each of the program's rows
+        (``min(block_m, M)``, unrolled: ``block_m`` at most 16) is a float32
+        multiply and sum over k against the dequantized tile in the layout it
+        was loaded in (a GEMV: no operand layout conversion, no padding of one
+        row to 16). For decode; True in the heuristics until measured on a
+        GPU; both in the decode search space with ``options=True``.
     """
 
     block_m: int = 16
@@ -79,6 +80,11 @@ class Config:
         for name in ("scale_after_dot", "mma"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.mma and self.block_m > DECODE_M:
+            raise ValueError(
+                f"Config.mma=False unrolls one multiply-and-sum per row: block_m must be <= {DECODE_M}, "
+                f"got block_m={self.block_m}"
+            )
 
     @classmethod
     def heuristics(cls, call: base.Int4Call, device: Mapping[str, Any] | None = None) -> "Config":
@@ -91,12 +97,13 @@ class Config:
         )
 
     @classmethod
-    def search_space(cls, call: base.Int4Call) -> list:
+    def search_space(cls, call: base.Int4Call, *, options: bool = False) -> list:
         """The configs the kernel of ``call`` accepts among: decode (``M <= 16``) 16-row tiles x
         32 / 64 / 128 features with split-K 1 / 2 / 4 / 8 / 16, prefill 32 / 64 / 128 rows x 64 / 128
         features; ``block_k`` every power of two from the kernel's minimum up to 256 (decode) / 128
-        (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages; W4A16 with and without
-        ``scale_after_dot``, and at decode with and without ``mma``."""
+        (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages. ``options=True`` adds the W4A16
+        options not yet measured (``scale_after_dot``, and at decode ``mma=False``: four times the
+        configs; ``benchmarks/tune_gpu.py`` walks them), which the autotuner leaves out."""
         p, mode = call.packed, _mode(call)
         M, K, g = call.rows, p.in_features, p.groupsize
         decode = M <= DECODE_M
@@ -114,8 +121,9 @@ class Config:
                             continue
                         for warps in (4, 8):
                             for stages in (2, 3):
-                                for after in (False, True) if mode == "w4a16" else (False,):
-                                    for mma in (True, False) if mode == "w4a16" and decode else (True,):
+                                w4a16 = options and mode == "w4a16"
+                                for after in (False, True) if w4a16 else (False,):
+                                    for mma in (True, False) if w4a16 and decode else (True,):
                                         out.append(cls(bm, bn, bk, split, warps, stages, after, mma))
         return out
 

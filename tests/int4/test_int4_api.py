@@ -68,8 +68,10 @@ def test_export_for_cuda_carries_triton(M, g, mode):
     assert exp.out_avals[0].shape == (2, M, N)
 
 
-@pytest.mark.parametrize("M,mma", [(1, True), (40, True), (1, False), (5, False)])
-def test_export_for_cuda_w4a16_search_space_options(M, mma):
+@pytest.mark.parametrize(
+    "M,mma,after", [(1, True, True), (40, True, True), (1, False, True), (5, False, True), (3, False, False)]
+)
+def test_export_for_cuda_w4a16_search_space_options(M, mma, after):
     """The W4A16 kernel's search-space options (scale after the dot; no MMA) lower to Triton for CUDA."""
     from pallas_kernels.int4_matmul import triton
 
@@ -80,7 +82,7 @@ def test_export_for_cuda_w4a16_search_space_options(M, mma):
         )
     )
     x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-    cfg = triton.Config(16 if M <= 16 else 32, 32, 64, 2 if M <= 16 else 1, scale_after_dot=True, mma=mma)
+    cfg = triton.Config(16 if M <= 16 else 32, 32, 64, 2 if M <= 16 else 1, scale_after_dot=after, mma=mma)
     with gpu.cuda_target():
         exp = export.export(
             jax.jit(lambda x, p: triton.weight_only_matmul(x, p, config=cfg)),

@@ -177,12 +177,41 @@ def test_w4a16_options_are_checked_and_w4a16_only():
             with pytest.raises(ValueError, match="W4A16 options"):
                 triton.dyn_quant_matmul(x, p, config=triton.Config(block_k=64, **opt), interpret=True)
         calls = {op: base.Int4Call.of(op, x, p) for op in ("weight_only", "dyn_quant")}
-        spaces = {op: triton.Config.search_space(c) for op, c in calls.items()}
+        spaces = {op: triton.Config.search_space(c, options=True) for op, c in calls.items()}
         assert {c.scale_after_dot for c in spaces["weight_only"]} == {False, True}
         assert {c.mma for c in spaces["weight_only"]} == ({True, False} if M <= triton.DECODE_M else {True})
         assert {(c.scale_after_dot, c.mma) for c in spaces["dyn_quant"]} == {(False, True)}
+        # the autotuner's space leaves the unmeasured options out (4x the configs)
+        plain = triton.Config.search_space(calls["weight_only"])
+        assert {(c.scale_after_dot, c.mma) for c in plain} == {(False, True)}
+        assert len(spaces["weight_only"]) == len(plain) * (4 if M <= triton.DECODE_M else 2)
         default = triton.Config.heuristics(calls["weight_only"])
         assert not default.scale_after_dot and default.mma  # the measured kernel, until a GPU says otherwise
+    with pytest.raises(ValueError, match="block_m must be <= 16"):
+        triton.Config(block_m=32, mma=False)
+
+
+def test_w4a16_no_mma_has_no_dot_and_rounds_like_the_mma_path():
+    """mma=False lowers to no dot at all (the option is not ignored); with float32 x and a bf16
+    compute dtype both paths round x and the scaled weights to bf16 alike."""
+    x, p = make_case(3, 256, 24, 64, True)
+    for mma, dots in ((True, 2), (False, 0)):
+        cfg = triton.Config(16, 16, 32, 2, mma=mma)
+        jaxpr = jax.make_jaxpr(lambda x, p: triton.weight_only_matmul(x, p, config=cfg))(x, p)
+        assert len(list(_kernel_dots(jaxpr.jaxpr))) == dots
+    outs = [
+        np.asarray(
+            triton.weight_only_matmul(
+                x, p, compute_dtype=jnp.bfloat16, config=triton.Config(16, 16, 32, 2, mma=mma), interpret=True
+            )
+        )
+        for mma in (True, False)
+    ]
+    want = _f64_reference(x, p)
+    for got in outs:
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert 1e-4 < err < 5e-3, err  # bf16 operands: rounded, not float32
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 # ------------------------------------------------------------------------------------ the gpu lane
@@ -232,6 +261,8 @@ def test_gpu_w4a16_compiled_near_float64(K, N, g, variant):
 
     def kernel(x, p):
         cfg = triton.Config.heuristics(base.Int4Call.of("weight_only", x, p))
+        if not _VARIANTS[variant].get("mma", True):  # rows unrolled per program: 16 at most
+            cfg = dataclasses.replace(cfg, block_m=16)
         return triton.weight_only_matmul(x, p, config=dataclasses.replace(cfg, **_VARIANTS[variant]))
 
     if variant == "default":
