@@ -7,19 +7,21 @@
 #   GPU_SESSION_SMOKE=1 OUT=gpu_out bash benchmarks/gpu_session.sh  # on CPU: checks this script itself
 #
 # Steps, each under its own time limit (seconds, GPU_SESSION_<STEP>_S), and all of them under one total
-# (GPU_SESSION_TOTAL_S, default 560: a step gets at most what is left of it), so that one slow step cannot
+# (GPU_SESSION_TOTAL_S, default 520: a step gets at most what is left of it), so that one slow step cannot
 # eat the others' time nor the call run into the device tool's 600 s limit; their logs, tables and plots
 # go to $OUT (8 files, what the device tool returns at most). Measured on an H200 (2026-11-26): the lane
 # took 264 s with 8 workers, the attention step 95 s, the int4 step 97 s. Within a 15-minute device
-# budget, two calls fit best: GPU_SESSION_STEPS=lane, then "attention int4" while the machine is warm.
+# budget, two calls fit best: GPU_SESSION_STEPS=lane, then "attention int4 tune" while the machine is
+# warm, with GPU_SESSION_TOTAL_S at most what `status` says is left minus a minute.
 #   lane       `pytest -m gpu` over tests/: every Pallas kernel compiled, the cuDNN bridge, decode
-#              (limit 300 s; each test's result printed as it ends, so a cut-off run keeps them)
+#              (limit 300 s, 12 workers; each test's result printed as it ends, so a cut-off run
+#              keeps them)
 #   attention  benchmarks/attention_gpu.py with GPU_SESSION_ATTENTION_ARGS (default: head dim 128,
-#              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 150 s)
+#              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 140 s)
 #   int4       benchmarks/int4_gpu.py with GPU_SESSION_INT4_ARGS (default: its own M and shapes)
-#              (limit 150 s)
-#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 210): the Pallas
-#              Triton kernels' default configs against the fastest of their search spaces (limit 250 s;
+#              (limit 140 s)
+#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 190): the Pallas
+#              Triton kernels' default configs against the fastest of their search spaces (limit 230 s;
 #              not in the default steps; its table goes to its log, so that the second call's
 #              "attention int4 tune" stays within the 8 files)
 # A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
@@ -52,7 +54,7 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}  # the GPU image's pyth
 # On CPU (smoke) the lane's tests all skip and the benchmarks take their --smoke shapes: the commands are
 # the real ones otherwise, so that a typo in them fails the smoke test too.
 if [ -n "$SMOKE" ]; then PLATFORMS=cpu; else PLATFORMS=cuda,cpu; fi
-DEADLINE=$((SECONDS + ${GPU_SESSION_TOTAL_S:-560}))
+DEADLINE=$((SECONDS + ${GPU_SESSION_TOTAL_S:-520}))
 
 summary=()
 failed=0
@@ -64,7 +66,7 @@ step() {
   shift 2
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 5 ]; then
-    summary+=("$name: not run (the ${GPU_SESSION_TOTAL_S:-560} s total is spent)")
+    summary+=("$name: not run (the ${GPU_SESSION_TOTAL_S:-520} s total is spent)")
     failed=1
     return
   fi
@@ -93,10 +95,10 @@ for s in "${steps[@]}"; do
   case $s in
     lane)
       # Compiling the Triton kernels dominates the lane: pytest-xdist workers (GPU_SESSION_LANE_WORKERS,
-      # default 8; 0 for one process) compile in parallel on the host's cores and share the GPU, each
+      # default 12; 0 for one process) compile in parallel on the host's cores and share the GPU, each
       # without JAX's up-front grab of 75% of its memory.
       workers=()
-      w=${GPU_SESSION_LANE_WORKERS:-8}
+      w=${GPU_SESSION_LANE_WORKERS:-12}
       if [ -z "$SMOKE" ] && [ "$w" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$w"); fi
       step lane "${GPU_SESSION_LANE_S:-300}" env JAX_PLATFORMS=$PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
         "$PY" -m pytest -m gpu -v --tb=short -rfEs -p no:cacheprovider -p no:benchmark ${workers[@]+"${workers[@]}"} tests
@@ -105,21 +107,21 @@ for s in "${steps[@]}"; do
       args=${GPU_SESSION_ATTENTION_ARGS:---head-dims 128 --lengths 4096 16384 --decode-lengths 16384}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086  # the arguments are meant to split
-      step attention_gpu "${GPU_SESSION_ATTENTION_S:-150}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+      step attention_gpu "${GPU_SESSION_ATTENTION_S:-140}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
         benchmarks/attention_gpu.py $args --md "$OUT/attention_gpu.md" --png "$OUT/attention_gpu.png"
       ;;
     int4)
       args=${GPU_SESSION_INT4_ARGS:-}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step int4_gpu "${GPU_SESSION_INT4_S:-150}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+      step int4_gpu "${GPU_SESSION_INT4_S:-140}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
         benchmarks/int4_gpu.py $args --md "$OUT/int4_gpu.md" --png "$OUT/int4_gpu.png"
       ;;
     tune)
-      args=${GPU_SESSION_TUNE_ARGS:---budget-s 210}
+      args=${GPU_SESSION_TUNE_ARGS:---budget-s 190}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step tune_gpu "${GPU_SESSION_TUNE_S:-250}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
+      step tune_gpu "${GPU_SESSION_TUNE_S:-230}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
       ;;
   esac
 done

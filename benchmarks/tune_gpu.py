@@ -1,16 +1,18 @@
 """GPU tuning sweep: how far the Pallas Triton kernels' default configs are from the best one on this card.
 
 For a few representative calls (attention forward / backward at head dims 64 and 128, L = 4k; decode at
-128k keys; the int4 W4A16 / W4A8 kernels at decode and prefill on the large Llama shapes) it times the
-config the kernel picks by itself (``Config.heuristics``) and the candidates of its search space
-(``Config.search_space``), each inside one jit (``pallas_kernels.timing.loop_time``, as the autotuner
-does), and prints the default, the fastest and their ratio. Where the search space is larger than
+128k keys; the int4 W4A16 / W4A8 kernels at decode and prefill on 8192 x 28672, a weight larger than
+L2) it times the config the kernel picks by itself (``Config.heuristics``) and the candidates of its
+search space (``Config.search_space``; for W4A16 with ``options=True``, the options not yet measured),
+each in one jitted loop of dependent calls lasting at least ``--min-loop-ms``
+(``pallas_kernels.timing.loop_time``, as the autotuner does), and prints the default, the fastest and
+their ratio. Inputs are made on the device when a call's turn comes. Where the search space is larger than
 ``--max-candidates`` it walks it by coordinates instead: the configs one field away from the default,
 then one field away from the best of those. A config that does not compile or fit is counted, not
 fatal. The result says where the heuristics leave speed on the table and which config to put there
 (``pallas_kernels/attention/triton_tuning.py``, ``pallas_kernels/int4_matmul/triton_config.py``).
 
-    python benchmarks/tune_gpu.py --md tune_gpu.md                     # on an NVIDIA GPU (<= --budget-s, 240)
+    python benchmarks/tune_gpu.py --md tune_gpu.md                     # on an NVIDIA GPU (--budget-s 190)
     python benchmarks/tune_gpu.py --cases flash_bwd int4_w4a16         # a subset
     python benchmarks/tune_gpu.py --smoke                              # CPU: a check of this script
 """
@@ -24,11 +26,12 @@ import os
 import sys
 import time
 
+_START = time.monotonic()  # --budget-s counts from here: the imports and JAX's start-up count too
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from pallas_kernels.attention import autotune, base  # noqa: E402
 from pallas_kernels.int4_matmul import base as int4_base, triton_config as int4_config  # noqa: E402
@@ -40,83 +43,98 @@ CASES = ("int4_w4a16", "flash_bwd", "flash", "decode", "int4_w4a8")
 
 @dataclasses.dataclass
 class Case:
-    """One call to tune: ``kernel`` names the config class and runner; ``operands`` are what it runs on."""
+    """One call to tune. ``build()`` makes its inputs on the device when the call's turn comes (not all
+    up front: the int4 weights alone are 235M parameters) and returns ``(subject, operands, make_fn)``:
+    what ``heuristics`` / ``search_space`` look at (``AttentionArgs`` or an ``Int4Call``), the timed
+    operands, and ``config -> jitted function of the operands``."""
 
     name: str
     label: str
     config_cls: type
-    subject: object  # AttentionArgs, or an Int4Call (what heuristics / search_space look at)
-    make_fn: object  # config -> jitted function of the operands
-    operands: tuple
+    build: object
     priority: int = 0  # within one kernel, lower runs first (decode rows, head dim 128)
+    space_options: dict = dataclasses.field(default_factory=dict)  # extra search_space keywords
 
 
-def _attention_cases(smoke: bool, interpret: bool, rng) -> list:
+def _normal(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _attention_cases(smoke: bool, interpret: bool) -> list:
     out = []
     shapes = [(128, 4096), (64, 4096)] if not smoke else [(16, 32)]
     for kernel in ("flash", "flash_bwd"):
         for H, L in shapes:
             for causal in (False, True):
-                B, N = (max(1, 16384 // L), max(1, 2048 // H)) if not smoke else (1, 2)
-                q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.bfloat16) for _ in range(3))
-                args = base.make_args(q, k, v, is_causal=causal)
+
+                def build(kernel=kernel, H=H, L=L, causal=causal):
+                    B, N = (max(1, 16384 // L), max(1, 2048 // H)) if not smoke else (1, 2)
+                    keys = jax.random.split(jax.random.key(H + L + causal), 3)
+                    q, k, v = (_normal(kk, (B, L, N, H), jnp.bfloat16) for kk in keys)
+                    args = base.make_args(q, k, v, is_causal=causal)
+                    return args, (args,), lambda cfg: autotune.runner(kernel, args, cfg, interpret)
+
+                what = "fwd" if kernel == "flash" else "bwd (after the default fwd)"
+                label = f"{kernel} {what} H={H} L={L}{' causal' if causal else ''}"
                 out.append(
-                    Case(
-                        kernel,
-                        f"{kernel} H={H} L={L}{' causal' if causal else ''}",
-                        autotune.CONFIGS[kernel],
-                        args,
-                        lambda cfg, kernel=kernel, args=args: autotune.runner(kernel, args, cfg, interpret),
-                        (args,),
-                        priority=0 if H >= 128 else 1,
-                    )
+                    Case(kernel, label, autotune.CONFIGS[kernel], build, priority=0 if H >= 128 else 1)
                 )
     B, N, K, H, S = (4, 32, 8, 128, 131072) if not smoke else (1, 4, 2, 16, 64)
-    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.bfloat16) for _ in range(2))
-    args = base.make_args(q, k, v)
-    out.append(
-        Case(
-            "decode",
-            f"decode S={S} GQA {N}/{K}",
-            autotune.CONFIGS["decode"],
-            args,
-            lambda cfg, args=args: autotune.runner("decode", args, cfg, interpret),
-            (args,),
-        )
-    )
+
+    def build_decode():
+        kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+        q = _normal(kq, (B, 1, N, H), jnp.bfloat16)
+        k, v = (_normal(x, (B, S, K, H), jnp.bfloat16) for x in (kk, kv))
+        args = base.make_args(q, k, v)
+        return args, (args,), lambda cfg: autotune.runner("decode", args, cfg, interpret)
+
+    out.append(Case("decode", f"decode S={S} GQA {N}/{K}", autotune.CONFIGS["decode"], build_decode))
     return out
 
 
-def _int4_cases(smoke: bool, interpret: bool, rng) -> list:
+def _int4_cases(smoke: bool, interpret: bool) -> list:
     from jbackends import quantized as Q  # noqa: PLC0415
 
+    # 8192 x 28672 only: its 117 MB of packed weight is larger than the GPU's L2 (50-60 MB), so repeated
+    # calls read it from memory as a model's decode would (a 4096 x 11008 weight, 22 MB, stays in L2).
+    K, N, ms = (8192, 28672, (1, 16, 256)) if not smoke else (256, 128, (1, 32))
+    weights = {}
+
+    def packed():
+        if "p" not in weights:  # made once, on first use
+            w = _normal(jax.random.key(1), (N, K), jnp.float32, 0.02)
+            q4, s = Q.quantize_4bit(w, 128)
+            weights["p"] = Q.dyn_quant_pack_4bit_weight(q4, s, None, 128, K, N)
+        return weights["p"]
+
     out = []
-    plan = [(8192, 28672, (1, 16, 256)), (4096, 11008, (1, 256))] if not smoke else [(256, 128, (1, 32))]
-    for K, N, ms in plan:
-        w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
-        q4, s = Q.quantize_4bit(w, 128)
-        packed = Q.dyn_quant_pack_4bit_weight(q4, s, None, 128, K, N)
-        for M in ms:
-            for name, op, dtype in (
-                ("int4_w4a16", "weight_only", jnp.bfloat16),
-                ("int4_w4a8", "dyn_quant", jnp.float32),
-            ):
-                if name == "int4_w4a8" and M == 16:
-                    continue
-                x = jnp.asarray(rng.standard_normal((M, K)), dtype)
-                call = int4_base.Int4Call.of(op, x, packed)
-                out.append(
-                    Case(
-                        name,
-                        f"{name} {K}x{N} M={M}",
-                        int4_config.Config,
-                        call,
-                        lambda cfg, op=op: autotune.int4_runner(op, cfg, interpret),
-                        (x, packed),
-                        priority=0 if M == 1 else 1 if M <= 16 else 2,
-                    )
+    for M in ms:
+        for name, op, dtype in (
+            ("int4_w4a16", "weight_only", jnp.bfloat16),
+            ("int4_w4a8", "dyn_quant", jnp.float32),
+        ):
+            if name == "int4_w4a8" and M == 16:
+                continue
+
+            def build(M=M, op=op, dtype=dtype):
+                p = packed()
+                x = _normal(jax.random.key(M), (M, K), dtype)
+                return (
+                    int4_base.Int4Call.of(op, x, p),
+                    (x, p),
+                    lambda cfg: autotune.int4_runner(op, cfg, interpret),
                 )
+
+            out.append(
+                Case(
+                    name,
+                    f"{name} {K}x{N} M={M}",
+                    int4_config.Config,
+                    build,
+                    priority=0 if M == 1 else 1 if M <= 16 else 2,
+                    space_options=dict(options=True) if op == "weight_only" else {},
+                )
+            )
     return out
 
 
@@ -128,49 +146,65 @@ def _neighbours(center, space) -> list:
     return [c for c in space if _distance(c, center) == 1]
 
 
-def tune(case: Case, *, max_candidates: int, iters: int, repeats: int, deadline: float) -> dict:
+def tune(
+    case: Case, *, max_candidates: int, iters: int, repeats: int, deadline: float, min_loop_s: float
+) -> dict:
     """Times the default config and the search (all of the space, or two coordinate rounds) of ``case``;
-    returns the row. Stops starting candidates at ``deadline`` (``time.monotonic()``)."""
-    default = case.config_cls.heuristics(case.subject)
-    space = case.config_cls.search_space(case.subject)
+    returns the row. Stops starting candidates at ``deadline`` (``time.monotonic()``). Interrupted
+    (SIGINT), it raises :class:`Interrupted` carrying the row of what was timed so far."""
+    subject, operands, make_fn = case.build()
+    default = case.config_cls.heuristics(subject)
+    space = case.config_cls.search_space(subject, **case.space_options)
     timed: dict = {}
+    walk = "all" if len(space) <= max_candidates else "coordinates"
+
+    def row():
+        ok = {c: t for c, t in timed.items() if t == t}
+        best = min(ok, key=ok.get) if ok else None
+        return dict(
+            label=case.label,
+            default=default,
+            t_default=timed.get(default, math.nan),
+            best=best,
+            t_best=ok.get(best, math.nan) if best is not None else math.nan,
+            tried=len(timed),
+            failed=sum(1 for t in timed.values() if t != t),
+            space=len(space),
+            walk=walk,
+        )
 
     def run(cfgs):
-        todo = [c for c in cfgs if c not in timed]
-        for cfg in todo:
+        for cfg in [c for c in cfgs if c not in timed]:
             if time.monotonic() > deadline:
                 return
             ((c, t, err),) = autotune.timings(
-                case.make_fn, [cfg], case.operands, repeats=repeats, iters=iters
+                make_fn, [cfg], operands, repeats=repeats, iters=iters, min_loop_s=min_loop_s
             )
             timed[c] = t if t is not None else math.nan
             if err is not None:
                 print(f"  {case.label}: {cfg}: {err[:160]}", file=sys.stderr)
 
-    run([default])
-    if len(space) <= max_candidates:
-        run(space)
-        walk = "all"
-    else:
-        run(_neighbours(default, space))
-        ok = {c: t for c, t in timed.items() if t == t}
-        best = min(ok, key=ok.get) if ok else default
-        if best != default:
-            run(_neighbours(best, space))
-        walk = "coordinates"
-    ok = {c: t for c, t in timed.items() if t == t}
-    best = min(ok, key=ok.get) if ok else None
-    return dict(
-        label=case.label,
-        default=default,
-        t_default=timed.get(default, math.nan),
-        best=best,
-        t_best=ok.get(best, math.nan) if best is not None else math.nan,
-        tried=len(timed),
-        failed=sum(1 for t in timed.values() if t != t),
-        space=len(space),
-        walk=walk,
-    )
+    try:
+        run([default])
+        if walk == "all":
+            run(space)
+        else:
+            run(_neighbours(default, space))
+            ok = {c: t for c, t in timed.items() if t == t}
+            best = min(ok, key=ok.get) if ok else default
+            if best != default:
+                run(_neighbours(best, space))
+    except KeyboardInterrupt:
+        raise Interrupted(row()) from None
+    return row()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT during :func:`tune`, with the row of the configs timed until then."""
+
+    def __init__(self, row):
+        super().__init__()
+        self.row = row
 
 
 def _fmt_cfg(cfg) -> str:
@@ -203,31 +237,34 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--max-candidates", type=int, default=12, help="above this, a coordinate walk")
-    p.add_argument("--iters", type=int, default=10, help="calls per timed loop")
+    p.add_argument("--iters", type=int, default=10, help="calls per timed loop, at least (see --min-loop-ms)")
+    p.add_argument("--min-loop-ms", type=float, default=5.0, help="the shortest timed loop")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--budget-s", type=float, default=600.0, help="no candidate starts after this many seconds"
+        "--budget-s",
+        type=float,
+        default=190.0,
+        help="no candidate starts after this many seconds from the process start",
     )
     p.add_argument("--md", default=None, help="also write the table as markdown to this file")
     p.add_argument(
         "--smoke", action="store_true", help="CPU check of the script: tiny shapes, interpret mode"
     )
     a = p.parse_args(argv)
-    if a.max_candidates < 1 or a.iters < 1 or a.repeats < 1:
-        p.error("--max-candidates, --iters and --repeats must be >= 1")
+    if a.max_candidates < 1 or a.iters < 1 or a.repeats < 1 or not a.min_loop_ms >= 0:
+        p.error("--max-candidates, --iters and --repeats must be >= 1, --min-loop-ms >= 0")
     interpret = a.smoke
     if a.smoke:
-        a.iters, a.repeats, a.max_candidates = 1, 1, 2
+        a.iters, a.repeats, a.max_candidates, a.min_loop_ms = 1, 1, 2, 0.0
     elif jax.default_backend() != "gpu":
         sys.exit("tune_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
-    rng = np.random.default_rng(0)
     cases = []
     if {"flash", "flash_bwd", "decode"} & set(a.cases):
-        cases += _attention_cases(a.smoke, interpret, rng)
+        cases += _attention_cases(a.smoke, interpret)
     if {"int4_w4a16", "int4_w4a8"} & set(a.cases):
-        cases += _int4_cases(a.smoke, interpret, rng)
+        cases += _int4_cases(a.smoke, interpret)
     cases = sorted((c for c in cases if c.name in a.cases), key=lambda c: (CASES.index(c.name), c.priority))
-    deadline = time.monotonic() + a.budget_s
+    deadline = (_START if argv is None else time.monotonic()) + a.budget_s
     rows, interrupted = [], False
     try:
         for case in cases:
@@ -235,15 +272,24 @@ def main(argv=None):
                 break
             rows.append(
                 tune(
-                    case, max_candidates=a.max_candidates, iters=a.iters, repeats=a.repeats, deadline=deadline
+                    case,
+                    max_candidates=a.max_candidates,
+                    iters=a.iters,
+                    repeats=a.repeats,
+                    deadline=deadline,
+                    min_loop_s=a.min_loop_ms / 1e3,
                 )
             )
             print(f"  done {case.label}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep the rows done
+    except Interrupted as e:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep what was timed
+        interrupted = True
+        if e.row["tried"]:
+            rows.append(dict(e.row, walk=e.row["walk"] + ", cut short"))
+    except KeyboardInterrupt:
         interrupted = True
     text = table(rows, jax.devices()[0].device_kind)
     if interrupted:
-        text += f"\n\n(interrupted: {len(rows)} of {len(cases)} calls)"
+        text += f"\n\n(interrupted: {len(rows)} of {len(cases)} calls, the last one partly)"
     elif len(rows) < len(cases):
         text += f"\n\n(--budget-s spent: {len(rows)} of {len(cases)} calls)"
     print("\n" + text)

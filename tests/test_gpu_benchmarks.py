@@ -41,21 +41,49 @@ def test_jax_time_checks_its_arguments():
     assert gpu_timing.ratio(2.0, 1.0) == "2.00x" and gpu_timing.ratio(float("nan"), 1.0) == "-"
 
 
-def test_loop_time_carries_the_dependence_through_pytrees():
-    """The shared in-jit timer takes records (AttentionArgs, a packed weight) as operands: the first
-    floating leaf carries the dependence; without one it says so."""
+def _while_body(hlo: str) -> str:
+    """The text of the while loop's body computation in an optimized HLO module."""
+    import re
+
+    name = re.search(r"body=%?([\w.\-]+)", hlo).group(1)
+    lines = hlo.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(rf"%?{re.escape(name)}\b", line.strip()))
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() == "}")
+    return "\n".join(lines[start:end])
+
+
+def test_loop_time_keeps_every_call_and_its_operand_work_in_the_loop():
+    """The shared in-jit timer: work on an operand that never changes (sin(w)) stays inside the loop,
+    where a loop that only feeds the output back into the first input lets XLA hoist it; records
+    (AttentionArgs) and integer operands are fine; bad counts are refused."""
+    import jax
     import jax.numpy as jnp
 
     from pallas_kernels.attention import base
-    from pallas_kernels.timing import loop_time
+    from pallas_kernels.timing import loop_time, timed_loop
+
+    f = lambda a, w: a * jnp.sin(w).sum()  # noqa: E731
+    ops = (jnp.ones(8), jnp.ones(1000))
+    assert "sine" in _while_body(timed_loop(f).lower(ops, jnp.int32(3), jnp.float32(0)).compile().as_text())
+
+    @jax.jit
+    def naive(ops, n):  # the old nudge: the output fed back into the first input only
+        def body(_, s):
+            a, w = s
+            return a + 0.0 * jnp.sum(f(a, w)), w
+
+        return jax.lax.fori_loop(0, n, body, ops)
+
+    assert "sine" not in _while_body(naive.lower(ops, jnp.int32(3)).compile().as_text())
 
     x = jnp.ones((1, 8, 2, 16))
     args = base.make_args(x, x, x, q_seq_lengths=jnp.array([5], jnp.int32))
     assert loop_time(lambda a: base.reference(a), (args,), iters=2, repeats=1) > 0
-    with pytest.raises(ValueError, match="no floating array"):
-        loop_time(lambda i: i + 1, (jnp.arange(3),), iters=1, repeats=1)
+    assert loop_time(lambda i: i + 1, (jnp.arange(3),), iters=1, repeats=1, min_loop_s=0.001) > 0
     with pytest.raises(ValueError, match="iters and repeats"):
         loop_time(lambda x: x, (x,), iters=1, repeats=0)
+    with pytest.raises(ValueError, match="min_loop_s"):
+        loop_time(lambda x: x, (x,), min_loop_s=-1.0)
 
 
 def test_autotune_timings_report_failures_beside_times():
@@ -126,7 +154,9 @@ def test_gpu_benchmarks_keep_their_rows_when_interrupted(tmp_path, monkeypatch):
     md = tmp_path / "t.md"
     with pytest.raises(SystemExit) as e:
         tune_gpu.main(["--smoke", "--cases", "int4_w4a8", "--md", str(md)])
-    assert e.value.code == 130 and "(interrupted: 0 of 2 calls)" in md.read_text()
+    text = md.read_text()  # the first call's walk, cut short, is kept
+    assert e.value.code == 130 and "(interrupted: 1 of 2 calls, the last one partly)" in text
+    assert "| int4_w4a8 256x128 M=1 |" in text and "coordinates, cut short" in text
 
     _interrupt_after(monkeypatch, attention_gpu, "run_case", 1)
     md = tmp_path / "a.md"
