@@ -283,22 +283,15 @@ def int4_runner(op: str, config, interpret: bool = False) -> Callable:
     return jax.jit(lambda a, p: fn(a, p, config=config, interpret=interpret))
 
 
-def fastest(
-    make_fn: Callable,
-    configs: Sequence[Any],
-    operands: tuple,
-    *,
-    repeats: int = 5,
-    iters: int = 10,
-    min_loop_s: float = 0.005,
-):
-    """The config whose ``make_fn(config)(*operands)`` runs fastest (:func:`timings`); a config that fails
-    to compile or run is skipped.
+def fastest(make_fn: Callable, configs: Sequence[Any], operands: tuple, **timing):
+    """The config whose ``make_fn(config)(*operands)`` runs fastest (:func:`timings`, which takes the
+    ``timing`` keywords: ``repeats``, ``iters``, ``min_loop_s``); a config that fails to compile or run
+    is skipped.
 
     Raises:
       RuntimeError: every config failed (their errors are listed).
     """
-    timed = timings(make_fn, configs, operands, repeats=repeats, iters=iters, min_loop_s=min_loop_s)
+    timed = timings(make_fn, configs, operands, **timing)
     ok = [(t, i) for i, (_, t, _) in enumerate(timed) if t is not None]
     if not ok:
         raise RuntimeError(
