@@ -17,11 +17,12 @@
 #              (limit 300 s, 12 workers; each test's result printed as it ends, so a cut-off run
 #              keeps them)
 #   attention  benchmarks/attention_gpu.py with GPU_SESSION_ATTENTION_ARGS (default: head dim 128,
-#              L 4k/16k, fwd and fwd+bwd, decode at 16k; `--quick` is ~8 minutes alone) (limit 140 s)
+#              L 4k/16k, fwd and fwd+bwd, the softcap / segment ids / dropout rows, decode at 16k; `--quick` is
+#              ~8 minutes alone) (limit 170 s)
 #   int4       benchmarks/int4_gpu.py with GPU_SESSION_INT4_ARGS (default: its own M and shapes)
-#              (limit 140 s)
-#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 190): the Pallas
-#              Triton kernels' default configs against the fastest of their search spaces (limit 230 s;
+#              (limit 130 s)
+#   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 170): the Pallas
+#              Triton kernels' default configs against the fastest of their search spaces (limit 210 s;
 #              not in the default steps; its table goes to its log, so that the second call's
 #              "attention int4 tune" stays within the 8 files)
 # A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
@@ -107,21 +108,21 @@ for s in "${steps[@]}"; do
       args=${GPU_SESSION_ATTENTION_ARGS:---head-dims 128 --lengths 4096 16384 --decode-lengths 16384}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086  # the arguments are meant to split
-      step attention_gpu "${GPU_SESSION_ATTENTION_S:-140}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+      step attention_gpu "${GPU_SESSION_ATTENTION_S:-170}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
         benchmarks/attention_gpu.py $args --md "$OUT/attention_gpu.md" --png "$OUT/attention_gpu.png"
       ;;
     int4)
       args=${GPU_SESSION_INT4_ARGS:-}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step int4_gpu "${GPU_SESSION_INT4_S:-140}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
+      step int4_gpu "${GPU_SESSION_INT4_S:-130}" env JAX_PLATFORMS=$PLATFORMS "$PY" \
         benchmarks/int4_gpu.py $args --md "$OUT/int4_gpu.md" --png "$OUT/int4_gpu.png"
       ;;
     tune)
-      args=${GPU_SESSION_TUNE_ARGS:---budget-s 190}
+      args=${GPU_SESSION_TUNE_ARGS:---budget-s 170}
       [ -n "$SMOKE" ] && args="$args --smoke"
       # shellcheck disable=SC2086
-      step tune_gpu "${GPU_SESSION_TUNE_S:-230}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
+      step tune_gpu "${GPU_SESSION_TUNE_S:-210}" env JAX_PLATFORMS=$PLATFORMS "$PY" benchmarks/tune_gpu.py $args
       ;;
   esac
 done

@@ -12,7 +12,7 @@ then one field away from the best of those. A config that does not compile or fi
 fatal. The result says where the heuristics leave speed on the table and which config to put there
 (``pallas_kernels/attention/triton_tuning.py``, ``pallas_kernels/int4_matmul/triton_config.py``).
 
-    python benchmarks/tune_gpu.py --md tune_gpu.md                     # on an NVIDIA GPU (--budget-s 190)
+    python benchmarks/tune_gpu.py --md tune_gpu.md                     # on an NVIDIA GPU (--budget-s 170)
     python benchmarks/tune_gpu.py --cases flash_bwd int4_w4a16         # a subset
     python benchmarks/tune_gpu.py --smoke                              # CPU: a check of this script
 """
@@ -243,7 +243,7 @@ def main(argv=None):
     p.add_argument(
         "--budget-s",
         type=float,
-        default=190.0,
+        default=170.0,
         help="no candidate starts after this many seconds from the process start",
     )
     p.add_argument("--md", default=None, help="also write the table as markdown to this file")

@@ -12,11 +12,12 @@ from benchmarks import attention_gpu, gpu_timing, int4_gpu, tune_gpu
 def test_attention_gpu_smoke(tmp_path):
     md, png = tmp_path / "a.md", tmp_path / "a.png"
     rows = attention_gpu.main(["--smoke", "--md", str(md), "--png", str(png)])
-    assert {r[0] for r in rows} == {"train", "decode"} and len(rows) == 5
-    for *_, res, _flops, label in rows:
-        assert set(res) == {"jb", "jb_pallas", "jax_xla"}
+    assert [r[0] for r in rows] == ["train"] * 4 + ["feature"] * 3 + ["decode"]
+    for section, *_, res, _flops, label in rows:
+        assert set(res) == ({"jb", "jb_pallas"} if section == "feature" else {"jb", "jb_pallas", "jax_xla"})
         assert all(t > 0 for t in res.values()), res  # every row ran (NaN would fail)
         assert label.startswith("FLASH_ATTENTION[")  # jb's choice, named
+    assert [r[-1].split()[-1] for r in rows if r[0] == "feature"] == ["softcap", "segments", "dropout"]
     text = md.read_text()
     assert "| train | fwd+bwd | 16 | 32 | True |" in text and "| decode |" in text
     assert png.stat().st_size > 0
