@@ -5,7 +5,7 @@ Python wall clock around one call measures dispatch and launch latency as much a
 * :func:`jax_time` compiles one loop of *dependent* calls (each passes its operands and a token made
   from the previous call's output through ``lax.optimization_barrier``, so XLA can neither hoist a
   call or any work on its operands out of the loop nor drop it) and divides the loop's time by the
-  number of calls, at least enough for a 5 ms loop; the token costs one pass over the first output,
+  number of calls (a static count, raised to last 2 ms where the first loop is shorter); the token costs one pass over the first output,
   small next to the kernels timed here (`pallas_kernels.timing.loop_time`).
 * :func:`torch_time` times ``iters`` back-to-back launches between two CUDA events.
 
@@ -24,7 +24,7 @@ __all__ = ["jax_time", "torch_cuda", "torch_time", "ratio", "pyplot"]
 
 
 def jax_time(
-    fn: Callable, args: Sequence[Any], iters: int = 20, repeats: int = 3, min_loop_s: float = 0.005
+    fn: Callable, args: Sequence[Any], iters: int = 20, repeats: int = 3, min_loop_s: float = 0.002
 ) -> float:
     """Seconds per call of ``fn(*args)`` on the default device, from one jitted loop of dependent calls
     (:func:`pallas_kernels.timing.loop_time`, which the autotuner uses too).
@@ -32,9 +32,10 @@ def jax_time(
     Args:
       fn: traceable; the first leaf of its output must be an array.
       args: the inputs (device arrays or pytrees of them).
-      iters: calls per timed loop (>= 1), raised until one loop lasts ``min_loop_s``.
+      iters: calls per timed loop (>= 1), raised (a recompilation) where one loop is shorter than
+        ``min_loop_s``: give enough for the kernels timed.
       repeats: timed loops; the median is returned.
-      min_loop_s: the shortest timed loop (5 ms: a loop of 10-microsecond decode calls would otherwise
+      min_loop_s: the shortest timed loop (2 ms: a loop of 10-microsecond decode calls would otherwise
         be mostly its own launch).
     """
     return loop_time(fn, args, iters=iters, repeats=repeats, min_loop_s=min_loop_s)

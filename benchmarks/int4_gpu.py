@@ -86,7 +86,9 @@ def run(shapes, ms, groupsize, iters, use_torch, rows=None):
                 ("dense bf16", jnp.dot, (xb, wbf)),
             ):
                 try:
-                    r[name] = jax_time(fn, args, iters=iters)
+                    # decode calls last ~10-100 us: 200 of them make a loop of >= 2 ms at once (no
+                    # recompilation for a longer one, see gpu_timing.jax_time)
+                    r[name] = jax_time(fn, args, iters=iters if M > 16 else max(iters, 200))
                 except Exception as e:  # noqa: BLE001 - report, go on
                     print(f"  {name} K={K} N={N} M={M}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
                     r[name] = math.nan

@@ -237,8 +237,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--max-candidates", type=int, default=12, help="above this, a coordinate walk")
-    p.add_argument("--iters", type=int, default=10, help="calls per timed loop, at least (see --min-loop-ms)")
-    p.add_argument("--min-loop-ms", type=float, default=5.0, help="the shortest timed loop")
+    p.add_argument("--iters", type=int, default=40, help="calls per timed loop (more: see --min-loop-ms)")
+    p.add_argument("--min-loop-ms", type=float, default=2.0, help="a shorter loop is recompiled longer")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--budget-s",

@@ -2,8 +2,8 @@
 
 A Python clock around a single call measures dispatch, launch latency and host synchronisation as much
 as the kernel (tens of microseconds, the whole run time of a decode kernel). :func:`loop_time` compiles
-one ``lax.while``-style loop of calls and divides its time by their number. Each iteration passes the
-operands and a token through ``lax.optimization_barrier``; the token is ``eps * sum(first output)`` of
+one ``lax.fori_loop`` of calls (a static trip count) and divides its time by their number. Each
+iteration passes the operands and a token through ``lax.optimization_barrier``; the token is ``eps * sum(first output)`` of
 the previous call (``eps`` a run-time zero). The barrier makes every call depend on the one before it,
 so XLA can neither hoist a call, nor any work on one of its operands, out of the loop, nor drop it, and
 the operands are never modified. The token's sum costs one pass over the first output per call, small
@@ -13,6 +13,7 @@ benchmarks (``benchmarks/gpu_timing.py``) share it.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -25,12 +26,14 @@ __all__ = ["loop_time", "timed_loop"]
 
 
 def timed_loop(fn: Callable) -> Callable:
-    """The jitted ``(operands, n, eps) -> token`` loop :func:`loop_time` times: ``n`` (a run-time int32)
-    dependent calls of ``fn(*operands)`` (see the module docstring; exposed to check what XLA keeps
-    inside the loop)."""
+    """The jitted ``(operands, eps, n) -> token`` loop :func:`loop_time` times: ``n`` dependent calls of
+    ``fn(*operands)`` (see the module docstring; exposed to check what XLA keeps inside the loop).
 
-    @jax.jit
-    def loop(operands, n, eps):
+    ``n`` is static: a loop with a known trip count runs on the GPU without reading its condition back
+    to the host between iterations, which a run-time bound would cost every call."""
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def loop(operands, eps, n):
         def body(_, state):
             carry, _token = jax.lax.optimization_barrier(state)
             out = jax.tree.leaves(fn(*carry))[0]
@@ -50,11 +53,12 @@ def loop_time(
     Args:
       fn: traceable; the first leaf of its output must be an array (it feeds the dependence).
       operands: a sequence of pytrees (arrays, or records such as ``AttentionArgs`` / a packed weight).
-      iters: calls per timed loop (>= 1), raised so that one loop lasts at least ``min_loop_s``.
+      iters: calls per timed loop (>= 1).
       repeats: timed loops (>= 1); the median counts.
       min_loop_s: the shortest loop worth timing, in seconds (0: ``iters`` as given). A loop of a few
-        microsecond-long calls is dominated by the fixed cost of launching it; the count is raised from
-        the warm-up run's time (the loop bound is a run-time value: no recompilation).
+        microsecond-long calls is dominated by the fixed cost of launching it: when the warm-up loop is
+        shorter, the count goes up to the next power of two that should last ``min_loop_s`` (a second
+        compilation: give ``iters`` that suffice where compiling is slow).
 
     Example:
       >>> import jax.numpy as jnp
@@ -68,17 +72,19 @@ def loop_time(
         raise ValueError(f"loop_time: min_loop_s must be >= 0 (got {min_loop_s!r})")
     operands = tuple(operands)
     loop = timed_loop(fn)
+    eps = jnp.zeros((), jnp.float32)
 
     def run(n):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(operands, jnp.int32(n), eps))
+        jax.block_until_ready(loop(operands, eps, n))
         return time.perf_counter() - t0
 
-    eps = jnp.zeros((), jnp.float32)
     n = iters
-    t = run(n)  # compile and warm up
+    run(n)  # compile and warm up
     if min_loop_s > 0:
         t = run(n)
         if t < min_loop_s:
-            n = int(min(math.ceil(n * min_loop_s / max(t, 1e-9)), 1 << 20))
+            n = 1 << max(0, math.ceil(math.log2(n * min_loop_s / max(t, 1e-9))))
+            n = min(n, 1 << 16)
+            run(n)  # compile the longer loop and warm it up
     return float(np.median([run(n) / n for _ in range(repeats)]))
