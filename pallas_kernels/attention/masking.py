@@ -86,11 +86,15 @@ def key_range(
 ):
     """Half-open key range ``[lo, hi)`` that query rows ``[q_start, q_stop)`` can attend to.
 
-    Uses only the static structure (causal / window); works on Python ints (returns ints) or traced
-    int32 scalars. The range may be empty (``lo == hi``).
+    Uses only the static structure (causal / window); works on Python ints (returns ints), numpy arrays
+    (trace-time checks: returns numpy) or traced int32 scalars. The range may be empty (``lo == hi``).
     """
-    static = isinstance(q_start, int) and isinstance(q_stop, int)
-    mn, mx = (min, max) if static else (jnp.minimum, jnp.maximum)
+    if isinstance(q_start, int) and isinstance(q_stop, int):
+        mn, mx = min, max
+    elif isinstance(q_start, np.ndarray):
+        mn, mx = np.minimum, np.maximum
+    else:
+        mn, mx = jnp.minimum, jnp.maximum
     lo, hi = 0, kv_len
     if causal:
         hi = mn(hi, q_stop + diag_offset)

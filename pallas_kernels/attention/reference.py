@@ -68,14 +68,7 @@ def structure_empties_rows(args: AttentionArgs) -> bool:
     if not args.causal and args.window is None:
         return False
     i = np.arange(T, dtype=np.int64)
-    lo, hi = np.zeros_like(i), np.full_like(i, S)
-    if args.causal:
-        hi = np.minimum(hi, i + 1 + args.diag_offset)
-    if args.window is not None:
-        left, right = args.window
-        lo = np.maximum(lo, i + args.diag_offset - left)
-        hi = np.minimum(hi, i + 1 + args.diag_offset + right)
-    lo = np.minimum(np.maximum(lo, 0), S)  # as masking.key_range clamps
+    lo, hi = key_range(i, i + 1, S, causal=args.causal, diag_offset=args.diag_offset, window=args.window)
     return bool(np.any(lo >= hi))
 
 

@@ -191,8 +191,23 @@ def _w4a16_kernel(xe_ref, xo_ref, w_ref, st_ref, out_ref, *, c: _W4A16):
     (_w4a16_mma if c.mma else _w4a16_rows)(xe_ref, xo_ref, w_ref, st_ref, out_ref, c)
 
 
+def _w4a16_tile(c: _W4A16, w_ref, st_ref, cmask, pid_s, t):
+    """Step ``t`` of a program: its first byte ``k0``, the group scales ``[block_n]`` (the step's k lie in
+    one group: block_k divides groupsize) and the nibble planes ``[block_n, block_k / 2]``."""
+    kstep = pid_s * c.steps_per_prog + t
+    k0 = kstep * (c.block_k // 2)
+    s = _load(st_ref.at[(kstep * c.block_k) // c.groupsize], cmask, 0.0)
+    lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, c.block_k // 2)], cmask[:, None], 0x88))
+    return k0, s, lo, hi
+
+
+def _scaled(plane, s, compute_dtype):
+    """``(u - 8) * scale`` rounded to the compute dtype: the weight dequantized in registers."""
+    return (plane.astype(jnp.float32) * s[:, None]).astype(compute_dtype)
+
+
 def _w4a16_mma(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
-    M, N, groupsize, block_m, block_n, block_k = c.M, c.N, c.groupsize, c.block_m, c.block_n, c.block_k
+    M, N, block_m, block_n, block_k = c.M, c.N, c.block_m, c.block_n, c.block_k
     steps_per_prog, compute_dtype, scale_after_dot = c.steps_per_prog, c.compute_dtype, c.scale_after_dot
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
@@ -201,19 +216,14 @@ def _w4a16_mma(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
     prec = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
     def step(t, acc):
-        kstep = pid_s * steps_per_prog + t
-        k0 = kstep * bkh
-        g = (kstep * block_k) // groupsize  # block_k divides groupsize: the step lies in one group
+        k0, s, lo, hi = _w4a16_tile(c, w_ref, st_ref, cmask, pid_s, t)
         xe = _load(xe_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
         xo = _load(xo_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
-        s = _load(st_ref.at[g], cmask, 0.0)
-        lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
         if scale_after_dot:  # the exact integers u - 8; the group's scales multiply the step's dot
             d = jnp.dot(xe, lo.astype(compute_dtype).T, preferred_element_type=jnp.float32, precision=prec)
             d += jnp.dot(xo, hi.astype(compute_dtype).T, preferred_element_type=jnp.float32, precision=prec)
             return acc + d * s[None, :]
-        lo = (lo.astype(jnp.float32) * s[:, None]).astype(compute_dtype)  # dequantized in registers
-        hi = (hi.astype(jnp.float32) * s[:, None]).astype(compute_dtype)
+        lo, hi = _scaled(lo, s, compute_dtype), _scaled(hi, s, compute_dtype)
         acc += jnp.dot(xe, lo.T, preferred_element_type=jnp.float32, precision=prec)
         acc += jnp.dot(xo, hi.T, preferred_element_type=jnp.float32, precision=prec)
         return acc
@@ -226,11 +236,10 @@ def _w4a16_rows(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
     """The W4A16 step without MMAs (``Config.mma=False``, decode): each of the ``min(block_m, M)`` rows
     of the program is a multiply and a sum over k in float32 against the dequantized tile, in the layout
     the tile was loaded in (no MMA operand layout, no padding of one row to 16)."""
-    M, groupsize, block_m, block_k = c.M, c.groupsize, c.block_m, c.block_k
+    M, block_m, bkh = c.M, c.block_m, c.block_k // 2
     steps_per_prog, compute_dtype, scale_after_dot = c.steps_per_prog, c.compute_dtype, c.scale_after_dot
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cmask = pid_n * c.block_n + jnp.arange(c.block_n) < c.N
-    bkh = block_k // 2
     rows = min(block_m, M)
     valid = [pid_m * block_m + r < M for r in range(rows)]
 
@@ -239,16 +248,10 @@ def _w4a16_rows(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
         return x.astype(compute_dtype).astype(jnp.float32)
 
     def step(t, acc):
-        kstep = pid_s * steps_per_prog + t
-        k0 = kstep * bkh
-        g = (kstep * block_k) // groupsize
-        s = _load(st_ref.at[g], cmask, 0.0)
-        lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
-        if scale_after_dot:
-            lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
-        else:  # the weight as the MMA path rounds it: (u - 8) * scale in the compute dtype
-            lo = (lo.astype(jnp.float32) * s[:, None]).astype(compute_dtype).astype(jnp.float32)
-            hi = (hi.astype(jnp.float32) * s[:, None]).astype(compute_dtype).astype(jnp.float32)
+        k0, s, lo, hi = _w4a16_tile(c, w_ref, st_ref, cmask, pid_s, t)
+        if not scale_after_dot:  # the weight as the MMA path rounds it
+            lo, hi = _scaled(lo, s, compute_dtype), _scaled(hi, s, compute_dtype)
+        lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
         out = []
         for r in range(rows):
             d = jnp.sum(lo * xrow(xe_ref, r, k0), axis=1) + jnp.sum(hi * xrow(xo_ref, r, k0), axis=1)
