@@ -6,6 +6,8 @@ CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.py``):
 * ``jb``: ``jb.dot_product_attention`` with no flags (the default dispatch: ``jb.explain`` says which
   backend runs; the last column names it),
 * ``jb_pallas``: the same call with FLASH alone (our Pallas Triton flash / decode kernels),
+* ``jb_mosaic``: the same call with FLASH alone and ``flash_cuda_kernel="mosaic"`` (our Pallas Mosaic GPU
+  FlashAttention-3 forward, sm90; its backward is the Triton one),
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
 * ``jax_xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (quadratic memory: L <= 4k),
 * ``mgpu_example``: jax's example Pallas Mosaic GPU kernel (``attention_mgpu``; sm90, head dims
@@ -18,7 +20,8 @@ CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.py``):
 Sections: training shapes (head dims, lengths, causal and not, ``fwd`` and ``fwd+bwd``; batch x length
 fixed at ``--tokens``, heads x head dim at ``--model-dim``) and decode (one query row, GQA, KV lengths up
 to 128k). FLOPs follow the FlashAttention papers: forward ``4 B N T S H`` (halved under a causal mask),
-backward 2.5x the forward. Prints TFLOP/s, the ratio of ``jb`` to the best of ``cudnn`` / ``jb_pallas``
+backward 2.5x the forward. Prints TFLOP/s, the ratio of ``jb`` to the best of ``cudnn`` / ``jb_pallas`` /
+``jb_mosaic``
 (the "never slower than what you could pick yourself" check), writes a markdown table (``--md``) and a
 PNG (``--png``, needs matplotlib).
 
@@ -48,7 +51,7 @@ import jbackends as jb  # noqa: E402
 from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time  # noqa: E402
 from pallas_kernels.attention import base, triton_flash  # noqa: E402
 
-JAX_IMPLS = ("jb", "jb_pallas", "cudnn", "jax_xla", "mgpu_example", "tokamax")
+JAX_IMPLS = ("jb", "jb_pallas", "jb_mosaic", "cudnn", "jax_xla", "mgpu_example", "tokamax")
 TORCH_IMPLS = ("torch_flash", "torch_cudnn", "torch_efficient")
 
 
@@ -105,6 +108,10 @@ def jax_impls(smoke: bool) -> dict:
     impls = {
         "jb": (_jb, None),
         "jb_pallas": (_jb, dict(flash=True, mem_efficient=False, cudnn=False, math=False)),
+        "jb_mosaic": (
+            _jb,
+            dict(flash=True, mem_efficient=False, cudnn=False, math=False, flash_cuda_kernel="mosaic"),
+        ),
         "cudnn": (_jax_nn("cudnn"), None),
         "jax_xla": (_jax_nn("xla"), None),
     }
@@ -242,7 +249,9 @@ def run_features(impls, B, L, N, H, iters, dtype):
 
 
 def best_of_ours_and_cudnn(res):
-    picks = [res[n] for n in ("cudnn", "jb_pallas") if res.get(n, math.nan) == res.get(n, math.nan)]
+    picks = [
+        res[n] for n in ("cudnn", "jb_pallas", "jb_mosaic") if res.get(n, math.nan) == res.get(n, math.nan)
+    ]
     return min(picks) if picks else math.nan
 
 
@@ -333,7 +342,7 @@ def main(argv=None):
         + (f", torch {torch_cuda().__version__}" if use_torch else "")
         + f". Training rows: TFLOP/s ({a.tokens} tokens, model dim {a.model_dim}); decode rows: "
         "microseconds per call (T=1, GQA 32/8 heads of 128, batch 4). `jb/best`: jb's time ratio to the "
-        "faster of cudnn and jb_pallas (>= 0.97 is the goal); on a feature row, jb's speed with the feature "
+        "fastest of cudnn, jb_pallas and jb_mosaic (>= 0.97 is the goal); on a feature row, jb's speed with the feature "
         "(cuDNN cannot run it) over FLASH's without it in the jb_pallas column (>= 0.8 is the goal).",
         "",
         "| section | pass | H | L or S | causal | " + " | ".join(names) + " | jb/best | jb runs |",

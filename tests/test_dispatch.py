@@ -80,6 +80,7 @@ def test_every_backend_has_an_implementation_list_and_names_are_unique():
     assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cuda")] == [
         "triton_decode",
         "triton_flash",
+        "mosaic_flash",
     ]
     assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cpu")] == [
         "cpp_flash",

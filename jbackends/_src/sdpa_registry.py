@@ -8,7 +8,8 @@ imported at their first use.
 ======================  ===============================  =====================================
 backend                 cuda                             cpu / any other platform
 ======================  ===============================  =====================================
-FLASH_ATTENTION         triton_decode, triton_flash      cpp_flash (cpu only), xla_flash
+FLASH_ATTENTION         triton_decode, triton_flash,     cpp_flash (cpu only), xla_flash
+                        mosaic_flash
 EFFICIENT_ATTENTION     triton_mem_efficient             xla_mem_efficient
 CUDNN_ATTENTION         cudnn                            (none)
 MATH                    math                             math
@@ -23,7 +24,7 @@ from typing import Any
 from jbackends._src.dispatch import Implementation, lazy
 from jbackends._src.sdp_backends import SDPBackend
 
-__all__ = ["IMPLEMENTATIONS", "BY_NAME", "implementations", "cpu_filter"]
+__all__ = ["IMPLEMENTATIONS", "BY_NAME", "implementations", "flag_filter"]
 
 _PKG = "pallas_kernels.attention"
 _ANY = "*"  # the list for every platform without its own
@@ -61,6 +62,10 @@ def _cudnn_reasons(args, platform, device):
     return lazy(f"{_PKG}.cudnn:unsupported")(args, platform, **dict(device))
 
 
+def _mosaic_reasons(args, platform, device):
+    return lazy(f"{_PKG}.mosaic_flash:unsupported")(args, platform, **dict(device))
+
+
 TRITON_DECODE = Implementation(
     "triton_decode",
     "Pallas Triton",
@@ -78,6 +83,15 @@ TRITON_FLASH = Implementation(
     lazy(f"{_PKG}.triton_flash:attention"),
     _tf32,
     "FlashAttention-2 forward and fused backward",
+)
+MOSAIC_FLASH = Implementation(
+    "mosaic_flash",
+    "Pallas Mosaic GPU",
+    ("cuda",),
+    _mosaic_reasons,
+    lazy(f"{_PKG}.mosaic_flash:attention"),
+    _tf32,
+    "FlashAttention-3 forward for sm90 (warp-specialized, TMA, WGMMA); Triton flash backward",
 )
 CPP_FLASH = Implementation(
     "cpp_flash",
@@ -133,7 +147,9 @@ MATH = Implementation(
 #: backend -> {lowering platform, or "*" for every other one: implementations in the order tried}.
 IMPLEMENTATIONS: dict[SDPBackend, dict[str, tuple[Implementation, ...]]] = {
     SDPBackend.FLASH_ATTENTION: {
-        "cuda": (TRITON_DECODE, TRITON_FLASH),
+        # mosaic_flash follows the Triton kernels until it is measured on a GPU: under 'auto' it runs
+        # only where they cannot; flash_cuda_kernel='mosaic' selects it.
+        "cuda": (TRITON_DECODE, TRITON_FLASH, MOSAIC_FLASH),
         "cpu": (CPP_FLASH, XLA_FLASH),
         _ANY: (XLA_FLASH,),
     },
@@ -154,14 +170,25 @@ def implementations(backend: int, platform: str) -> tuple[Implementation, ...]:
     return table.get(platform, table.get(_ANY, ()))
 
 
-def cpu_filter(flags: Any, backend: int, platform: str) -> Mapping[str, str]:
-    """The implementations the flags exclude (name -> reason): ``flash_cpu_kernel`` filters FLASH's
-    list when lowering for CPU ('cpp': only the C++ kernel; 'xla': never it)."""
-    if platform != "cpu" or int(backend) != SDPBackend.FLASH_ATTENTION:
+def flag_filter(flags: Any, backend: int, platform: str) -> Mapping[str, str]:
+    """The implementations the flags exclude (name -> reason). ``flash_cpu_kernel`` filters FLASH's
+    list when lowering for CPU ('cpp': only the C++ kernel; 'xla': never it); ``flash_cuda_kernel``
+    filters it when lowering for CUDA ('triton': only the Triton kernels; 'mosaic': only the Mosaic GPU
+    kernel)."""
+    if int(backend) != SDPBackend.FLASH_ATTENTION:
         return {}
-    mode = flags.flash_cpu_kernel
-    if mode == "cpp":
-        return {XLA_FLASH.name: "flash_cpu_kernel='cpp' (only the C++ kernel may run FLASH on CPU)"}
-    if mode == "xla":
-        return {CPP_FLASH.name: "flash_cpu_kernel='xla' (the C++ kernel is not used)"}
+    if platform == "cpu":
+        mode = flags.flash_cpu_kernel
+        if mode == "cpp":
+            return {XLA_FLASH.name: "flash_cpu_kernel='cpp' (only the C++ kernel may run FLASH on CPU)"}
+        if mode == "xla":
+            return {CPP_FLASH.name: "flash_cpu_kernel='xla' (the C++ kernel is not used)"}
+        return {}
+    if platform == "cuda":
+        mode = flags.flash_cuda_kernel
+        if mode == "triton":
+            return {MOSAIC_FLASH.name: "flash_cuda_kernel='triton' (the Mosaic GPU kernel is not used)"}
+        if mode == "mosaic":
+            why = "flash_cuda_kernel='mosaic' (only the Mosaic GPU kernel may run FLASH on CUDA)"
+            return {TRITON_DECODE.name: why, TRITON_FLASH.name: why}
     return {}

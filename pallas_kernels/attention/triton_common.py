@@ -315,7 +315,7 @@ def _gpu_call_lower_other(ctx, *args, gpu, cpu):
     platforms = ctx.platforms or ctx.module_context.platforms
     if len(ctx.module_context.platforms) == 1:
         raise ValueError(
-            f"the Pallas Triton attention kernels lower for CUDA only, not for "
+            f"the Pallas GPU attention kernels lower for CUDA only, not for "
             f"{tuple(platforms)}; pass interpret=True (testing) or use the XLA backend"
         )
     return mlir.lower_fun(jex_core.jaxpr_as_fun(cpu), multiple_results=True)(ctx, *args)
@@ -341,6 +341,17 @@ mlir.register_lowering(_gpu_call_p, _gpu_call_lower_other)
 for _p in ("cuda", "rocm"):
     mlir.register_lowering(_gpu_call_p, _gpu_call_lower_gpu, platform=_p)
 batching.primitive_batchers[_gpu_call_p] = _gpu_call_batch
+
+
+def gpu_call(gpu_fn: Callable, other_fn: Callable, operands: tuple):
+    """``gpu_fn(*operands)`` (a tuple of arrays) lowered for CUDA; in a multi-platform lowering its
+    branch for any other platform is ``other_fn`` (same outputs, never selected there: see above)."""
+    leaves = list(operands)
+    out_tree = jax.tree.structure(jax.eval_shape(gpu_fn, *leaves))
+    outs = _bind_gpu_call(
+        lambda *a: jax.tree.leaves(gpu_fn(*a)), lambda *a: jax.tree.leaves(other_fn(*a)), leaves
+    )
+    return jax.tree.unflatten(out_tree, outs)
 
 
 def triton_call(make_call: Callable, operands: tuple, *, interpret: bool):

@@ -22,7 +22,14 @@ import numpy as np
 import pytest
 
 import jbackends as jb
-from pallas_kernels.attention import base, cudnn, triton_decode, triton_flash, triton_mem_efficient
+from pallas_kernels.attention import (
+    base,
+    cudnn,
+    mosaic_flash,
+    triton_decode,
+    triton_flash,
+    triton_mem_efficient,
+)
 from tests.attention.attention_base import GRID, TOL, AttentionTestBase, Case, DecodeTestBase, make_case
 
 pytestmark = pytest.mark.gpu
@@ -99,6 +106,70 @@ class TestCudnnCompiled(_Compiled):
 
     def test_vjp_wrt_outputs_and_lse(self):
         pytest.skip("float32 case: cuDNN takes half precision only")
+
+
+# The Mosaic GPU kernel (sm90): half precision, head dims 64 / 128 / 256, causal both ways, GQA, ragged
+# lengths (padded keys masked in the last block), several query tiles and a ring refilled many times.
+MOSAIC_GRID = [
+    Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit)
+    for dt, causal, T, S, H, g, K, B, jit in (
+        ("bfloat16", "none", 128, 128, 64, 1, 1, 1, True),
+        ("bfloat16", "top_left", 1024, 1024, 128, 2, 2, 2, True),
+        ("float16", "lower_right", 300, 1000, 128, 4, 1, 1, False),
+        ("bfloat16", "none", 200, 333, 64, 1, 2, 2, True),
+        ("float16", "top_left", 512, 512, 64, 1, 2, 1, True),
+        ("bfloat16", "none", 256, 700, 256, 2, 1, 1, True),
+        ("bfloat16", "top_left", 2048, 2048, 128, 8, 1, 1, True),
+    )
+]
+
+
+@pytest.mark.skipif(
+    not jax.devices()[0].platform == "gpu"
+    or mosaic_flash.unsupported(base.make_args(*(jnp.zeros((1, 128, 1, 64), jnp.bfloat16),) * 3), "cuda"),
+    reason="the Mosaic GPU kernel needs an sm90 GPU",
+)
+class TestMosaicFlashCompiled(_Compiled):
+    impl = staticmethod(mosaic_flash.attention)
+    dtypes = ("bfloat16", "float16")
+    supports_bias = supports_mask = supports_dropout = supports_softcap = False
+    supports_window = supports_lengths = supports_segments = False
+
+    def supports(self, args):
+        return not mosaic_flash.unsupported(args, "cuda")
+
+    @pytest.mark.parametrize("case", MOSAIC_GRID, ids=[c.id for c in MOSAIC_GRID])
+    def test_grid(self, case):
+        args = make_case(case)
+        assert self.supports(args), mosaic_flash.unsupported(args, "cuda")  # the grid must reach it
+        self.check(args, jit=case.jit)
+
+    def test_fully_masked_rows_give_zero_output_and_grads(self):
+        pytest.skip(
+            "refused: no lengths, nor a diagonal that empties a row (tests/attention/test_mosaic_flash.py)"
+        )
+
+    def test_deterministic(self):
+        args = make_case(Case("bfloat16", "top_left", 512, 512, 128, 2, K=2, B=1))
+        a, b = (jax.jit(self.run)(args)[0] for _ in range(2))
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def test_vjp_wrt_outputs_and_lse(self):
+        pytest.skip(
+            "float32 case: the kernel takes half precision (its interpret test covers the LSE cotangent)"
+        )
+
+    def test_public_api_runs_it_by_flag(self):
+        rng = np.random.default_rng(1)
+        q = jnp.asarray(rng.normal(size=(2, 1024, 8, 128)), jnp.bfloat16)
+        k = jnp.asarray(rng.normal(size=(2, 1024, 2, 128)), jnp.bfloat16)
+        with jb.with_backends(flash_cuda_kernel="mosaic"), jb.sdpa_kernel([jb.SDPBackend.FLASH_ATTENTION]):
+            assert jb.explain(q, k, k, is_causal=True).implementation == "mosaic_flash"
+            got = jax.jit(lambda q, k: jb.dot_product_attention(q, k, k, is_causal=True))(q, k)
+        want = jax.nn.dot_product_attention(q, k, k, is_causal=True)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
+        )
 
 
 # ---- the public API on the GPU: the default choice, and that it is right -------------------------------

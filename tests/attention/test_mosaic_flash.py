@@ -1,0 +1,262 @@
+"""The Mosaic GPU flash kernel (``pallas_kernels.attention.mosaic_flash``) without a GPU.
+
+* Parity: on jax >= 0.12 the kernel runs in Pallas's GPU interpret mode (threads, barriers, TMA and
+  WGMMA simulated on CPU, with its race detector on) against the float32 reference, forward and
+  gradients (the gradients through the Triton flash backward, interpreted too). The interpreted
+  program stages ``P`` through shared memory (the interpreter takes no WGMMA operand from registers);
+  the compiled one is checked in the GPU lane (``tests/attention/test_gpu_lane.py``).
+* Export: on every supported jax the forward and its gradient lower for CUDA from CPU (Pallas lowers
+  the kernel to the Mosaic GPU dialect here), and a cpu + cuda export runs on CPU.
+* What it refuses, and the ``flash_cuda_kernel`` flag that selects it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jbackends as jb
+from jbackends import SDPBackend
+from pallas_kernels import gpu
+from pallas_kernels.attention import base, mosaic_flash
+from tests.attention.attention_base import AttentionTestBase, Case, make_case
+
+needs_interpret = pytest.mark.skipif(
+    not mosaic_flash.interpret_available(), reason="Mosaic GPU interpret mode needs jax >= 0.12"
+)
+
+# What the kernel adds, each at least once: one program and one key block; causal with GQA over two
+# query tiles and a ring of two; ragged T and S with a bottom-right diagonal (keys padded and masked in
+# the last block); fewer keys than one block with two batches and two kv heads; a ring reused over
+# five blocks (causal: the first warpgroup releases the slots it skips); head dim 256 (64-key blocks).
+MOSAIC_GRID = [
+    Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
+    Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
+    Case("bfloat16", "lower_right", 200, 333, 128, 2, K=2, B=1, jit=False),
+    Case("float16", "none", 100, 70, 64, 1, K=2, B=2),
+    Case("bfloat16", "top_left", 384, 640, 128, 1, K=1, B=1),
+    Case("bfloat16", "none", 128, 64, 256, 1, K=1, B=1),
+]
+
+
+@needs_interpret
+class TestMosaicFlashInterpret(AttentionTestBase):
+    impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
+    dtypes = ("bfloat16", "float16")
+    supports_bias = supports_mask = supports_dropout = supports_softcap = False
+    supports_window = supports_lengths = supports_segments = False
+
+    def supports(self, args):
+        return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
+
+    @pytest.mark.parametrize("case", MOSAIC_GRID, ids=[c.id for c in MOSAIC_GRID])
+    def test_grid(self, case):
+        args = make_case(case, seed=case.T + case.S)
+        assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
+        self.check(args, jit=case.jit)
+
+    def test_fully_masked_rows_give_zero_output_and_grads(self):
+        pytest.skip("refused: the kernel takes no lengths, nor a diagonal that empties a row (tested below)")
+
+    def test_deterministic(self):
+        args = make_case(Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=1))
+        a, b = (jax.jit(self.run)(args)[0] for _ in range(2))
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def test_vjp_wrt_outputs_and_lse(self):
+        """Cotangents on both outputs (the LSE too), in half precision: the kernel's ``out`` and
+        ``lse`` feed the backward."""
+        args = make_case(Case("float16", "lower_right", 130, 200, 64, 2, K=1, B=1))
+        up = lambda a: a.replace(
+            q=a.q.astype(jnp.float32), k=a.k.astype(jnp.float32), v=a.v.astype(jnp.float32)
+        )  # noqa: E731
+        (out, lse), vjp = jax.vjp(
+            lambda q, k, v: self.run(args.replace(q=q, k=k, v=v)), args.q, args.k, args.v
+        )
+        _, vjp_ref = jax.vjp(
+            lambda q, k, v: base.reference(up(args).replace(q=q, k=k, v=v)),
+            *map(lambda x: x.astype(jnp.float32), (args.q, args.k, args.v)),
+        )
+        rng = np.random.default_rng(3)
+        ct = (
+            jnp.asarray(rng.normal(size=out.shape), out.dtype),
+            jnp.asarray(rng.normal(size=lse.shape), jnp.float32),
+        )
+        for g, r, name in zip(vjp(ct), vjp_ref((ct[0].astype(jnp.float32), ct[1])), "qkv"):
+            scale = float(jnp.max(jnp.abs(r)))
+            err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) / scale
+            assert err < 1e-2, f"d{name}: {err}"
+
+
+@needs_interpret
+def test_interpret_catches_a_missing_barrier(monkeypatch):
+    """The interpreter's race detector is on: a kernel that reads a ring slot without waiting for its
+    TMA is caught (so the barrier protocol is what the parity tests check, not luck)."""
+    import inspect
+
+    plgpu = mosaic_flash._plgpu()
+    real_wait = plgpu.barrier_wait
+    skipped = []
+
+    def skip_value_waits(barrier):
+        line = inspect.getframeinfo(inspect.currentframe().f_back).code_context[0]
+        if "v_loaded" in line:  # the compute warpgroups' wait for a value block's TMA
+            skipped.append(line)
+            return None
+        return real_wait(barrier)
+
+    monkeypatch.setattr(plgpu, "barrier_wait", skip_value_waits)
+    # Five key blocks through a ring of two: a slot is refilled while a warpgroup may still read it.
+    args = make_case(Case("float16", "none", 256, 640, 64, 2, K=1, B=1))
+    try:
+        with pytest.raises(Exception, match="(?i)race"):
+            jax.block_until_ready(mosaic_flash.forward(args, interpret=True))
+    finally:
+        # After an error the interpreter's shared state must be reset before its next kernel (jax's
+        # InterpretGPUParams docs); the function is private, so where it moves the test says so.
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+        interpret_pallas_call.reset_gpu_interpret_mode_state()
+    assert skipped
+
+
+# ---- what it refuses --------------------------------------------------------------------------------
+
+
+def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
+    q = jnp.zeros((1, T, 2, H), dtype)
+    k = jnp.zeros((1, S, 2, H), dtype)
+    v = jnp.zeros((1, S, 2, Hv or H), dtype)
+    return base.make_args(q, k, v, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(dtype=jnp.float32), "float16 / bfloat16"),
+        (dict(H=80), "head dims of 64, 128 or 256"),
+        (dict(Hv=128), "head dims of 64, 128 or 256"),
+        (dict(bias=jnp.zeros((1, 1, 128, 128))), "bias"),
+        (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
+        (dict(window=(8, 0)), "window"),
+        (dict(kv_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
+        (
+            dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
+            "segment",
+        ),
+        (dict(logits_soft_cap=30.0), "soft cap"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
+        (dict(scale=-1.0), "positive softmax scale"),
+        (dict(T=160, S=128, is_causal=True, diag_offset=-40), "without a key"),
+    ],
+)
+def test_unsupported_names_what_is_missing(kw, words):
+    dtype = kw.pop("dtype", jnp.bfloat16)
+    shape = {n: kw.pop(n) for n in ("T", "S", "H", "Hv") if n in kw}
+    args = _args(dtype, **shape, **kw)
+    reasons = mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
+    assert any(words in r for r in reasons), reasons
+
+
+def test_unsupported_platform_and_device():
+    args = _args(is_causal=True)
+    assert mosaic_flash.unsupported(args, "cuda", compute_capability=9.0) == []
+    assert any("sm90" in r for r in mosaic_flash.unsupported(args, "cuda", compute_capability=8.0))
+    assert any("sm90" in r for r in mosaic_flash.unsupported(args, "cuda", compute_capability=10.0))
+    assert any("CUDA GPU" in r for r in mosaic_flash.unsupported(args, "cpu"))
+
+
+def test_attention_refuses_with_the_reasons():
+    with pytest.raises(ValueError, match="soft cap"):
+        mosaic_flash.attention(_args(logits_soft_cap=5.0), interpret=True)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="block_kv"):
+        mosaic_flash.Config(block_kv=96)
+    with pytest.raises(ValueError, match="block_q"):
+        mosaic_flash.Config(block_q=128)
+    with pytest.raises(ValueError, match="stages"):
+        mosaic_flash.Config(stages=1)
+    with pytest.raises(TypeError, match="block_kv"):
+        mosaic_flash.Config(block_kv=128.0)
+    with pytest.raises(TypeError, match="config"):
+        mosaic_flash.forward(_args(), config={"block_kv": 64})
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic_flash.forward(_args(H=256), config=mosaic_flash.Config(block_kv=256, stages=4))
+
+
+# ---- export for CUDA ------------------------------------------------------------------------------
+
+TRITON_CHECKS = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def _export(f, platforms, *args):
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        return export.export(jax.jit(f), platforms=list(platforms), disabled_checks=TRITON_CHECKS)(*args)
+
+
+@pytest.mark.parametrize(
+    "T, S, H, G, causal, dtype",
+    [
+        (256, 256, 128, 2, True, jnp.bfloat16),
+        (200, 333, 64, 1, False, jnp.float16),
+        (128, 192, 256, 4, True, jnp.bfloat16),
+    ],
+)
+def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype):
+    q = jnp.zeros((2, T, 2 * G, H), dtype)
+    k = jnp.zeros((2, S, 2, H), dtype)
+    args = base.make_args(q, k, k, is_causal=causal, diag_offset=S - T if causal else 0)
+    assert mosaic_flash.unsupported(args, "cuda", compute_capability=9.0) == []
+
+    def loss(q, k, v):
+        out, lse = mosaic_flash.attention(args.replace(q=q, k=k, v=v))
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    text = _export(jax.value_and_grad(loss, (0, 1, 2)), ["cuda"], q, k, k).mlir_module()
+    assert text.count("mosaic_gpu") >= 1  # the forward kernel
+    assert "__gpu$xla.gpu.triton" in text  # the Triton backward
+
+
+def test_public_api_selects_it_by_flag_and_exports_for_cpu_and_cuda():
+    """flash_cuda_kernel='mosaic' under a cpu + cuda export: the module carries the Mosaic GPU kernel
+    and its CPU branch (the blockwise XLA flash: a portable artifact) runs here."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, 128, 2, 64)), jnp.bfloat16)
+
+    def f(q):
+        flags = jb.with_backends(flash_cuda_kernel="mosaic", flash_cpu_kernel="xla")
+        with flags, jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return jb.dot_product_attention(q, q, q, is_causal=True)
+
+    exp = _export(f, ["cpu", "cuda"], q)
+    assert "mosaic_gpu" in exp.mlir_module()
+    got = exp.call(q)
+    want = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_flash_cuda_kernel_filters_the_cuda_list():
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    kw = dict(is_causal=True, platform="cuda", compute_capability=9.0)
+    with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert jb.explain(q, q, q, **kw).implementation == "triton_flash"  # auto: Triton first
+        with jb.with_backends(flash_cuda_kernel="mosaic"):
+            e = jb.explain(q, q, q, **kw)
+            assert e.implementation == "mosaic_flash"
+            assert "flash_cuda_kernel='mosaic'" in e.kernel
+            # A call it cannot run: FLASH is unavailable, and the reason is the kernel's.
+            e = jb.explain(q, q, q, logits_soft_cap=5.0, **kw)
+            assert e.chosen is None and "soft cap" in e.reasons[SDPBackend.FLASH_ATTENTION]
+        with jb.with_backends(flash_cuda_kernel="triton"):
+            e = jb.explain(q, q, q, **kw)
+            assert e.implementation == "triton_flash" and "flash_cuda_kernel='triton'" in e.kernel
+    with pytest.raises(ValueError, match="flash_cuda_kernel"):
+        with jb.with_backends(flash_cuda_kernel="cutlass"):
+            pass
