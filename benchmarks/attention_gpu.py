@@ -7,7 +7,7 @@ CUDA events around back-to-back launches; see ``benchmarks/gpu_timing.py``):
   backend runs; the last column names it),
 * ``jb_pallas``: the same call with FLASH alone (our Pallas Triton flash / decode kernels),
 * ``jb_mosaic``: the same call with FLASH alone and ``flash_cuda_kernel="mosaic"`` (our Pallas Mosaic GPU
-  FlashAttention-3 forward, sm90; its backward is the Triton one),
+  FlashAttention-3 kernels, sm90, forward and backward),
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
 * ``jax_xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (quadratic memory: L <= 4k),
 * ``mgpu_example``: jax's example Pallas Mosaic GPU kernel (``attention_mgpu``; sm90, head dims

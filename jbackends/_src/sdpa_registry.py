@@ -91,7 +91,7 @@ MOSAIC_FLASH = Implementation(
     _mosaic_reasons,
     lazy(f"{_PKG}.mosaic_flash:attention"),
     _tf32,
-    "FlashAttention-3 forward for sm90 (warp-specialized, TMA, WGMMA); Triton flash backward",
+    "FlashAttention-3 for sm90 (warp-specialized, TMA, WGMMA), forward and backward",
 )
 CPP_FLASH = Implementation(
     "cpp_flash",

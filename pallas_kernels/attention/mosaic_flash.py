@@ -1,37 +1,46 @@
-"""Flash attention forward for Hopper (sm90) in Pallas Mosaic GPU: warp-specialized, TMA-fed, WGMMA.
+"""Flash attention for Hopper (sm90) in Pallas Mosaic GPU: warp-specialized, TMA-fed, WGMMA.
 
 FlashAttention-3 (Shah et al., 2024, https://arxiv.org/abs/2407.08608) in Pallas's Mosaic GPU backend
-(``jax.experimental.pallas.mosaic_gpu``). Each program (CTA) owns ``2 x block_q`` query rows of one
-head and runs three warpgroups:
+(``jax.experimental.pallas.mosaic_gpu``). Every kernel here runs three warpgroups per program (CTA):
 
-* a **memory warpgroup** streams key / value blocks into a ring of ``stages`` shared-memory slots with
-  TMA, each slot guarded by a "loaded" barrier (the TMA arrives) and a "consumed" barrier (both compute
-  warpgroups arrive once they are done with it);
-* two **compute warpgroups**, ``block_q`` rows each, multiply ``Q K^T`` on the tensor cores (WGMMA,
-  both operands in shared memory), run the online softmax in registers (base 2, the softmax scale
-  folded into ``log2(e)``), and multiply ``P V`` with ``P`` taken from registers. A shared
-  "schedule" barrier makes the two alternate (section 3.1 of the paper, ping-pong scheduling), so one
-  warpgroup's softmax runs while the other's matrix multiplies occupy the tensor cores.
+* a **memory warpgroup** streams the blocks the loop walks into a ring of ``stages`` shared-memory
+  slots with TMA, each slot guarded by "loaded" barriers (the TMA arrives) and a "consumed" barrier
+  (both compute warpgroups arrive once they are done with it);
+* two **compute warpgroups** own 64 rows (forward, dQ) or 64 keys (dK / dV) each and multiply on the
+  tensor cores (WGMMA), keeping their accumulators in registers.
 
-A causal mask (any ``diag_offset``) is applied only to the key blocks that straddle the diagonal; the
-blocks above it are never loaded or multiplied, and the warpgroup that finishes first releases the ring
-slots it skips. Query / key lengths that are not block multiples are zero-padded by the wrapper and
-the padded keys masked in the last block.
+**Forward.** A program owns ``2 x 64`` query rows of one head. ``Q K^T`` takes both operands from
+shared memory; the online softmax runs in registers (base 2, the softmax scale folded into
+``log2(e)``); ``P V`` takes ``P`` from registers. A shared "schedule" barrier makes the two compute
+warpgroups alternate (section 3.1 of the paper, ping-pong), so one's softmax runs while the other's
+matrix multiplies occupy the tensor cores.
+
+**Backward** (head dims 64 and 128; at 256 the Triton flash backward runs), FlashAttention-2's
+split: ``delta = rowsum(dO * O) - dLSE`` in XLA, then
+
+* a **dQ kernel** (rows as in the forward, key blocks streamed): ``S = Q K^T``, ``dP = dO V^T``,
+  ``dS = P (dP - delta)``, ``dQ += dS K``;
+* a **dK / dV kernel** (64 keys per warpgroup; the query blocks, ``dO``, LSE and delta of every query
+  head of the key's GQA group streamed): ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
+  ``dK += dS^T Q``. The GQA sum stays in registers: no per-query-head dK / dV in memory.
+
+A causal mask (any ``diag_offset``) is applied only to the blocks that straddle the diagonal; the
+blocks above it are never loaded or multiplied, and a warpgroup releases the ring slots streamed only
+for the other one. Lengths that are not block multiples are zero-padded by the wrappers: padded keys
+are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
 masks, windows, lengths, segment ids, soft cap and dropout go to the Triton kernels.
 
-The backward pass is the Pallas Triton flash backward (:mod:`triton_flash_vjp`) on this kernel's
-``out`` and ``lse``.
-
-Verification: CI has no GPU. The kernel is exported for CUDA from CPU with ``jax.export`` (Pallas
-lowers it to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
-checked); on jax >= 0.12 it also runs in Pallas's GPU interpret mode against the float32 reference. That
-interpreter cannot take a WGMMA operand from registers, nor an accumulator carried through
-``pl.run_state``: ``interpret=True`` stages ``P`` through shared memory and adds each ``P V`` product
-to the running output outside the accumulator, and is otherwise the same program. The compiled kernel
-is checked in the GPU lane (``pytest -m gpu``).
+Verification: CI has no GPU. The kernels are exported for CUDA from CPU with ``jax.export`` (Pallas
+lowers them to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
+checked); on jax >= 0.12 they also run in Pallas's GPU interpret mode, with its race detector on,
+against the float32 reference, gradients included. That interpreter cannot take a WGMMA operand from
+registers, nor an accumulator carried through ``pl.run_state``: ``interpret=True`` stages the
+register operand (``P``, ``dS``) through shared memory and adds each product to the accumulator
+outside the WGMMA, and is otherwise the same program. The compiled kernels are checked in the GPU lane
+(``pytest -m gpu``).
 """
 
 from __future__ import annotations
@@ -47,9 +56,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu
-from pallas_kernels.attention import base, reference, triton_common, triton_flash_vjp
+from pallas_kernels.attention import base, reference, sharded, triton_common, triton_flash_vjp
 
-__all__ = ["Config", "attention", "forward", "unsupported", "available"]
+__all__ = ["Config", "BwdConfig", "attention", "forward", "backward", "unsupported", "available"]
 
 GPU_PLATFORMS = gpu.GPU_PLATFORMS
 _LOG2E = math.log2(math.e)
@@ -290,8 +299,12 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
 
             def release(j, _):
                 # Ring slots this warpgroup's rows never needed (causal): release them, and keep
-                # the schedule barrier's turns in step with the other warpgroup.
+                # the schedule barrier's turns in step with the other warpgroup. Each is waited for
+                # first: an early arrival would count toward the slot's previous use, which the other
+                # warpgroup may still be reading.
                 slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 schedule_turn()
@@ -351,9 +364,7 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
             collective_axes="wg",
         )
 
-    extra = {}
-    if interpret:
-        extra["interpret"] = plgpu.InterpretGPUParams(detect_races=True)
+    extra = _interpret_kw(interpret)
     out_type = (
         base.out_struct((s.B, s.Tp, s.N, D), dtype, q),
         base.out_struct((s.B, s.N, s.Tp), jnp.float32, q),
@@ -371,6 +382,444 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
 
 
 # ----------------------------------------------------------------------------------------------
+# The backward kernels.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Tile sizes of the two backward kernels (both: two compute warpgroups and a memory one).
+
+    Attributes:
+      block_kv_dq: keys per step of the dQ kernel (its warpgroups own 64 query rows each).
+      block_q_dkv: query rows per step of the dK / dV kernel (its warpgroups own 64 keys each).
+      stages: blocks in flight (ring slots), at least 2.
+    """
+
+    block_kv_dq: int = 64
+    block_q_dkv: int = 64
+    stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_kv_dq", "block_q_dkv", "stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"BwdConfig.{name} must be an int; got {type(value).__name__}")
+        for name in ("block_kv_dq", "block_q_dkv"):
+            if getattr(self, name) <= 0 or getattr(self, name) % 64:
+                raise ValueError(
+                    f"BwdConfig.{name} must be a positive multiple of 64; got {getattr(self, name)}"
+                )
+        if self.stages < 2:
+            raise ValueError(f"BwdConfig.stages must be at least 2; got {self.stages}")
+
+
+#: Head dims the Mosaic backward takes: dK and dV of a warpgroup's 64 keys stay in registers (2 x 64
+#: float32 registers per thread at 128); at 256 the Triton backward runs.
+_BWD_HEAD_DIMS = (64, 128)
+
+
+def _load_rows(ref, layout):
+    """A float32 vector from shared memory in ``layout`` (``plgpu.load``'s index argument went
+    between jax 0.10 and 0.12)."""
+    plgpu = _plgpu()
+    try:
+        return plgpu.load(ref, (), layout=layout)
+    except TypeError:
+        return plgpu.load(ref, layout=layout)
+
+
+def _accumulate(acc, lhs, rhs_smem, stage_smem, interpret: bool):
+    """``acc + lhs @ rhs_smem`` on the tensor cores, ``lhs`` from registers (in interpret mode staged
+    through ``stage_smem``: the interpreter takes WGMMA operands from shared memory only)."""
+    plgpu = _plgpu()
+    if interpret:
+        stage_smem[...] = lhs
+        plgpu.commit_smem()
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, stage_smem, rhs_smem)
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+    def update(acc_ref):
+        plgpu.wgmma(acc_ref, lhs, rhs_smem)
+
+    return pl.run_state(update)(plgpu.ACC.init(acc))
+
+
+def _product(a_smem, b_smem_t, shape):
+    """``a @ b.T`` of two shared-memory tiles, float32."""
+    plgpu = _plgpu()
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem_t.transpose((1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bool):
+    """dQ (``[B, Tp, N, D]`` in q.dtype) on padded inputs: ``lse2`` the forward's LSE in base 2
+    (``+inf`` on padded or empty rows), ``delta`` ``rowsum(dO * O) - dLSE`` (``[B, N, Tp]`` float32)."""
+    plgpu = _plgpu()
+    dtype = jnp.dtype(s.dtype)
+    bq, bk, D = 64, cfg.block_kv_dq, s.D
+    stages = max(1, min(cfg.stages, s.Sp // bk))
+    G = s.N // s.K
+    c = s.scale * _LOG2E
+
+    def steps_of(q_start):
+        if s.causal:
+            return _causal_steps(q_start, bq, s, bk)
+        return s.S // bk, -(-s.S // bk)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
+        bi = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        tile = lax.axis_index("q_tiles")
+        wg = lax.axis_index("wg")
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2), loaded, own, consumed = scoped
+        k_loaded, v_loaded = loaded
+        _, ring_steps = steps_of(tile * (2 * bq) + bq)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q_start = tile * (2 * bq) + wg * bq
+            full, total = steps_of(q_start)
+            rows = (bi, pl.ds(q_start, bq), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, own.at[0, wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own.at[1, wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, pl.ds(q_start, bq)], lse_smem2.at[wg], own.at[2, wg])
+            plgpu.copy_gmem_to_smem(
+                delta_ref.at[bi, head, pl.ds(q_start, bq)], delta_smem2.at[wg], own.at[3, wg]
+            )
+            for i in range(4):
+                plgpu.barrier_wait(own.at[i, wg])
+            lse = _load_rows(lse_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            delta = _load_rows(delta_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(j, dq, masked: bool):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
+                qk = _product(q_smem, k_smem.at[slot], (bq, bk))
+                dp = _product(do_smem, v_smem.at[slot], (bq, bk))
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+                    keys = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA) + j * bk
+                    keep = keys < s.S
+                    if s.causal:
+                        keep = keep & (keys <= r + (q_start + s.diag_offset))
+                    qk = jnp.where(keep, qk, -jnp.inf)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                dq = _accumulate(
+                    dq,
+                    ds.astype(dtype),
+                    k_smem.at[slot],
+                    None if ds_smem2 is None else ds_smem2.at[wg],
+                    interpret,
+                )
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq
+
+            if not isinstance(full, int) or full > 0:
+                dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+            if not isinstance(full, int) or total > full:
+                dq = lax.fori_loop(full, total, functools.partial(step, masked=True), dq)
+
+            def release(j, _):
+                # Waited for first: an arrival before the slot is refilled would count toward its
+                # previous use, which the other warpgroup may still be reading.
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            if s.causal:
+                lax.fori_loop(total, ring_steps, release, None)
+            q_smem[...] = (dq * s.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(G))
+
+            def load(j, slot):
+                blk = (bi, pl.ds(j * bk, bk), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_loaded.at[slot])
+
+            for i in range(stages):
+                pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
+
+            @pl.loop(0, jnp.maximum(ring_steps - stages, 0))
+            def _(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(consumed.at[slot])
+                load(j + stages, slot)
+
+    def entry(*refs):
+        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        scratch = [
+            plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
+            plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((stages, bk, D), dtype, transforms=tiled),
+            plgpu.SMEM((stages, bk, D), dtype, transforms=tiled),
+            plgpu.SMEM((2, bq, bk), dtype, transforms=tiled) if interpret else None,
+        ]
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            scratch,
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            plgpu.Barrier(num_barriers=(4, 2)),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=base.out_struct((s.B, s.Tp, s.N, D), dtype, q),
+        grid=(s.N, s.Tp // (2 * bq), s.B),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **_interpret_kw(interpret),
+    )(q, k, v, do, lse2, delta)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bool):
+    """dK, dV (``[B, Sp, K, D]`` in k.dtype) on padded inputs (see :func:`_dq_call`). Each warpgroup
+    owns 64 keys of one kv head and walks the query blocks of every query head of its group that can
+    see them, so the GQA sum stays in registers."""
+    plgpu = _plgpu()
+    dtype = jnp.dtype(s.dtype)
+    bk, bq, D = 64, cfg.block_q_dkv, s.D
+    nq = s.Tp // bq  # query blocks (the padded rows contribute nothing: lse2 = +inf, dO = 0)
+    s_stages = max(1, min(cfg.stages, nq))
+    G = s.N // s.K
+    c = s.scale * _LOG2E
+
+    def q_range(k_start):
+        """``(lo, hi_masked)``: query blocks ``[lo, nq)`` see keys ``[k_start, k_start + 64)``, those
+        below ``hi_masked`` only partly (causal)."""
+        if not s.causal:
+            return 0, 0
+        lo = lax.div(jnp.maximum(k_start - s.diag_offset, 0), jnp.int32(bq))
+        hm = lax.div(jnp.maximum(k_start + bk - 1 - s.diag_offset, 0) + (bq - 1), jnp.int32(bq))
+        lo = jnp.minimum(lo, nq)
+        return lo, jnp.clip(hm, lo, nq)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
+        bi = lax.axis_index("batch")
+        kv_head = lax.axis_index("heads")
+        tile = lax.axis_index("kv_tiles")
+        wg = lax.axis_index("wg")
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, st_smem2), loaded, own, consumed = scoped
+        q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
+        # The ring streams, for each query head of the group, the query blocks the first warpgroup's
+        # keys need (a superset of the second's): step t is (head g, block lo0 + t % n0).
+        lo0, _ = q_range(tile * (2 * bk))
+        n0 = nq - lo0
+        ring_steps = G * n0
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k_start = tile * (2 * bk) + wg * bk
+            lo, hm = q_range(k_start)
+            keys_blk = (bi, pl.ds(k_start, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys_blk], k_smem, own.at[0, wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys_blk], v_smem, own.at[1, wg])
+            plgpu.barrier_wait(own.at[0, wg])
+            plgpu.barrier_wait(own.at[1, wg])
+            zeros = jnp.full((bk, D), 0.0, jnp.float32)
+            dk = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+            dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+            def wait_slot(slot):
+                for bar in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+                    plgpu.barrier_wait(bar.at[slot])
+
+            def step(i, carry, g, masked: bool):
+                dk, dv = carry
+                slot = lax.rem(g * n0 + (i - lo0), jnp.int32(s_stages))
+                wait_slot(slot)
+                st = _product(k_smem, q_smem.at[slot], (bk, bq))  # S^T: keys x queries
+                lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                if masked:
+                    keys = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA) + k_start
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA) + i * bq
+                    st = jnp.where(keys <= rows + s.diag_offset, st, -jnp.inf)
+                pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse, st.shape, [1]))
+                dv = _accumulate(
+                    dv,
+                    pt.astype(dtype),
+                    do_smem.at[slot],
+                    None if st_smem2 is None else st_smem2.at[wg],
+                    interpret,
+                )
+                dpt = _product(v_smem, do_smem.at[slot], (bk, bq))  # (dO V^T)^T
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                dk = _accumulate(
+                    dk,
+                    dst.astype(dtype),
+                    q_smem.at[slot],
+                    None if st_smem2 is None else st_smem2.at[wg],
+                    interpret,
+                )
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def skip(i, _, g):
+                # Blocks streamed for the other warpgroup's keys: waited for (each warpgroup must
+                # pass every phase of a barrier it waits on later) and released.
+                slot = lax.rem(g * n0 + (i - lo0), jnp.int32(s_stages))
+                wait_slot(slot)
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            def head_of_group(g, carry):
+                if s.causal:
+                    lax.fori_loop(lo0, lo, functools.partial(skip, g=g), None)
+                    carry = lax.fori_loop(lo, hm, functools.partial(step, g=g, masked=True), carry)
+                return lax.fori_loop(hm, nq, functools.partial(step, g=g, masked=False), carry)
+
+            dk, dv = lax.fori_loop(0, G, head_of_group, (dk, dv))
+            k_smem[...] = (dk * s.scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[keys_blk], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[keys_blk], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(t, slot):
+                per_head = jnp.int32(n0) if isinstance(n0, int) else n0
+                g = lax.div(t, per_head)
+                i = lo0 + lax.rem(t, per_head)
+                head = kv_head * G + g
+                rows = (bi, pl.ds(i * bq, bq), head)
+                stats = (bi, head, pl.ds(i * bq, bq))
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_loaded.at[slot])
+
+            for i in range(s_stages):
+                pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
+
+            @pl.loop(0, jnp.maximum(ring_steps - s_stages, 0))
+            def _(t):
+                slot = lax.rem(t, jnp.int32(s_stages))
+                plgpu.barrier_wait(consumed.at[slot])
+                load(t + s_stages, slot)
+
+    def entry(*refs):
+        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        scratch = [
+            plgpu.SMEM((2, bk, D), dtype, transforms=tiled),
+            plgpu.SMEM((2, bk, D), dtype, transforms=tiled),
+            plgpu.SMEM((s_stages, bq, D), dtype, transforms=tiled),
+            plgpu.SMEM((s_stages, bq, D), dtype, transforms=tiled),
+            plgpu.SMEM((s_stages, bq), jnp.float32),
+            plgpu.SMEM((s_stages, bq), jnp.float32),
+            plgpu.SMEM((2, bk, bq), dtype, transforms=tiled) if interpret else None,
+        ]
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            scratch,
+            tuple(plgpu.Barrier(num_barriers=s_stages) for _ in range(4)),
+            plgpu.Barrier(num_barriers=(2, 2)),
+            plgpu.Barrier(num_arrivals=2, num_barriers=s_stages),
+            collective_axes="wg",
+        )
+
+    kv_struct = base.out_struct((s.B, s.Sp, s.K, D), dtype, k)
+    return plgpu.kernel(
+        entry,
+        out_type=(kv_struct, kv_struct),
+        grid=(s.K, s.Sp // (2 * bk), s.B),
+        grid_names=("heads", "kv_tiles", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **_interpret_kw(interpret),
+    )(q, k, v, do, lse2, delta)
+
+
+def _interpret_kw(interpret: bool) -> dict:
+    return {"interpret": _plgpu().InterpretGPUParams(detect_races=True)} if interpret else {}
+
+
+def backward(
+    args: base.AttentionArgs,
+    out,
+    lse,
+    d_out,
+    d_lse=None,
+    *,
+    config: Optional[BwdConfig] = None,
+    interpret: bool = False,
+):
+    """``(dq, dk, dv, None)`` of the forward kernel's ``(out, lse)`` for cotangents ``(d_out, d_lse)``
+    (``d_lse`` may be None), with the Mosaic GPU dQ and dK / dV kernels (head dims 64 and 128)."""
+    if config is not None and not isinstance(config, BwdConfig):
+        raise TypeError(f"`bwd_config` must be a mosaic_flash.BwdConfig or None; got {type(config).__name__}")
+    cfg = config or BwdConfig()
+    T, S = args.q_len, args.kv_len
+    # Both kernels' programs cover 128 queries / keys (two warpgroups of 64), and their steps the
+    # other side's blocks: pad each length to a multiple of both.
+    rows = math.lcm(128, cfg.block_q_dkv)
+    keys = math.lcm(128, cfg.block_kv_dq)
+    s = dataclasses.replace(_shape(args, Config()), Tp=-(-T // rows) * rows, Sp=-(-S // keys) * keys)
+    f32 = jnp.float32
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(f32), d_out.astype(f32), precision="highest")
+    if d_lse is not None:
+        delta = delta - d_lse.astype(f32)
+    # Base-2 LSE; +inf where a row saw no key (its P is 0), and on the padded rows.
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * _LOG2E)
+    pad_rows = ((0, 0), (0, s.Tp - T), (0, 0), (0, 0))
+    pad_keys = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
+
+    def run(q, k, v, do, lse2, delta):
+        q, do = jnp.pad(q, pad_rows), jnp.pad(do.astype(q.dtype), pad_rows)
+        k, v = jnp.pad(k, pad_keys), jnp.pad(v, pad_keys)
+        lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, s.Tp - T)), constant_values=jnp.inf)
+        delta = jnp.pad(delta, ((0, 0), (0, 0), (0, s.Tp - T)))
+        dq = _dq_call(q, k, v, do, lse2, delta, s, cfg, interpret)
+        dk, dv = _dkv_call(q, k, v, do, lse2, delta, s, cfg, interpret)
+        return dq[:, :T], dk[:, :S], dv[:, :S]
+
+    operands = (args.q, args.k, args.v, d_out, lse2, delta)
+    if interpret:
+        dq, dk, dv = run(*operands)
+    else:
+
+        def on_cpu(q, k, v, do, lse2, delta):  # lowered in multi-platform exports, never run
+            return tuple(base.reference_vjp(args.replace(q=q, k=k, v=v), do, d_lse)[:3])
+
+        dq, dk, dv = triton_common.gpu_call(run, on_cpu, operands)
+    return dq, dk, dv, None
+
+
+# ----------------------------------------------------------------------------------------------
 # Backend entry points.
 # ----------------------------------------------------------------------------------------------
 
@@ -383,8 +832,9 @@ def unsupported(
     Args:
       args: canonical arguments.
       platform: lowering platform.
-      compute_capability: the target GPU's (e.g. ``9.0``); default: the local GPU's, when there is
-        one. WGMMA exists on sm90 only.
+      compute_capability: the target GPU's (e.g. ``9.0``); default: :func:`gpu.compute_capability`'s
+        (``gpu.cuda_target``'s, else the local GPU's). WGMMA exists on sm90 only: an unknown target is
+        refused.
 
     Example:
       >>> import jax.numpy as jnp
@@ -399,16 +849,25 @@ def unsupported(
     why = available()
     if why:
         reasons.append(why)
-    from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
+    if args.head_dim not in _BWD_HEAD_DIMS:
+        from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
 
-    reasons += [f"{r} (the backward pass is the Triton flash kernel's)" for r in triton_backend.missing()]
+        reasons += [
+            f"{r} (at head dim {args.head_dim} the backward pass is the Triton flash kernel's)"
+            for r in triton_backend.missing()
+        ]
     if platform not in GPU_PLATFORMS:
         reasons.append(f"the Mosaic GPU flash kernel needs a CUDA GPU; platform={platform}")
     cc = compute_capability
     if cc is None and platform in GPU_PLATFORMS:
         local = gpu.compute_capability()
         cc = None if local is None else local / 10
-    if cc is not None and int(cc) != 9:
+    if platform in GPU_PLATFORMS and cc is None:
+        reasons.append(
+            "the Mosaic GPU flash kernel needs sm90 (Hopper: WGMMA) and the target GPU is unknown here "
+            "(lower on the GPU, or under pallas_kernels.gpu.cuda_target(...))"
+        )
+    elif cc is not None and int(cc) != 9:
         reasons.append(f"the Mosaic GPU flash kernel needs sm90 (Hopper: WGMMA); compute capability {cc}")
     if jnp.dtype(args.dtype) not in _DTYPES:
         reasons.append(
@@ -513,35 +972,46 @@ def attention(
     bwd_config=None,
     **opts,
 ):
-    """Flash attention with the Mosaic GPU forward kernel; differentiable w.r.t. q, k, v.
+    """Flash attention with the Mosaic GPU kernels; differentiable w.r.t. q, k, v.
 
     Args:
       args: canonical arguments (:func:`base.make_args`); see :func:`unsupported`.
       config: forward :class:`Config` (default :meth:`Config.heuristics`).
       interpret: run in Pallas's GPU interpret mode (CPU testing, jax >= 0.12; see the module doc).
-      allow_tf32: passed to the Triton backward (its inputs are half precision here: no effect).
-      bwd_config: the backward's :class:`triton_flash_vjp.Config`.
+      allow_tf32: passed to the Triton backward of head dim 256 (half precision inputs: no effect).
+      bwd_config: the backward's :class:`BwdConfig` (head dims 64 and 128), else the Triton
+        backward's :class:`triton_flash_vjp.Config`.
       **opts: ignored dispatch options.
 
     Returns:
       ``(out [B, T, N, H], lse [B, N, T] float32)``; ``lse`` is differentiable too.
     """
     del opts
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"`config` must be a mosaic_flash.Config or None; got {type(config).__name__}")
+    if args.head_dim in _BWD_HEAD_DIMS and bwd_config is not None and not isinstance(bwd_config, BwdConfig):
+        raise TypeError(
+            f"`bwd_config` must be a mosaic_flash.BwdConfig or None; got {type(bwd_config).__name__}"
+        )
     reasons = unsupported(args, "cuda", compute_capability=9.0 if interpret else None)
     if interpret and not interpret_available():
         reasons.append("this JAX has no Mosaic GPU interpret mode (jax >= 0.12)")
     if reasons:
         raise ValueError("the Mosaic GPU flash kernel cannot run this call: " + "; ".join(reasons))
     fwd = functools.partial(forward, config=config, interpret=interpret)
+    if args.head_dim in _BWD_HEAD_DIMS:
+        bwd = functools.partial(backward, config=bwd_config, interpret=interpret)
+    else:  # head dim 256: the Triton flash backward
+        bwd = functools.partial(
+            triton_flash_vjp.backward, config=bwd_config, interpret=interpret, allow_tf32=allow_tf32
+        )
     if interpret:
-        return _interpreted_vjp(args, fwd, bwd_config)
-    return triton_flash_vjp.differentiable(
-        args, fwd=fwd, bwd_config=bwd_config, interpret=False, allow_tf32=allow_tf32
-    )
+        return _interpreted_vjp(args, fwd, bwd)
+    return sharded.attention_vjp(args, fwd, bwd, name="Pallas Mosaic GPU flash")
 
 
-def _interpreted_vjp(args: base.AttentionArgs, fwd, bwd_config):
-    """The interpreted forward with the interpreted Triton backward, in a plain ``custom_vjp``.
+def _interpreted_vjp(args: base.AttentionArgs, fwd, bwd):
+    """The interpreted kernels in a plain ``custom_vjp``.
 
     The compiled path splits the call over sharded batch / kv-head axes (:mod:`sharded`, through
     ``custom_partitioning``), which cannot lower the GPU interpreter's ordered host callbacks."""
@@ -557,9 +1027,7 @@ def _interpreted_vjp(args: base.AttentionArgs, fwd, bwd_config):
     def run_bwd(res, g):
         q, k, v, out, lse = res
         d_out, d_lse = g
-        dq, dk, dv, _ = triton_flash_vjp.backward(
-            args.replace(q=q, k=k, v=v), out, lse, d_out, d_lse, config=bwd_config, interpret=True
-        )
+        dq, dk, dv, _ = bwd(args.replace(q=q, k=k, v=v), out, lse, d_out, d_lse)
         return dq, dk, dv
 
     run.defvjp(run_fwd, run_bwd)

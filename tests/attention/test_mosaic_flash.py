@@ -94,9 +94,11 @@ class TestMosaicFlashInterpret(AttentionTestBase):
 
 
 @needs_interpret
-def test_interpret_catches_a_missing_barrier(monkeypatch):
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_interpret_catches_a_missing_barrier(monkeypatch, kernel):
     """The interpreter's race detector is on: a kernel that reads a ring slot without waiting for its
-    TMA is caught (so the barrier protocol is what the parity tests check, not luck)."""
+    TMA is caught (so the barrier protocol is what the parity tests check, not luck). The forward's and
+    the dQ kernel's waits for a value block are skipped."""
     import inspect
 
     plgpu = mosaic_flash._plgpu()
@@ -110,12 +112,16 @@ def test_interpret_catches_a_missing_barrier(monkeypatch):
             return None
         return real_wait(barrier)
 
-    monkeypatch.setattr(plgpu, "barrier_wait", skip_value_waits)
     # Five key blocks through a ring of two: a slot is refilled while a warpgroup may still read it.
     args = make_case(Case("float16", "none", 256, 640, 64, 2, K=1, B=1))
+    out, lse = mosaic_flash.forward(args, interpret=True)
+    monkeypatch.setattr(plgpu, "barrier_wait", skip_value_waits)
     try:
         with pytest.raises(Exception, match="(?i)race"):
-            jax.block_until_ready(mosaic_flash.forward(args, interpret=True))
+            if kernel == "forward":
+                jax.block_until_ready(mosaic_flash.forward(args, interpret=True))
+            else:
+                jax.block_until_ready(mosaic_flash.backward(args, out, lse, out, None, interpret=True))
     finally:
         # After an error the interpreter's shared state must be reset before its next kernel (jax's
         # InterpretGPUParams docs); the function is private, so where it moves the test says so.
@@ -169,6 +175,12 @@ def test_unsupported_platform_and_device():
     assert any("sm90" in r for r in mosaic_flash.unsupported(args, "cuda", compute_capability=8.0))
     assert any("sm90" in r for r in mosaic_flash.unsupported(args, "cuda", compute_capability=10.0))
     assert any("CUDA GPU" in r for r in mosaic_flash.unsupported(args, "cpu"))
+    # No GPU here and no target named: WGMMA cannot be promised.
+    assert any("unknown" in r for r in mosaic_flash.unsupported(args, "cuda"))
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        assert mosaic_flash.unsupported(args, "cuda") == []
+    with gpu.cuda_target("NVIDIA A100-SXM4-80GB"):
+        assert any("sm90" in r for r in mosaic_flash.unsupported(args, "cuda"))
 
 
 def test_attention_refuses_with_the_reasons():
@@ -189,6 +201,12 @@ def test_config_is_validated():
         mosaic_flash.forward(_args(), config={"block_kv": 64})
     with pytest.raises(ValueError, match="shared memory"):
         mosaic_flash.forward(_args(H=256), config=mosaic_flash.Config(block_kv=256, stages=4))
+    with pytest.raises(ValueError, match="block_q_dkv"):
+        mosaic_flash.BwdConfig(block_q_dkv=32)
+    with pytest.raises(ValueError, match="stages"):
+        mosaic_flash.BwdConfig(stages=1)
+    with pytest.raises(TypeError, match="bwd_config"):
+        mosaic_flash.attention(_args(), interpret=True, bwd_config=mosaic_flash.Config())
 
 
 # ---- export for CUDA ------------------------------------------------------------------------------
@@ -220,8 +238,11 @@ def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype):
         return out.astype(jnp.float32).sum() + lse.sum()
 
     text = _export(jax.value_and_grad(loss, (0, 1, 2)), ["cuda"], q, k, k).mlir_module()
-    assert text.count("mosaic_gpu") >= 1  # the forward kernel
-    assert "__gpu$xla.gpu.triton" in text  # the Triton backward
+    kernels = text.count("custom_call @mosaic_gpu")
+    if H <= 128:  # the forward, dQ and dK / dV kernels
+        assert kernels == 3 and "__gpu$xla.gpu.triton" not in text
+    else:  # head dim 256: the Triton backward
+        assert kernels == 1 and "__gpu$xla.gpu.triton" in text
 
 
 def test_public_api_selects_it_by_flag_and_exports_for_cpu_and_cuda():
@@ -260,3 +281,19 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
     with pytest.raises(ValueError, match="flash_cuda_kernel"):
         with jb.with_backends(flash_cuda_kernel="cutlass"):
             pass
+
+
+def test_auto_falls_back_to_it_without_the_triton_backend(monkeypatch):
+    """Under 'auto' the Mosaic GPU kernel runs FLASH where the Triton kernels cannot: a JAX without the
+    Pallas Triton backend (deprecated since jax 0.11). Its own backward serves head dims 64 and 128;
+    at 256 the backward is Triton's, so it refuses too."""
+    from pallas_kernels import triton_backend
+
+    monkeypatch.setattr(triton_backend, "missing", lambda: ["the installed JAX has no Pallas Triton backend"])
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    kw = dict(is_causal=True, platform="cuda", compute_capability=9.0)
+    with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert jb.explain(q, q, q, **kw).implementation == "mosaic_flash"
+        q256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+        e = jb.explain(q256, q256, q256, **kw)
+    assert e.chosen is None and "backward pass is the Triton" in e.reasons[SDPBackend.FLASH_ATTENTION]
