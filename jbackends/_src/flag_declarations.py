@@ -236,7 +236,7 @@ DECLARATIONS: tuple[Flag, ...] = (
         "flash_cuda_kernel",
         "auto",
         "Which Pallas kernels may run the FLASH SDPA backend when lowered for CUDA: 'auto' (the Triton "
-        "kernels; the Mosaic GPU kernel where they cannot run the call), 'triton' (only the Triton "
+        "kernels; not yet the Mosaic GPU kernel, which has not run on a GPU), 'triton' (only the Triton "
         "kernels), 'mosaic' (only the Mosaic GPU FlashAttention-3 kernels: sm90, float16 / bfloat16, "
         "head dims 64 / 128 / 256, causal or not, no bias, mask, window, lengths, segment ids, soft cap "
         "or dropout; explain() says why it cannot run a call).",

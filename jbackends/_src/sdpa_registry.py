@@ -63,7 +63,8 @@ def _cudnn_reasons(args, platform, device):
 
 
 def _mosaic_reasons(args, platform, device):
-    return lazy(f"{_PKG}.mosaic_flash:unsupported")(args, platform, **dict(device))
+    cc = dict(device).get("compute_capability")
+    return lazy(f"{_PKG}.mosaic_flash:unsupported")(args, platform, compute_capability=cc)
 
 
 TRITON_DECODE = Implementation(
@@ -147,8 +148,8 @@ MATH = Implementation(
 #: backend -> {lowering platform, or "*" for every other one: implementations in the order tried}.
 IMPLEMENTATIONS: dict[SDPBackend, dict[str, tuple[Implementation, ...]]] = {
     SDPBackend.FLASH_ATTENTION: {
-        # mosaic_flash follows the Triton kernels until it is measured on a GPU: under 'auto' it runs
-        # only where they cannot; flash_cuda_kernel='mosaic' selects it.
+        # mosaic_flash has not run on a GPU yet: 'auto' leaves it out (flag_filter) and
+        # flash_cuda_kernel='mosaic' selects it. Once the GPU lane passes it joins 'auto' after Triton.
         "cuda": (TRITON_DECODE, TRITON_FLASH, MOSAIC_FLASH),
         "cpu": (CPP_FLASH, XLA_FLASH),
         _ANY: (XLA_FLASH,),
@@ -188,6 +189,13 @@ def flag_filter(flags: Any, backend: int, platform: str) -> Mapping[str, str]:
         mode = flags.flash_cuda_kernel
         if mode == "triton":
             return {MOSAIC_FLASH.name: "flash_cuda_kernel='triton' (the Mosaic GPU kernel is not used)"}
+        if mode == "auto":
+            return {
+                MOSAIC_FLASH.name: (
+                    "not under flash_cuda_kernel='auto' until it has run on a GPU "
+                    "(flash_cuda_kernel='mosaic' selects it)"
+                )
+            }
         if mode == "mosaic":
             why = "flash_cuda_kernel='mosaic' (only the Mosaic GPU kernel may run FLASH on CUDA)"
             return {TRITON_DECODE.name: why, TRITON_FLASH.name: why}

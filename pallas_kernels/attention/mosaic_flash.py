@@ -26,7 +26,9 @@ split: ``delta = rowsum(dO * O) - dLSE`` in XLA, then
 
 A causal mask (any ``diag_offset``) is applied only to the blocks that straddle the diagonal; the
 blocks above it are never loaded or multiplied, and a warpgroup releases the ring slots streamed only
-for the other one. Lengths that are not block multiples are zero-padded by the wrappers: padded keys
+for the other one (waiting for each first: an early arrival would complete the slot's previous phase
+while the other warpgroup may still read it). A row the diagonal leaves without a key (a bottom-right
+mask with more queries than keys) gets output 0 and LSE ``-inf``, as the reference. Lengths that are not block multiples are zero-padded by the wrappers: padded keys
 are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
@@ -56,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu
-from pallas_kernels.attention import base, reference, sharded, triton_common, triton_flash_vjp
+from pallas_kernels.attention import base, sharded, triton_common, triton_flash_vjp
 
 __all__ = ["Config", "BwdConfig", "attention", "forward", "backward", "unsupported", "available"]
 
@@ -93,6 +95,20 @@ def available() -> Optional[str]:
     return None
 
 
+def _cuda_runtime_version() -> Optional[int]:
+    """The CUDA runtime's version (e.g. ``12090``) where jaxlib has its CUDA plugin, else None."""
+    try:
+        from jax._src.lib import cuda_versions  # noqa: PLC0415 - private: None on a CPU-only jaxlib
+    except ImportError:  # pragma: no cover - every jaxlib has the module
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cuda_runtime_get_version())
+    except Exception:  # noqa: BLE001 - no CUDA runtime loadable here
+        return None
+
+
 def interpret_available() -> bool:
     """Whether this JAX runs Mosaic GPU kernels in its GPU interpret mode (jax >= 0.12)."""
     return available() is None and hasattr(_plgpu(), "InterpretGPUParams")
@@ -119,8 +135,10 @@ class Config:
                 raise TypeError(f"Config.{name} must be an int; got {type(value).__name__}")
         if self.block_q != 64:
             raise ValueError(f"Config.block_q must be 64 (one WGMMA row tile); got {self.block_q}")
-        if self.block_kv <= 0 or self.block_kv % 64:
-            raise ValueError(f"Config.block_kv must be a positive multiple of 64; got {self.block_kv}")
+        if self.block_kv <= 0 or self.block_kv % 64 or self.block_kv > 256:
+            raise ValueError(
+                f"Config.block_kv must be a multiple of 64 up to 256 (a WGMMA's N); got {self.block_kv}"
+            )
         if self.stages < 2:
             raise ValueError(f"Config.stages must be at least 2; got {self.stages}")
 
@@ -164,7 +182,7 @@ def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
     mask ``key <= query + diag_offset``: blocks ``[0, full)`` need no mask, ``[full, total)`` straddle
     the diagonal or hold padded keys (traced int32)."""
     hi = jnp.minimum(q_start + block_q + s.diag_offset, s.S)  # keys the last row may see
-    total = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
+    total = jnp.maximum(lax.div(hi + (block_kv - 1), jnp.int32(block_kv)), 0)  # 0: every row empty
     # Every key < q_start + diag_offset + 1 is seen by every row; a block is mask-free when it is
     # below that and holds no padding.
     free = jnp.minimum(q_start + s.diag_offset + 1, (s.S // block_kv) * block_kv)
@@ -247,8 +265,11 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                     qk = jnp.where(keep, qk, -jnp.inf)
 
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                m_use = m_new
+                if masked:  # a row without a key so far (-inf): exponents against 0, so p = alpha = 0
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
                 p_lo = p.astype(dtype)
@@ -314,9 +335,11 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                 lax.fori_loop(total, ring_steps, release, None)
             pl.when(wg == 0)(schedule_turn)
 
-            # Every row has seen a key (unsupported() refuses structures that empty one): l_i > 0.
-            qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-            lse_smem[...] = (m_i + jnp.log2(l_i)) * _LN2
+            # A row that saw no key (l = 0, acc = 0): output 0 and LSE -inf, as the reference.
+            empty = l_i == 0.0
+            l_div = jnp.where(empty, 1.0, l_i)
+            qo_smem[...] = (acc / lax.broadcast_in_dim(l_div, acc.shape, [0])).astype(dtype)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_div)) * _LN2)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_start, bq), head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_start, bq)])
@@ -406,12 +429,21 @@ class BwdConfig:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"BwdConfig.{name} must be an int; got {type(value).__name__}")
         for name in ("block_kv_dq", "block_q_dkv"):
-            if getattr(self, name) <= 0 or getattr(self, name) % 64:
+            value = getattr(self, name)
+            if value <= 0 or value % 64 or value > 256:
                 raise ValueError(
-                    f"BwdConfig.{name} must be a positive multiple of 64; got {getattr(self, name)}"
+                    f"BwdConfig.{name} must be a multiple of 64 up to 256 (a WGMMA's N); got {value}"
                 )
         if self.stages < 2:
             raise ValueError(f"BwdConfig.stages must be at least 2; got {self.stages}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """The larger of the two kernels' shared memory at ``head_dim``: the dQ kernel's queries and
+        dO of both warpgroups, the key / value ring and the row statistics; the dK / dV kernel's keys
+        and values of both warpgroups, the query / dO ring and its statistics."""
+        dq = (4 * 64 * head_dim + 2 * self.stages * self.block_kv_dq * head_dim) * itemsize + 4 * 64 * 4
+        dkv = (4 * 64 * head_dim + 2 * self.stages * self.block_q_dkv * head_dim) * itemsize
+        return max(dq, dkv + 2 * self.stages * self.block_q_dkv * 4)
 
 
 #: Head dims the Mosaic backward takes: dK and dV of a warpgroup's 64 keys stay in registers (2 x 64
@@ -783,6 +815,11 @@ def backward(
     if config is not None and not isinstance(config, BwdConfig):
         raise TypeError(f"`bwd_config` must be a mosaic_flash.BwdConfig or None; got {type(config).__name__}")
     cfg = config or BwdConfig()
+    if cfg.smem_bytes(args.head_dim) > _SMEM_BYTES:
+        raise ValueError(
+            f"{cfg} needs {cfg.smem_bytes(args.head_dim)} bytes of shared memory at head dim "
+            f"{args.head_dim}; sm90 has {_SMEM_BYTES}"
+        )
     T, S = args.q_len, args.kv_len
     # Both kernels' programs cover 128 queries / keys (two warpgroups of 64), and their steps the
     # other side's blocks: pad each length to a multiple of both.
@@ -807,15 +844,17 @@ def backward(
         dk, dv = _dkv_call(q, k, v, do, lse2, delta, s, cfg, interpret)
         return dq[:, :T], dk[:, :S], dv[:, :S]
 
-    operands = (args.q, args.k, args.v, d_out, lse2, delta)
+    d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
+    operands = (args.q, args.k, args.v, d_out, lse2, delta, d_lse)
     if interpret:
-        dq, dk, dv = run(*operands)
+        dq, dk, dv = run(*operands[:6])
     else:
 
-        def on_cpu(q, k, v, do, lse2, delta):  # lowered in multi-platform exports, never run
+        def on_cpu(q, k, v, do, lse2, delta, d_lse):  # lowered in multi-platform exports, never run
             return tuple(base.reference_vjp(args.replace(q=q, k=k, v=v), do, d_lse)[:3])
 
-        dq, dk, dv = triton_common.gpu_call(run, on_cpu, operands)
+        # The cotangents are operands (a closure would make them constants of the other branch).
+        dq, dk, dv = triton_common.gpu_call(lambda *a: run(*a[:6]), on_cpu, operands)
     return dq, dk, dv, None
 
 
@@ -849,7 +888,7 @@ def unsupported(
     why = available()
     if why:
         reasons.append(why)
-    if args.head_dim not in _BWD_HEAD_DIMS:
+    if args.head_dim in _HEAD_DIMS and args.head_dim not in _BWD_HEAD_DIMS:
         from pallas_kernels import triton_backend  # noqa: PLC0415 - loads Pallas: only when asked
 
         reasons += [
@@ -869,6 +908,12 @@ def unsupported(
         )
     elif cc is not None and int(cc) != 9:
         reasons.append(f"the Mosaic GPU flash kernel needs sm90 (Hopper: WGMMA); compute capability {cc}")
+    cuda = _cuda_runtime_version()
+    if args.causal and cuda is not None and 12080 <= cuda < 12091:
+        reasons.append(
+            f"causal masking in Mosaic GPU kernels is miscompiled by ptxas of CUDA 12.8.0 to 12.9.0 "
+            f"(jax's attention_mgpu refuses it too); this runtime is {cuda}"
+        )
     if jnp.dtype(args.dtype) not in _DTYPES:
         reasons.append(
             f"the Mosaic GPU flash kernel takes float16 / bfloat16 (got {jnp.dtype(args.dtype).name})"
@@ -880,9 +925,9 @@ def unsupported(
         )
     if 0 in (args.batch, args.num_heads, args.q_len, args.kv_len):
         reasons.append("an empty dimension: the XLA path handles it")
-    tiles = -(-args.q_len // 128)
+    tiles = max(-(-args.q_len // 128), -(-args.kv_len // 128))
     if args.batch > 65535 or tiles > 65535:
-        reasons.append(f"batch={args.batch} / query tiles={tiles} exceed the CUDA grid limit 65535")
+        reasons.append(f"batch={args.batch} / 128-row tiles={tiles} exceed the CUDA grid limit 65535")
     if args.bias is not None:
         reasons.append(
             "an additive `bias` is not in the Mosaic GPU kernel (use the memory-efficient backend)"
@@ -901,11 +946,6 @@ def unsupported(
         reasons.append("dropout is not in the Mosaic GPU kernel (the Triton flash kernel has it)")
     if not args.scale > 0:
         reasons.append(f"the Mosaic GPU kernel needs a positive softmax scale (got {args.scale})")
-    if args.kv_len and reference.structure_empties_rows(args):
-        reasons.append(
-            "the causal diagonal leaves some query row without a key (the Mosaic GPU kernel assumes "
-            "every row sees one)"
-        )
     return reasons
 
 

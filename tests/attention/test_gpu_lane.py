@@ -120,6 +120,7 @@ MOSAIC_GRID = [
         ("float16", "top_left", 512, 512, 64, 1, 2, 1, True),
         ("bfloat16", "none", 256, 700, 256, 2, 1, 1, True),
         ("bfloat16", "top_left", 2048, 2048, 128, 8, 1, 1, True),
+        ("float16", "lower_right", 700, 300, 128, 2, 1, 1, True),  # T > S: 400 rows see no key
     )
 ]
 
