@@ -33,7 +33,8 @@ are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P =
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
-masks, windows, lengths, segment ids, soft cap and dropout go to the Triton kernels.
+masks, windows, lengths, segment ids and dropout go to the Triton kernels. A logits soft cap runs in
+all three kernels (``tanh`` on the scaled logits; the backward multiplies ``dS`` by ``1 - tanh^2``).
 
 Verification: CI has no GPU. The kernels are exported for CUDA from CPU with ``jax.export`` (Pallas
 lowers them to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
@@ -175,6 +176,22 @@ class _Shape:
     scale: float
     causal: bool
     diag_offset: int
+    softcap: Optional[float] = None
+
+
+def _logits2(qk, s: _Shape):
+    """With a soft cap: ``(cap * log2(e) * t, t)`` for ``t = tanh(scale * qk / cap)``, the base-2
+    logits and the ``tanh`` the backward's chain rule needs (``d logits / d (scale qk) = 1 - t^2``);
+    without one ``(qk, None)`` (the scale is folded into the exponent there)."""
+    if s.softcap is None:
+        return qk, None
+    t = jnp.tanh(qk * (s.scale / s.softcap))
+    return t * (s.softcap * _LOG2E), t
+
+
+def _exponent_scale(s: _Shape) -> float:
+    """The factor from :func:`_logits2`'s first output to base-2 logits."""
+    return 1.0 if s.softcap is not None else s.scale * _LOG2E
 
 
 def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
@@ -198,7 +215,7 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
     bq, bk, D = cfg.block_q, cfg.block_kv, s.D
     stages = max(1, min(cfg.stages, s.Sp // bk))
     G = s.N // s.K
-    c = s.scale * _LOG2E  # logits -> base-2 exponent
+    c = _exponent_scale(s)  # logits -> base-2 exponent
 
     def steps_of(q_start):
         if s.causal:
@@ -254,6 +271,7 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
 
                 qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
+                qk, _ = _logits2(qk, s)
 
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
@@ -500,7 +518,7 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
     bq, bk, D = 64, cfg.block_kv_dq, s.D
     stages = max(1, min(cfg.stages, s.Sp // bk))
     G = s.N // s.K
-    c = s.scale * _LOG2E
+    c = _exponent_scale(s)
 
     def steps_of(q_start):
         if s.causal:
@@ -539,7 +557,7 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                 slot = lax.rem(j, jnp.int32(stages))
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
-                qk = _product(q_smem, k_smem.at[slot], (bq, bk))
+                qk, t = _logits2(_product(q_smem, k_smem.at[slot], (bq, bk)), s)
                 dp = _product(do_smem, v_smem.at[slot], (bq, bk))
                 if masked:
                     r = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
@@ -550,6 +568,8 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                     qk = jnp.where(keep, qk, -jnp.inf)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                if t is not None:
+                    ds = ds * (1.0 - t * t)
                 dq = _accumulate(
                     dq,
                     ds.astype(dtype),
@@ -641,7 +661,7 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
     nq = s.Tp // bq  # query blocks (the padded rows contribute nothing: lse2 = +inf, dO = 0)
     s_stages = max(1, min(cfg.stages, nq))
     G = s.N // s.K
-    c = s.scale * _LOG2E
+    c = _exponent_scale(s)
 
     def q_range(k_start):
         """``(lo, hi_masked)``: query blocks ``[lo, nq)`` see keys ``[k_start, k_start + 64)``, those
@@ -689,7 +709,7 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
                 dk, dv = carry
                 slot = lax.rem(g * n0 + (i - lo0), jnp.int32(s_stages))
                 wait_slot(slot)
-                st = _product(k_smem, q_smem.at[slot], (bk, bq))  # S^T: keys x queries
+                st, t = _logits2(_product(k_smem, q_smem.at[slot], (bk, bq)), s)  # S^T: keys x queries
                 lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:
@@ -706,6 +726,8 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
                 )
                 dpt = _product(v_smem, do_smem.at[slot], (bk, bq))  # (dO V^T)^T
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                if t is not None:
+                    dst = dst * (1.0 - t * t)
                 dk = _accumulate(
                     dk,
                     dst.astype(dtype),
@@ -881,8 +903,8 @@ def unsupported(
       >>> x = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
       >>> mosaic_flash.unsupported(base.make_args(x, x, x, is_causal=True), "cuda", compute_capability=9.0)
       []
-      >>> mosaic_flash.unsupported(base.make_args(x, x, x, logits_soft_cap=30.0), "cuda", compute_capability=9.0)
-      ['a logits soft cap is not in the Mosaic GPU kernel (the Triton flash kernel has one)']
+      >>> mosaic_flash.unsupported(base.make_args(x, x, x, window=(16, 0)), "cuda", compute_capability=9.0)
+      ['a local window is not in the Mosaic GPU kernel (the Triton flash kernel has one)']
     """
     reasons = []
     why = available()
@@ -940,8 +962,6 @@ def unsupported(
         reasons.append("sequence lengths are not in the Mosaic GPU kernel (the Triton flash kernel has them)")
     if args.q_segment_ids is not None:
         reasons.append("segment ids are not in the Mosaic GPU kernel (the Triton flash kernel has them)")
-    if args.logits_soft_cap is not None:
-        reasons.append("a logits soft cap is not in the Mosaic GPU kernel (the Triton flash kernel has one)")
     if args.has_dropout:
         reasons.append("dropout is not in the Mosaic GPU kernel (the Triton flash kernel has it)")
     if not args.scale > 0:
@@ -963,6 +983,7 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         scale=float(args.scale),
         causal=bool(args.causal),
         diag_offset=int(args.diag_offset),
+        softcap=None if args.logits_soft_cap is None else float(args.logits_soft_cap),
     )
 
 

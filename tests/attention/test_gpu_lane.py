@@ -109,18 +109,21 @@ class TestCudnnCompiled(_Compiled):
 
 
 # The Mosaic GPU kernel (sm90): half precision, head dims 64 / 128 / 256, causal both ways, GQA, ragged
-# lengths (padded keys masked in the last block), several query tiles and a ring refilled many times.
+# lengths (padded keys masked in the last block), several query tiles and a ring refilled many times,
+# rows a bottom-right diagonal leaves without a key, the logits soft cap.
 MOSAIC_GRID = [
-    Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit)
-    for dt, causal, T, S, H, g, K, B, jit in (
-        ("bfloat16", "none", 128, 128, 64, 1, 1, 1, True),
-        ("bfloat16", "top_left", 1024, 1024, 128, 2, 2, 2, True),
-        ("float16", "lower_right", 300, 1000, 128, 4, 1, 1, False),
-        ("bfloat16", "none", 200, 333, 64, 1, 2, 2, True),
-        ("float16", "top_left", 512, 512, 64, 1, 2, 1, True),
-        ("bfloat16", "none", 256, 700, 256, 2, 1, 1, True),
-        ("bfloat16", "top_left", 2048, 2048, 128, 8, 1, 1, True),
-        ("float16", "lower_right", 700, 300, 128, 2, 1, 1, True),  # T > S: 400 rows see no key
+    Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit, extra=extra)
+    for dt, causal, T, S, H, g, K, B, jit, extra in (
+        ("bfloat16", "none", 128, 128, 64, 1, 1, 1, True, None),
+        ("bfloat16", "top_left", 1024, 1024, 128, 2, 2, 2, True, None),
+        ("float16", "lower_right", 300, 1000, 128, 4, 1, 1, False, None),
+        ("bfloat16", "none", 200, 333, 64, 1, 2, 2, True, None),
+        ("float16", "top_left", 512, 512, 64, 1, 2, 1, True, None),
+        ("bfloat16", "none", 256, 700, 256, 2, 1, 1, True, None),
+        ("bfloat16", "top_left", 2048, 2048, 128, 8, 1, 1, True, None),
+        ("float16", "lower_right", 700, 300, 128, 2, 1, 1, True, None),  # T > S: 400 rows see no key
+        ("bfloat16", "top_left", 1024, 1024, 128, 2, 2, 1, True, "softcap"),
+        ("float16", "none", 512, 512, 64, 1, 1, 2, True, "softcap"),
     )
 ]
 
@@ -133,7 +136,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = supports_dropout = supports_softcap = False
+    supports_bias = supports_mask = supports_dropout = False
     supports_window = supports_lengths = supports_segments = False
 
     def supports(self, args):

@@ -35,7 +35,7 @@ needs_interpret = pytest.mark.skipif(
 # the last block); fewer keys than one block with two batches and two kv heads; a ring reused over
 # five blocks (causal: the first warpgroup releases the slots it skips); head dim 256 (64-key blocks);
 # a bottom-right diagonal with more queries than keys (a negative offset: the first 70 rows see no key,
-# output 0 and LSE -inf).
+# output 0 and LSE -inf); the logits soft cap, forward and backward (at head dim 256 Triton's backward).
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
@@ -44,6 +44,8 @@ MOSAIC_GRID = [
     Case("bfloat16", "top_left", 384, 640, 128, 1, K=1, B=1),
     Case("bfloat16", "none", 128, 64, 256, 1, K=1, B=1),
     Case("float16", "lower_right", 200, 130, 64, 2, K=1, B=1),
+    Case("bfloat16", "top_left", 256, 300, 128, 2, K=1, B=1, extra="softcap"),
+    Case("float16", "none", 128, 200, 256, 1, K=1, B=1, extra="softcap"),
 ]
 
 
@@ -51,7 +53,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = supports_dropout = supports_softcap = False
+    supports_bias = supports_mask = supports_dropout = False
     supports_window = supports_lengths = supports_segments = False
 
     def supports(self, args):
@@ -174,7 +176,6 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
             dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
             "segment",
         ),
-        (dict(logits_soft_cap=30.0), "soft cap"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
@@ -202,8 +203,8 @@ def test_unsupported_platform_and_device():
 
 
 def test_attention_refuses_with_the_reasons():
-    with pytest.raises(ValueError, match="soft cap"):
-        mosaic_flash.attention(_args(logits_soft_cap=5.0), interpret=True)
+    with pytest.raises(ValueError, match="window"):
+        mosaic_flash.attention(_args(window=(8, 0)), interpret=True)
 
 
 def test_config_is_validated():
@@ -321,8 +322,8 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
             assert e.implementation == "mosaic_flash"
             assert "flash_cuda_kernel='mosaic'" in e.kernel
             # A call it cannot run: FLASH is unavailable, and the reason is the kernel's.
-            e = jb.explain(q, q, q, logits_soft_cap=5.0, **kw)
-            assert e.chosen is None and "soft cap" in e.reasons[SDPBackend.FLASH_ATTENTION]
+            e = jb.explain(q, q, q, local_window_size=(8, 0), **kw)
+            assert e.chosen is None and "window" in e.reasons[SDPBackend.FLASH_ATTENTION]
         with jb.with_backends(flash_cuda_kernel="triton"):
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "triton_flash" and "flash_cuda_kernel='triton'" in e.kernel
