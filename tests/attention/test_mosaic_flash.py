@@ -112,11 +112,12 @@ class TestMosaicFlashInterpret(AttentionTestBase):
 
 
 @needs_interpret
-@pytest.mark.parametrize("kernel", ["forward", "backward"])
-def test_interpret_catches_a_missing_barrier(monkeypatch, kernel):
-    """The interpreter checks the barrier protocol (its race detector is on): a kernel that reads a
-    ring slot without waiting for its TMA is caught, so the protocol is what the parity tests check, not
-    luck. The forward's and the dQ kernel's waits for a value block are skipped."""
+def test_interpret_catches_a_missing_barrier(monkeypatch):
+    """The interpreter checks the barrier protocol: the dQ kernel with its waits for value blocks
+    skipped is caught (the barrier's phases complete unobserved), so the protocol is what the parity
+    tests check, not luck. (Its race detector, on in every interpreted run, catches a read during a
+    refill only when the threads' interleaving exposes it: the same mutation of the forward passed in
+    about half of the runs on a loaded machine, so it is not a test.)"""
     import inspect
 
     plgpu = mosaic_flash._plgpu()
@@ -135,14 +136,8 @@ def test_interpret_catches_a_missing_barrier(monkeypatch, kernel):
     out, lse = mosaic_flash.forward(args, interpret=True)
     monkeypatch.setattr(plgpu, "barrier_wait", skip_value_waits)
     try:
-        # The forward reads the slot during its refill (a race); in the dQ kernel the value barrier's
-        # phases then complete unobserved, which the interpreter reports as such.
-        caught = "RACE DETECTED" if kernel == "forward" else "RACE DETECTED|no threads observed phase"
-        with pytest.raises(Exception, match=caught):
-            if kernel == "forward":
-                jax.block_until_ready(mosaic_flash.forward(args, interpret=True))
-            else:
-                jax.block_until_ready(mosaic_flash.backward(args, out, lse, out, None, interpret=True))
+        with pytest.raises(Exception, match="no threads observed phase|RACE DETECTED"):
+            jax.block_until_ready(mosaic_flash.backward(args, out, lse, out, None, interpret=True))
     finally:
         # After an error the interpreter's shared state must be reset before its next kernel (jax's
         # InterpretGPUParams docs); the function is private, so where it moves the test says so.
