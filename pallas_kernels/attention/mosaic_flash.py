@@ -194,6 +194,23 @@ def _exponent_scale(s: _Shape) -> float:
     return 1.0 if s.softcap is not None else s.scale * _LOG2E
 
 
+def _fill_ring(ring_steps, stages: int, load, wait_free):
+    """The memory warpgroup's loop, shared by the kernels: blocks ``0 .. stages - 1`` (those below
+    ``ring_steps``) at once, then block ``j + stages`` into slot ``j % stages`` once both compute
+    warpgroups have released it (``wait_free(slot)``), up to ``ring_steps``. ``load(j, slot)`` issues
+    block ``j``'s TMA copies onto the slot's "loaded" barriers."""
+    plgpu = _plgpu()
+    plgpu.set_max_registers(40, action="decrease")
+    for i in range(stages):
+        pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
+
+    @pl.loop(0, jnp.maximum(ring_steps - stages, 0))
+    def _(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        wait_free(slot)
+        load(j + stages, slot)
+
+
 def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
     """``(full, total)`` key blocks for query rows ``[q_start, q_start + block_q)`` under the causal
     mask ``key <= query + diag_offset``: blocks ``[0, full)`` need no mask, ``[full, total)`` straddle
@@ -365,7 +382,6 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, jnp.int32(G))
 
             def load(j, slot):
@@ -373,15 +389,11 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-            for i in range(stages):
-                pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
-
-            @pl.loop(0, jnp.maximum(ring_steps - stages, 0))
-            def _(j):
-                slot = lax.rem(j, jnp.int32(stages))
+            def wait_free(slot):
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
-                load(j + stages, slot)
+
+            _fill_ring(ring_steps, stages, load, wait_free)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -602,7 +614,6 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, jnp.int32(G))
 
             def load(j, slot):
@@ -610,14 +621,7 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                 plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_loaded.at[slot])
 
-            for i in range(stages):
-                pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
-
-            @pl.loop(0, jnp.maximum(ring_steps - stages, 0))
-            def _(j):
-                slot = lax.rem(j, jnp.int32(stages))
-                plgpu.barrier_wait(consumed.at[slot])
-                load(j + stages, slot)
+            _fill_ring(ring_steps, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     def entry(*refs):
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -762,7 +766,6 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
 
             def load(t, slot):
                 per_head = jnp.int32(n0) if isinstance(n0, int) else n0
@@ -776,14 +779,7 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
                 plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_loaded.at[slot])
 
-            for i in range(s_stages):
-                pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
-
-            @pl.loop(0, jnp.maximum(ring_steps - s_stages, 0))
-            def _(t):
-                slot = lax.rem(t, jnp.int32(s_stages))
-                plgpu.barrier_wait(consumed.at[slot])
-                load(t + s_stages, slot)
+            _fill_ring(ring_steps, s_stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     def entry(*refs):
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -1,10 +1,13 @@
 """The Mosaic GPU flash kernel (``pallas_kernels.attention.mosaic_flash``) without a GPU.
 
-* Parity: on jax >= 0.12 the kernel runs in Pallas's GPU interpret mode (threads, barriers, TMA and
+* Parity: on jax >= 0.12 the kernels run in Pallas's GPU interpret mode (threads, barriers, TMA and
   WGMMA simulated on CPU, with its race detector on) against the float32 reference, forward and
-  gradients (the gradients through the Triton flash backward, interpreted too). The interpreted
-  program stages ``P`` through shared memory (the interpreter takes no WGMMA operand from registers);
-  the compiled one is checked in the GPU lane (``tests/attention/test_gpu_lane.py``).
+  gradients (the Mosaic dQ and dK / dV kernels; Triton's backward, interpreted too, at head dim 256).
+  The interpreted program stages ``P`` / ``dS`` through shared memory (the interpreter takes no WGMMA
+  operand from registers); the compiled one is checked in the GPU lane
+  (``tests/attention/test_gpu_lane.py``). The interpreter's race and barrier-phase checks depend on
+  how its threads interleave (a kernel with a wait removed was caught in some runs, not all), so no
+  test here relies on them catching a mutation.
 * Export: on every supported jax the forward and its gradient lower for CUDA from CPU (Pallas lowers
   the kernel to the Mosaic GPU dialect here), and a cpu + cuda export runs on CPU.
 * What it refuses, and the ``flash_cuda_kernel`` flag that selects it.
@@ -109,42 +112,6 @@ class TestMosaicFlashInterpret(AttentionTestBase):
             scale = float(jnp.max(jnp.abs(r)))
             err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) / scale
             assert err < 1e-2, f"d{name}: {err}"
-
-
-@needs_interpret
-def test_interpret_catches_a_missing_barrier(monkeypatch):
-    """The interpreter checks the barrier protocol: the dQ kernel with its waits for value blocks
-    skipped is caught (the barrier's phases complete unobserved), so the protocol is what the parity
-    tests check, not luck. (Its race detector, on in every interpreted run, catches a read during a
-    refill only when the threads' interleaving exposes it: the same mutation of the forward passed in
-    about half of the runs on a loaded machine, so it is not a test.)"""
-    import inspect
-
-    plgpu = mosaic_flash._plgpu()
-    real_wait = plgpu.barrier_wait
-    skipped = []
-
-    def skip_value_waits(barrier):
-        line = inspect.getframeinfo(inspect.currentframe().f_back).code_context[0]
-        if "v_loaded" in line:  # the compute warpgroups' wait for a value block's TMA
-            skipped.append(line)
-            return None
-        return real_wait(barrier)
-
-    # Five key blocks through a ring of two: a slot is refilled while a warpgroup may still read it.
-    args = make_case(Case("float16", "none", 256, 640, 64, 2, K=1, B=1))
-    out, lse = mosaic_flash.forward(args, interpret=True)
-    monkeypatch.setattr(plgpu, "barrier_wait", skip_value_waits)
-    try:
-        with pytest.raises(Exception, match="no threads observed phase|RACE DETECTED"):
-            jax.block_until_ready(mosaic_flash.backward(args, out, lse, out, None, interpret=True))
-    finally:
-        # After an error the interpreter's shared state must be reset before its next kernel (jax's
-        # InterpretGPUParams docs); the function is private, so where it moves the test says so.
-        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-        interpret_pallas_call.reset_gpu_interpret_mode_state()
-    assert skipped
 
 
 # ---- what it refuses --------------------------------------------------------------------------------
