@@ -145,12 +145,22 @@ class TestMosaicFlashCompiled(_Compiled):
     @pytest.mark.parametrize("case", MOSAIC_GRID, ids=[c.id for c in MOSAIC_GRID])
     def test_grid(self, case):
         args = make_case(case)
-        assert self.supports(args), mosaic_flash.unsupported(args, "cuda")  # the grid must reach it
+        reasons = mosaic_flash.unsupported(args, "cuda")
+        if reasons and all("ptxas" in r for r in reasons):
+            pytest.skip(reasons[0])  # causal on a CUDA 12.8 / 12.9 runtime
+        assert not reasons, reasons  # the grid must reach the kernel
         self.check(args, jit=case.jit)
+
+    def test_large_soft_cap_saturates_accurately(self):
+        """A cap of 30 with logits of tens: tanh near +-1, where 1 - tanh^2 (the backward) loses
+        precision first."""
+        args = make_case(Case("bfloat16", "top_left", 512, 512, 128, 2, K=1, B=1))
+        args = args.replace(q=(args.q.astype(jnp.float32) * 6).astype(args.q.dtype), logits_soft_cap=30.0)
+        self.check(args)
 
     def test_fully_masked_rows_give_zero_output_and_grads(self):
         pytest.skip(
-            "refused: no lengths, nor a diagonal that empties a row (tests/attention/test_mosaic_flash.py)"
+            "a float32 case with lengths: refused (rows a diagonal empties: MOSAIC_GRID's T > S case)"
         )
 
     def test_deterministic(self):

@@ -38,7 +38,8 @@ needs_interpret = pytest.mark.skipif(
 # the last block); fewer keys than one block with two batches and two kv heads; a ring reused over
 # five blocks (causal: the first warpgroup releases the slots it skips); head dim 256 (64-key blocks);
 # a bottom-right diagonal with more queries than keys (a negative offset: the first 70 rows see no key,
-# output 0 and LSE -inf); the logits soft cap, forward and backward (at head dim 256 Triton's backward).
+# output 0 and LSE -inf); the logits soft cap, forward and backward (at head dim 256 Triton's backward),
+# with rows that see no key too; causal at head dim 256 (64-key forward blocks).
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
@@ -49,6 +50,8 @@ MOSAIC_GRID = [
     Case("float16", "lower_right", 200, 130, 64, 2, K=1, B=1),
     Case("bfloat16", "top_left", 256, 300, 128, 2, K=1, B=1, extra="softcap"),
     Case("float16", "none", 128, 200, 256, 1, K=1, B=1, extra="softcap"),
+    Case("float16", "lower_right", 200, 130, 64, 1, K=1, B=1, extra="softcap"),
+    Case("bfloat16", "top_left", 200, 200, 256, 2, K=1, B=1),
 ]
 
 
@@ -210,17 +213,18 @@ def _export(f, platforms, *args):
 
 
 @pytest.mark.parametrize(
-    "T, S, H, G, causal, dtype",
+    "T, S, H, G, causal, dtype, cap",
     [
-        (256, 256, 128, 2, True, jnp.bfloat16),
-        (200, 333, 64, 1, False, jnp.float16),
-        (128, 192, 256, 4, True, jnp.bfloat16),
+        (256, 256, 128, 2, True, jnp.bfloat16, None),
+        (200, 333, 64, 1, False, jnp.float16, None),
+        (128, 192, 256, 4, True, jnp.bfloat16, None),
+        (256, 300, 128, 2, True, jnp.float16, 30.0),
     ],
 )
-def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype):
+def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap):
     q = jnp.zeros((2, T, 2 * G, H), dtype)
     k = jnp.zeros((2, S, 2, H), dtype)
-    args = base.make_args(q, k, k, is_causal=causal, diag_offset=S - T if causal else 0)
+    args = base.make_args(q, k, k, is_causal=causal, diag_offset=S - T if causal else 0, logits_soft_cap=cap)
     assert mosaic_flash.unsupported(args, "cuda", compute_capability=9.0) == []
 
     def loss(q, k, v):
@@ -233,6 +237,35 @@ def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype):
         assert kernels == 3 and "__gpu$xla.gpu.triton" not in text
     else:  # head dim 256: the Triton backward
         assert kernels == 1 and "__gpu$xla.gpu.triton" in text
+
+
+def test_vmap_lowers_for_cuda():
+    """vmap over the kernels (forward and gradient) lowers: the GPU-call wrapper batches them."""
+    q = jnp.zeros((3, 1, 128, 2, 64), jnp.bfloat16)
+    attend = lambda q: mosaic_flash.attention(base.make_args(q, q, q, is_causal=True))[0]  # noqa: E731
+    fwd = _export(jax.vmap(attend), ["cuda"], q).mlir_module()
+    grad = _export(jax.vmap(jax.grad(lambda q: attend(q).astype(jnp.float32).sum())), ["cuda"], q)
+    assert fwd.count("custom_call @mosaic_gpu") == 1
+    assert grad.mlir_module().count("custom_call @mosaic_gpu") == 3
+
+
+@needs_interpret
+def test_other_tile_configs_match_the_reference():
+    """Configs other than the defaults (64-key forward steps over a ring of three; 128-wide backward
+    steps over a ring of three): forward and gradients against the float32 reference."""
+    case = Case("float16", "top_left", 256, 384, 64, 2, K=1, B=1)
+    args = make_case(case, seed=5)
+    run = functools.partial(
+        mosaic_flash.attention,
+        interpret=True,
+        config=mosaic_flash.Config(block_kv=64, stages=3),
+        bwd_config=mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=128, stages=3),
+    )
+
+    class Check(AttentionTestBase):
+        impl = staticmethod(run)
+
+    Check().check(args)
 
 
 def test_public_api_selects_it_by_flag_and_exports_for_cpu_and_cuda():
