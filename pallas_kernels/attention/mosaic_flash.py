@@ -488,10 +488,11 @@ _BWD_HEAD_DIMS = (64, 128)
 
 
 def _load_rows(ref, layout):
-    """A float32 vector from shared memory in ``layout`` (``plgpu.load`` took an index argument up to
-    jax 0.11 and none from 0.12)."""
+    """A float32 vector from shared memory in ``layout`` (``plgpu.load`` needs an index argument in
+    jax 0.10, deprecates it in 0.11 and has none from 0.12)."""
     plgpu = _plgpu()
-    if "idx" in inspect.signature(plgpu.load).parameters:
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 
@@ -525,6 +526,14 @@ def _product(a_smem, b_smem_t, shape):
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+def _ds(p, dp, delta, t, axis: int):
+    """``dS = P (dP - delta)``, times ``1 - t^2`` under a soft cap (:func:`_logits2`'s ``t``), float32.
+    ``delta`` holds one value per query, which runs along ``axis`` of the tile: 0 in the dQ kernel
+    (queries x keys), 1 in the dK / dV kernel (keys x queries)."""
+    ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [axis]))
+    return ds if t is None else ds * (1.0 - t * t)
 
 
 def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bool):
@@ -584,9 +593,7 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                         keep = keep & (keys <= r + (q_start + s.diag_offset))
                     qk = jnp.where(keep, qk, -jnp.inf)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
-                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                if t is not None:
-                    ds = ds * (1.0 - t * t)
+                ds = _ds(p, dp, delta, t, axis=0)
                 dq = _accumulate(
                     dq,
                     ds.astype(dtype),
@@ -734,9 +741,7 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
                     interpret,
                 )
                 dpt = _product(v_smem, do_smem.at[slot], (bk, bq))  # (dO V^T)^T
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                if t is not None:
-                    dst = dst * (1.0 - t * t)
+                dst = _ds(pt, dpt, delta, t, axis=1)
                 dk = _accumulate(
                     dk,
                     dst.astype(dtype),
