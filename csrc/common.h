@@ -308,4 +308,10 @@ xla::ffi::Error CatchErrors(const char* what, F&& body) {
 
 }  // namespace jb
 
+// The XLA FFI API version the handlers were compiled against (major * 1000 + minor). The loader
+// (pallas_kernels/ffi.py) compares it with the running jaxlib's before registering anything: an
+// older jaxlib refuses newer handlers, and when its CPU backend has not started yet that refusal
+// fails the backend's start, taking every CPU computation of the process with it.
+extern "C" int JbFfiApiVersion() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }
+
 #endif  // JBACKENDS_CSRC_COMMON_H_

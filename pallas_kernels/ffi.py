@@ -5,19 +5,24 @@ One loader for every extension: the shared library is looked up as a module next
 that wraps it, opened with ``ctypes``, checked, its handlers registered as CPU custom-call targets
 and its plain C functions given their ctypes signatures. ``None`` (and the XLA fallbacks) whenever
 any of that is not possible: ``JBACKENDS_NO_CPP`` set, the extension not built, a library that
-does not load or lacks a symbol, or a CPU the kernels cannot run on.
+does not load or lacks a symbol, a CPU the kernels cannot run on, or handlers this jaxlib refuses
+(an extension built against a newer jaxlib's FFI headers: a ``RuntimeWarning`` says so once, and
+:func:`load_failure` keeps the reason for ``explain()``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
+import re
+import warnings
 from typing import Mapping, Optional, Sequence
 
 import jax
 
-__all__ = ["DISABLE_ENV", "disabled", "load_library"]
+__all__ = ["DISABLE_ENV", "disabled", "load_library", "load_failure"]
 
 #: Set (to anything non-empty) in the environment, the C++ kernels are neither built nor loaded.
 DISABLE_ENV = "JBACKENDS_NO_CPP"
@@ -26,6 +31,33 @@ DISABLE_ENV = "JBACKENDS_NO_CPP"
 def disabled() -> bool:
     """Whether the C++ kernels are switched off (``JBACKENDS_NO_CPP`` is set)."""
     return bool(os.environ.get(DISABLE_ENV))
+
+
+_FAILURES: dict = {}
+_API_RE = re.compile(r"^#define XLA_FFI_API_(MAJOR|MINOR) (\d+)$", re.MULTILINE)
+
+
+@functools.cache
+def framework_api_version() -> Optional[int]:
+    """The XLA FFI API version of the running jaxlib (``major * 1000 + minor``), read from the C API
+    header it ships (the header the extensions are built against); ``None`` where it is missing."""
+    try:
+        path = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+        with open(path) as f:
+            found = dict(_API_RE.findall(f.read()))
+        return int(found["MAJOR"]) * 1000 + int(found["MINOR"])
+    except (AttributeError, OSError, KeyError, ValueError):
+        return None
+
+
+def _version_text(v: int) -> str:
+    return f"{v // 1000}.{v % 1000}"
+
+
+def load_failure(module: str) -> Optional[str]:
+    """Why the extension ``module`` was built and loaded but cannot be used (XLA refused one of its
+    FFI handlers), or ``None``."""
+    return _FAILURES.get(module)
 
 
 def load_library(
@@ -47,8 +79,9 @@ def load_library(
       restypes, argtypes: ctypes ``restype`` / ``argtypes`` of exported C functions.
 
     Returns:
-      The library, or ``None`` when the kernels are disabled, not built or do not load. Callers
-      cache it (``functools.cache``): registering a target twice is not needed.
+      The library, or ``None`` when the kernels are disabled, not built, do not load or are refused
+      by XLA (:func:`load_failure` says why; a ``RuntimeWarning`` too). Callers cache it
+      (``functools.cache``): registering a target twice is not needed.
     """
     if disabled():
         return None
@@ -59,8 +92,24 @@ def load_library(
         lib = ctypes.CDLL(spec.origin)
         if check is not None and not getattr(lib, check)():
             return None
+        name = os.path.basename(spec.origin)
+        built, running = getattr(lib, "JbFfiApiVersion", lambda: None)(), framework_api_version()
+        if (
+            built is not None
+            and running is not None
+            and (built // 1000 != running // 1000 or built > running)
+        ):
+            return _refuse(
+                module,
+                f"{name} was built for XLA FFI API {_version_text(built)} and this jaxlib "
+                f"({jax.lib.__version__}) runs {_version_text(running)}",
+            )
         for target, symbol in targets.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            capsule = jax.ffi.pycapsule(getattr(lib, symbol))
+            try:
+                jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+            except RuntimeError as e:  # jax.errors.JaxRuntimeError
+                return _refuse(module, f"XLA refused the handler {symbol} of {name} ({e})")
         for name, restype in (restypes or {}).items():
             getattr(lib, name).restype = restype
         for name, types in (argtypes or {}).items():
@@ -68,6 +117,14 @@ def load_library(
     except (OSError, AttributeError):
         return None
     return lib
+
+
+def _refuse(module: str, why: str) -> None:
+    _FAILURES[module] = f"{why}; rebuild it against this jaxlib (pip install -e . again)"
+    warnings.warn(
+        f"jbackends: {_FAILURES[module]}. The XLA fallbacks run instead.", RuntimeWarning, stacklevel=3
+    )
+    return None
 
 
 def xla_pool_setter(library, symbol: str):

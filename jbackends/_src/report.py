@@ -83,7 +83,7 @@ def _int4_rows() -> Iterator[tuple[str, str]]:
         (
             f"built, {int4_cpp.isa()}"
             if int4_cpp.available()
-            else "not built (no compiler at install time?): pure-XLA fallback in use"
+            else f"{int4_cpp.unavailable_reason()}: pure-XLA fallback in use"
         ),
     )
     yield "Pallas GPU kernels", "W4A16 and W4A8 (Triton), chosen per lowering platform"

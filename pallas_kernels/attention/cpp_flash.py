@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import base, sharded
-from pallas_kernels.ffi import load_library, xla_pool_setter
+from pallas_kernels.ffi import load_failure, load_library, xla_pool_setter
 
 __all__ = [
     "Config",
@@ -78,10 +78,13 @@ FORWARD_TARGET = _FWD = "jb_flash_attention_fwd_f32"
 BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
 
 
+_MODULE = f"{__package__}._flash_cpu"
+
+
 @functools.cache
 def _library() -> Optional[ctypes.CDLL]:
     return load_library(
-        f"{__package__}._flash_cpu",
+        _MODULE,
         check="JbFlashAvailable",
         targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
         restypes={"JbFlashIsa": ctypes.c_char_p, "JbFlashSetIsa": ctypes.c_int},
@@ -223,6 +226,8 @@ def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
     if not available():
         if os.environ.get("JBACKENDS_NO_CPP"):
             reasons.append("the C++ flash kernel is switched off (JBACKENDS_NO_CPP is set)")
+        elif (failure := load_failure(_MODULE)) is not None:
+            reasons.append(f"the C++ flash kernel is built but cannot be used: {failure}")
         else:
             reasons.append(
                 "the C++ flash kernel is not built or this CPU lacks AVX2 + FMA "

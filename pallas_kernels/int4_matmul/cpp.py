@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..ffi import load_library, xla_pool_setter
+from ..ffi import disabled, load_failure, load_library, xla_pool_setter
 from . import base
 from .base import PackedInt4Weight
 
@@ -58,12 +58,13 @@ _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"
 _WO_BF16_TARGET = "jb_int4_matmul_bf16"
 _DYN_BF16_TARGET = "jb_int4_dyn_quant_matmul_bf16"
+_MODULE = f"{__package__}._int4_cpu"
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return load_library(
-        f"{__package__}._int4_cpu",
+        _MODULE,
         targets={
             _DYN_TARGET: "JbInt4DynQuantMatmulF32",
             _WO_TARGET: "JbInt4MatmulF32",
@@ -143,14 +144,25 @@ def weight_only_bf16_path(rows: int, in_features: int) -> str:
     return ("float32", "bf16 row", "bf16 blocked")[lib.JbInt4WeightOnlyBf16Path(rows, in_features)]
 
 
+def unavailable_reason() -> str | None:
+    """Why the compiled kernels cannot be used here, or ``None`` when they can."""
+    if available():
+        return None
+    if disabled():
+        return "the C++ extension is switched off (JBACKENDS_NO_CPP is set)"
+    if (failure := load_failure(_MODULE)) is not None:
+        return f"the C++ extension is built but cannot be used: {failure}"
+    return "the C++ extension is not built (pip install -e . with a C++ compiler)"
+
+
 def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
     """Reasons these kernels cannot (or should not) run ``call`` when lowered for ``platform``
     (empty when they can)."""
     why = []
     if platform != "cpu":
         why.append(f"CPU only (lowering for {platform})")
-    if not available():
-        why.append("the C++ extension is not built (pip install -e . with a C++ compiler)")
+    if (reason := unavailable_reason()) is not None:
+        why.append(reason)
     if call.packed.in_features % 32:
         why.append(f"in_features={call.packed.in_features} is not a multiple of 32")
     bf16_blocked = (
