@@ -204,17 +204,25 @@ def _fill_ring(ring_steps, stages: int, load, wait_free):
     """The memory warpgroup's loop, shared by the kernels: blocks ``0 .. stages - 1`` (those below
     ``ring_steps``) at once, then block ``j + stages`` into slot ``j % stages`` once both compute
     warpgroups have released it (``wait_free(slot)``), up to ``ring_steps``. ``load(j, slot)`` issues
-    block ``j``'s TMA copies onto the slot's "loaded" barriers."""
+    block ``j``'s TMA copies onto the slot's "loaded" barriers. Then it waits for the release of the
+    last ``stages`` blocks, so that it has seen every phase of the "consumed" barriers before they go:
+    free on the hardware (the compute warpgroups release a block before their epilogue), and what
+    jax 0.11's GPU interpreter checks when a barrier is deallocated."""
     plgpu = _plgpu()
     plgpu.set_max_registers(40, action="decrease")
     for i in range(stages):
         pl.when(i < ring_steps)(functools.partial(load, jnp.int32(i), i))
+    refill = jnp.maximum(ring_steps - stages, 0)
 
-    @pl.loop(0, jnp.maximum(ring_steps - stages, 0))
+    @pl.loop(0, refill)
     def _(j):
         slot = lax.rem(j, jnp.int32(stages))
         wait_free(slot)
         load(j + stages, slot)
+
+    @pl.loop(refill, ring_steps)
+    def _(j):
+        wait_free(lax.rem(j, jnp.int32(stages)))
 
 
 def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
