@@ -10,18 +10,27 @@ error instead: a compile error must not pass as "no compiler here".
 import importlib.util
 import os
 import sys
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
 def _ffi_include_dir():
+    """The XLA FFI headers to build against: those of the jaxlib already installed in the environment
+    being installed into, where there is one, else those of the importable jaxlib (the build
+    requirement). pip runs this in the target environment's interpreter, with the build requirements
+    on an isolated overlay whose jaxlib is the newest: built against it, the kernels would be refused
+    by an older installed jaxlib (an FFI API it does not know)."""
+    paths = sysconfig.get_paths()
+    bases = [os.path.join(paths[key], "jaxlib") for key in ("platlib", "purelib")]
     spec = importlib.util.find_spec("jaxlib")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for base in spec.submodule_search_locations:
+    if spec is not None and spec.submodule_search_locations:
+        bases += list(spec.submodule_search_locations)
+    for base in bases:
         inc = os.path.join(base, "include")
         if os.path.exists(os.path.join(inc, "xla", "ffi", "api", "ffi.h")):
+            print(f"building the C++ kernels against the FFI headers in {inc}", file=sys.stderr)
             return inc
     return None
 

@@ -34,7 +34,7 @@ def disabled() -> bool:
 
 
 _FAILURES: dict = {}
-_API_RE = re.compile(r"^#define XLA_FFI_API_(MAJOR|MINOR) (\d+)$", re.MULTILINE)
+_API_RE = re.compile(r"^\s*#\s*define\s+XLA_FFI_API_(MAJOR|MINOR)\s+(\d+)\b", re.MULTILINE)
 
 
 @functools.cache
@@ -92,24 +92,26 @@ def load_library(
         lib = ctypes.CDLL(spec.origin)
         if check is not None and not getattr(lib, check)():
             return None
-        name = os.path.basename(spec.origin)
-        built, running = getattr(lib, "JbFfiApiVersion", lambda: None)(), framework_api_version()
-        if (
-            built is not None
-            and running is not None
-            and (built // 1000 != running // 1000 or built > running)
-        ):
+        lib_name = os.path.basename(spec.origin)
+        if not hasattr(lib, "JbFfiApiVersion"):
+            return _refuse(module, f"{lib_name} is a build from before the FFI API version stamp")
+        built, running = lib.JbFfiApiVersion(), framework_api_version()
+        if running is not None and (built // 1000 != running // 1000 or built > running):
             return _refuse(
                 module,
-                f"{name} was built for XLA FFI API {_version_text(built)} and this jaxlib "
+                f"{lib_name} was built for XLA FFI API {_version_text(built)} and this jaxlib "
                 f"({jax.lib.__version__}) runs {_version_text(running)}",
             )
+        # XLA checks the version again on registration. It raises here only once the CPU backend has
+        # started; before that it defers the check to the backend's start (which then fails), hence
+        # the comparison above. An extension older than the oldest API a jaxlib takes is the one
+        # case left to that deferred check: the headers do not say which API is the oldest.
         for target, symbol in targets.items():
             capsule = jax.ffi.pycapsule(getattr(lib, symbol))
             try:
                 jax.ffi.register_ffi_target(target, capsule, platform="cpu")
             except RuntimeError as e:  # jax.errors.JaxRuntimeError
-                return _refuse(module, f"XLA refused the handler {symbol} of {name} ({e})")
+                return _refuse(module, f"XLA refused the handler {symbol} of {lib_name} ({e})")
         for name, restype in (restypes or {}).items():
             getattr(lib, name).restype = restype
         for name, types in (argtypes or {}).items():
@@ -120,7 +122,10 @@ def load_library(
 
 
 def _refuse(module: str, why: str) -> None:
-    _FAILURES[module] = f"{why}; rebuild it against this jaxlib (pip install -e . again)"
+    _FAILURES[module] = (
+        f"{why}; rebuild it against this jaxlib (pip install --force-reinstall --no-deps -e . in this "
+        "environment: the build takes the installed jaxlib's FFI headers)"
+    )
     warnings.warn(
         f"jbackends: {_FAILURES[module]}. The XLA fallbacks run instead.", RuntimeWarning, stacklevel=3
     )

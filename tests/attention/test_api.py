@@ -125,6 +125,8 @@ def test_explain_is_a_value_and_explains_gpu_from_cpu():
     )
     if cpp_flash.available():  # the C++ kernel takes it (optional: CI builds it)
         assert et.chosen == B.FLASH_ATTENTION and et.implementation == "cpp_flash"
+    else:  # without it the masked call goes to EFFICIENT, and explain says why not FLASH
+        assert et.chosen == B.EFFICIENT_ATTENTION and "cpp_flash" in et.reasons[B.FLASH_ATTENTION]
     with jb.with_backends(flash_cpu_kernel="xla"):  # the blockwise XLA FLASH does not
         et = A.explain(
             jnp.ones((2, 4, 8, 16)),

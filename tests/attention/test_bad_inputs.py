@@ -141,10 +141,13 @@ def test_flash_with_an_attn_mask_says_why_and_the_way_out():
     causal = A.scaled_dot_product_attention(q, q, q, is_causal=True)
     # On CPU the C++ flash kernel takes a mask (as torch's CPU flash does); the blockwise XLA one
     # (every other platform, or flash_cpu_kernel="xla") refuses it and names the way out.
-    if cpp_flash.available():  # optional (CI builds it)
-        with A.sdpa_kernel([SB.FLASH_ATTENTION]):
+    with A.sdpa_kernel([SB.FLASH_ATTENTION]):
+        if cpp_flash.available():  # optional (CI builds it)
             out = A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(causal), atol=3e-5)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(causal), atol=3e-5)
+        else:  # refused, and the message says why the C++ kernel cannot take it
+            with pytest.raises(A.NoAvailableBackendError, match="cpp_flash: the C\\+\\+ flash kernel"):
+                A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     with A.sdpa_kernel([SB.FLASH_ATTENTION]), jb.with_backends(flash_cpu_kernel="xla"):
         with pytest.raises(
             A.NoAvailableBackendError, match="no arbitrary boolean attn_mask yet.*EFFICIENT_ATTENTION"
