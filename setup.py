@@ -67,9 +67,12 @@ _FLASH = _COMMON + ["csrc/flash_attention_body.h"]
 
 
 def _extensions():
+    if os.environ.get("JBACKENDS_NO_CPP"):
+        print("JBACKENDS_NO_CPP is set: building without the C++ kernels", file=sys.stderr)
+        return []
     inc = _ffi_include_dir()
-    if inc is None or os.environ.get("JBACKENDS_NO_CPP"):
-        if inc is None and _required():
+    if inc is None:
+        if _required():
             raise RuntimeError("JBACKENDS_REQUIRE_CPP is set but jaxlib's FFI headers were not found")
         print("warning: jaxlib FFI headers not found; building without the C++ kernels", file=sys.stderr)
         return []
