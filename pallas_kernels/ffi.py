@@ -22,7 +22,7 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 
-__all__ = ["DISABLE_ENV", "disabled", "load_library", "load_failure"]
+__all__ = ["DISABLE_ENV", "disabled", "load_library", "load_failure", "unavailable_reason"]
 
 #: Set (to anything non-empty) in the environment, the C++ kernels are neither built nor loaded.
 DISABLE_ENV = "JBACKENDS_NO_CPP"
@@ -58,6 +58,16 @@ def load_failure(module: str) -> Optional[str]:
     """Why the extension ``module`` was built and loaded but cannot be used (XLA refused one of its
     FFI handlers), or ``None``."""
     return _FAILURES.get(module)
+
+
+def unavailable_reason(module: str, what: str, not_built: str) -> str:
+    """Why ``module`` (``what``: its name in words) gave no library: switched off, refused (the
+    :func:`load_failure` reason), else ``not_built``."""
+    if disabled():
+        return f"{what} is switched off ({DISABLE_ENV} is set)"
+    if (failure := _FAILURES.get(module)) is not None:
+        return f"{what} is built but cannot be used: {failure}"
+    return f"{what} {not_built}"
 
 
 def load_library(

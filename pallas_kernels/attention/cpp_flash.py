@@ -45,7 +45,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import jax
@@ -53,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import base, sharded
-from pallas_kernels.ffi import load_failure, load_library, xla_pool_setter
+from pallas_kernels.ffi import load_library, unavailable_reason, xla_pool_setter
 
 __all__ = [
     "Config",
@@ -224,15 +223,13 @@ def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
     if platform != "cpu":
         reasons.append(f"the C++ flash kernel is CPU only (lowering for {platform})")
     if not available():
-        if os.environ.get("JBACKENDS_NO_CPP"):
-            reasons.append("the C++ flash kernel is switched off (JBACKENDS_NO_CPP is set)")
-        elif (failure := load_failure(_MODULE)) is not None:
-            reasons.append(f"the C++ flash kernel is built but cannot be used: {failure}")
-        else:
-            reasons.append(
-                "the C++ flash kernel is not built or this CPU lacks AVX2 + FMA "
-                "(pip install -e . with a C++ compiler)"
+        reasons.append(
+            unavailable_reason(
+                _MODULE,
+                "the C++ flash kernel",
+                "is not built or this CPU lacks AVX2 + FMA (pip install -e . with a C++ compiler)",
             )
+        )
     if args.dropout_rate > 0:
         reasons.append("the C++ flash kernel has no dropout")
     if args.head_dim == 0 or args.v_head_dim == 0:

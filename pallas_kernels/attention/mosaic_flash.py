@@ -39,7 +39,7 @@ through ``exp2``; the backward multiplies ``dS`` by ``1 - tanh^2``).
 
 Verification: CI has no GPU. The kernels are exported for CUDA from CPU with ``jax.export`` (Pallas
 lowers them to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
-checked); on jax >= 0.12 they also run in Pallas's GPU interpret mode, with its race detector on,
+checked); on jax >= 0.11.2 they also run in Pallas's GPU interpret mode, with its race detector on,
 against the float32 reference, gradients included. That interpreter cannot take a WGMMA operand from
 registers, nor an accumulator carried through ``pl.run_state``: ``interpret=True`` stages the
 register operand (``P``, ``dS``) through shared memory and adds each product to the accumulator
@@ -114,7 +114,8 @@ def _cuda_runtime_version() -> Optional[int]:
 
 
 def interpret_available() -> bool:
-    """Whether this JAX runs Mosaic GPU kernels in its GPU interpret mode (jax >= 0.12)."""
+    """Whether this JAX runs Mosaic GPU kernels in its GPU interpret mode (jax >= 0.11.2; 0.10 has
+    none)."""
     return available() is None and hasattr(_plgpu(), "InterpretGPUParams")
 
 
@@ -498,11 +499,15 @@ _BWD_HEAD_DIMS = (64, 128)
 def _load_rows(ref, layout):
     """A float32 vector from shared memory in ``layout`` (``plgpu.load`` needs an index argument in
     jax 0.10, deprecates it in 0.11 and has none from 0.12)."""
-    plgpu = _plgpu()
-    idx = inspect.signature(plgpu.load).parameters.get("idx")
-    if idx is not None and idx.default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
+    if _load_needs_index():
+        return _plgpu().load(ref, (), layout=layout)
+    return _plgpu().load(ref, layout=layout)
+
+
+@functools.cache
+def _load_needs_index() -> bool:
+    idx = inspect.signature(_plgpu().load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
 
 
 def _accumulate(acc, lhs, rhs_smem, stage_smem, interpret: bool):
@@ -1053,7 +1058,7 @@ def attention(
     Args:
       args: canonical arguments (:func:`base.make_args`); see :func:`unsupported`.
       config: forward :class:`Config` (default :meth:`Config.heuristics`).
-      interpret: run in Pallas's GPU interpret mode (CPU testing, jax >= 0.12; see the module doc).
+      interpret: run in Pallas's GPU interpret mode (CPU testing, jax >= 0.11.2; see the module doc).
       allow_tf32: passed to the Triton backward of head dim 256 (half precision inputs: no effect).
       bwd_config: the backward's :class:`BwdConfig` (head dims 64 and 128), else the Triton
         backward's :class:`triton_flash_vjp.Config`.
@@ -1071,7 +1076,7 @@ def attention(
         )
     reasons = unsupported(args, "cuda", compute_capability=9.0 if interpret else None)
     if interpret and not interpret_available():
-        reasons.append("this JAX has no Mosaic GPU interpret mode (jax >= 0.12)")
+        reasons.append("this JAX has no Mosaic GPU interpret mode (jax >= 0.11.2)")
     if reasons:
         raise ValueError("the Mosaic GPU flash kernel cannot run this call: " + "; ".join(reasons))
     fwd = functools.partial(forward, config=config, interpret=interpret)

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..ffi import disabled, load_failure, load_library, xla_pool_setter
+from .. import ffi
+from ..ffi import load_library, xla_pool_setter
 from . import base
 from .base import PackedInt4Weight
 
@@ -148,11 +149,9 @@ def unavailable_reason() -> str | None:
     """Why the compiled kernels cannot be used here, or ``None`` when they can."""
     if available():
         return None
-    if disabled():
-        return "the C++ extension is switched off (JBACKENDS_NO_CPP is set)"
-    if (failure := load_failure(_MODULE)) is not None:
-        return f"the C++ extension is built but cannot be used: {failure}"
-    return "the C++ extension is not built (pip install -e . with a C++ compiler)"
+    return ffi.unavailable_reason(
+        _MODULE, "the C++ extension", "is not built (pip install -e . with a C++ compiler)"
+    )
 
 
 def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:

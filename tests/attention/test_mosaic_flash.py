@@ -1,6 +1,6 @@
 """The Mosaic GPU flash kernel (``pallas_kernels.attention.mosaic_flash``) without a GPU.
 
-* Parity: on jax >= 0.12 the kernels run in Pallas's GPU interpret mode (threads, barriers, TMA and
+* Parity: on jax >= 0.11.2 the kernels run in Pallas's GPU interpret mode (threads, barriers, TMA and
   WGMMA simulated on CPU, with its race detector on) against the float32 reference, forward and
   gradients (the Mosaic dQ and dK / dV kernels; Triton's backward, interpreted too, at head dim 256).
   The interpreted program stages ``P`` / ``dS`` through shared memory (the interpreter takes no WGMMA
@@ -30,7 +30,7 @@ from pallas_kernels.attention import base, mosaic_flash
 from tests.attention.attention_base import AttentionTestBase, Case, make_case
 
 needs_interpret = pytest.mark.skipif(
-    not mosaic_flash.interpret_available(), reason="Mosaic GPU interpret mode needs jax >= 0.12"
+    not mosaic_flash.interpret_available(), reason="Mosaic GPU interpret mode needs jax >= 0.11.2"
 )
 
 # What the kernel adds, each at least once: one program and one key block; causal with GQA over two
