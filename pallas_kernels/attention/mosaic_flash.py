@@ -33,9 +33,12 @@ are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P =
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
-masks, windows, lengths, segment ids and dropout are refused: under ``flash_cuda_kernel="auto"`` the
-Triton kernels run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits,
-through ``exp2``; the backward multiplies ``dS`` by ``1 - tanh^2``).
+masks, windows, lengths and dropout are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels
+run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``;
+the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences): each compute
+warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
+block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
+segment has no key gets output 0 and LSE ``-inf``).
 
 Verification: CI has no GPU. The kernels are exported for CUDA from CPU with ``jax.export`` (Pallas
 lowers them to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
@@ -147,12 +150,14 @@ class Config:
         if self.stages < 2:
             raise ValueError(f"Config.stages must be at least 2; got {self.stages}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> int:
         """Shared memory the forward kernel allocates for ``head_dim`` (queries / outputs of both
-        compute warpgroups, the key and value ring, the softmax statistics)."""
+        compute warpgroups, the key and value ring, the softmax statistics; with ``segments`` the
+        rows' segment ids and a ring of the keys')."""
         qo = 2 * self.block_q * head_dim
         kv = 2 * self.stages * self.block_kv * head_dim
-        return (qo + kv) * itemsize + 2 * self.block_q * 4
+        seg = (2 * self.block_q + self.stages * self.block_kv) * 4 if segments else 0
+        return (qo + kv) * itemsize + 2 * self.block_q * 4 + seg
 
     @staticmethod
     def heuristics(head_dim: int) -> "Config":
@@ -181,6 +186,7 @@ class _Shape:
     causal: bool
     diag_offset: int
     softcap: Optional[float] = None
+    segments: bool = False
 
 
 def _logits2(qk, s: _Shape):
@@ -239,8 +245,37 @@ def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
     return full, total
 
 
-def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
-    """The ``plgpu.kernel`` on padded ``q [B, Tp, N, D]``, ``k`` / ``v [B, Sp, K, D]`` ->
+def _keep(s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None):
+    """Which logits of a ``(queries, keys)`` tile starting at ``(q_start, k_start)`` count, in the
+    WGMMA layout: keys below ``S`` (the rest is padding), on or below the causal diagonal, and in the
+    query's segment (``q_seg`` / ``kv_seg``: the tile's rows' and columns' segment ids, loaded in the
+    WGMMA row and column layouts, or None)."""
+    plgpu = _plgpu()
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + k_start
+    keep = keys < s.S
+    if s.causal:
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        keep = keep & (keys <= rows + (q_start + s.diag_offset))
+    if q_seg is not None:
+        keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(kv_seg, shape, [1]))
+    return keep
+
+
+def _key_loops(step, full, total, carry, segments: bool):
+    """Runs ``step(j, carry, masked)`` over the key blocks ``[0, total)``, unmasked below ``full``
+    (every block masked with segment ids). Static bounds (no causal mask) build only the loops that
+    run: Mosaic GPU fails to lower an empty static loop."""
+    start = 0 if segments else full
+    if not segments and (not isinstance(full, int) or full > 0):
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    if not isinstance(total, int) or not isinstance(start, int) or total > start:
+        carry = lax.fori_loop(start, total, functools.partial(step, masked=True), carry)
+    return carry
+
+
+def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
+    """The ``plgpu.kernel`` on padded ``q [B, Tp, N, D]``, ``k`` / ``v [B, Sp, K, D]`` and, with
+    ``s.segments``, ``segs = (q_segment_ids [B, Tp], kv_segment_ids [B, Sp])`` int32 (else None) ->
     ``(out [B, Tp, N, D], lse [B, N, Tp] float32, natural log)``."""
     plgpu = _plgpu()
     dtype = jnp.dtype(s.dtype)
@@ -255,13 +290,15 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
         # Without a causal mask only the padded keys of a ragged last block are masked (static).
         return s.S // bk, -(-s.S // bk)
 
-    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, out_ref, lse_ref, scoped):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
-        (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), loaded, consumed, schedule = scoped
-        k_loaded, v_loaded, q_loaded = loaded
+        (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem), loaded, consumed, schedule = (
+            scoped
+        )
+        k_loaded, v_loaded, q_loaded, kvseg_loaded = loaded
         k_consumed, v_consumed = consumed
 
         def schedule_turn():
@@ -279,8 +316,14 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
             q_start = tile * (2 * bq) + wg * bq
             full, total = steps_of(q_start)
 
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], qo_smem, q_loaded.at[wg])
-            plgpu.barrier_wait(q_loaded.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], qo_smem, q_loaded.at[0, wg])
+            q_seg = None
+            if s.segments:
+                qseg_smem = qseg_smem2.at[wg]
+                plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem, q_loaded.at[1, wg])
+                plgpu.barrier_wait(q_loaded.at[1, wg])
+                q_seg = _load_rows(qseg_smem, plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_loaded.at[0, wg])
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -306,13 +349,11 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                 qk, _ = _logits2(qk, s)
 
                 if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-                    keys = cols + j * bk
-                    keep = keys < s.S
-                    if s.causal:
-                        keep = keep & (keys <= rows + (q_start + s.diag_offset))
-                    qk = jnp.where(keep, qk, -jnp.inf)
+                    kv_seg = None
+                    if s.segments:
+                        plgpu.barrier_wait(kvseg_loaded.at[slot])
+                        kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                    qk = jnp.where(_keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg), qk, -jnp.inf)
 
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
                 m_use = m_new
@@ -359,14 +400,7 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
-            carry = (acc, m_i, l_i)
-            # Static bounds (no causal mask) build only the loops that run: Mosaic GPU fails to
-            # lower an empty static loop.
-            if not isinstance(full, int) or full > 0:
-                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-            if not isinstance(full, int) or total > full:
-                carry = lax.fori_loop(full, total, functools.partial(step, masked=True), carry)
-            acc, m_i, l_i = carry
+            acc, m_i, l_i = _key_loops(step, full, total, (acc, m_i, l_i), s.segments)
 
             def release(j, _):
                 # Ring slots this warpgroup's rows never needed (causal): release them, and keep
@@ -376,6 +410,8 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                 slot = lax.rem(j, jnp.int32(stages))
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
+                if s.segments:
+                    plgpu.barrier_wait(kvseg_loaded.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 schedule_turn()
@@ -403,6 +439,10 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
                 rows = (bi, pl.ds(j * bk, bk), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+                if s.segments:  # read after the keys are released: guarded by the values' barrier
+                    plgpu.copy_gmem_to_smem(
+                        kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
+                    )
 
             def wait_free(slot):
                 plgpu.barrier_wait(k_consumed.at[slot])
@@ -410,7 +450,9 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
 
             _fill_ring(ring_steps, stages, load, wait_free)
 
-    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        qseg_ref, kvseg_ref = refs[:2] if s.segments else (None, None)
+        out_ref, lse_ref = refs[-2:]
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
@@ -418,14 +460,17 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
             plgpu.SMEM((stages, bk, D), dtype, transforms=tiled),
             plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((2, bq, bk), dtype, transforms=tiled) if interpret else None,
+            plgpu.SMEM((2, bq), jnp.int32) if s.segments else None,
+            plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, out_ref, lse_ref, scoped),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=2),
+                plgpu.Barrier(num_barriers=(1 + s.segments, 2)),
+                plgpu.Barrier(num_barriers=stages) if s.segments else None,
             ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
@@ -446,7 +491,7 @@ def _forward_call(q, k, v, s: _Shape, cfg: Config, interpret: bool):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,
-    )(q, k, v)
+    )(q, k, v, *(segs or ()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,13 +527,18 @@ class BwdConfig:
         if self.stages < 2:
             raise ValueError(f"BwdConfig.stages must be at least 2; got {self.stages}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> int:
         """The larger of the two kernels' shared memory at ``head_dim``: the dQ kernel's queries and
         dO of both warpgroups, the key / value ring and the row statistics; the dK / dV kernel's keys
-        and values of both warpgroups, the query / dO ring and its statistics."""
+        and values of both warpgroups, the query / dO ring and its statistics; with ``segments`` each
+        kernel's own segment ids and a ring of the other side's."""
         dq = (4 * 64 * head_dim + 2 * self.stages * self.block_kv_dq * head_dim) * itemsize + 4 * 64 * 4
         dkv = (4 * 64 * head_dim + 2 * self.stages * self.block_q_dkv * head_dim) * itemsize
-        return max(dq, dkv + 2 * self.stages * self.block_q_dkv * 4)
+        dkv += 2 * self.stages * self.block_q_dkv * 4
+        if segments:
+            dq += (2 * 64 + self.stages * self.block_kv_dq) * 4
+            dkv += (2 * 64 + self.stages * self.block_q_dkv) * 4
+        return max(dq, dkv)
 
 
 #: Head dims the Mosaic backward takes: dK and dV of a warpgroup's 64 keys stay in registers (2 x 64
@@ -549,9 +599,10 @@ def _ds(p, dp, delta, t, axis: int):
     return ds if t is None else ds * (1.0 - t * t)
 
 
-def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bool):
+def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpret: bool):
     """dQ (``[B, Tp, N, D]`` in q.dtype) on padded inputs: ``lse2`` the forward's LSE in base 2
-    (``+inf`` on padded or empty rows), ``delta`` ``rowsum(dO * O) - dLSE`` (``[B, N, Tp]`` float32)."""
+    (``+inf`` on padded or empty rows), ``delta`` ``rowsum(dO * O) - dLSE`` (``[B, N, Tp]`` float32),
+    ``segs`` the padded segment ids or None (see :func:`_forward_call`)."""
     plgpu = _plgpu()
     dtype = jnp.dtype(s.dtype)
     bq, bk, D = 64, cfg.block_kv_dq, s.D
@@ -564,13 +615,14 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
             return _causal_steps(q_start, bq, s, bk)
         return s.S // bk, -(-s.S // bk)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, scoped):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
-        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2), loaded, own, consumed = scoped
-        k_loaded, v_loaded = loaded
+        smem, loaded, own, consumed = scoped
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, qseg_smem2, kvseg_smem = smem
+        k_loaded, v_loaded, kvseg_loaded = loaded
         _, ring_steps = steps_of(tile * (2 * bq) + bq)
 
         @pl.when(wg < 2)
@@ -586,10 +638,13 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
             plgpu.copy_gmem_to_smem(
                 delta_ref.at[bi, head, pl.ds(q_start, bq)], delta_smem2.at[wg], own.at[3, wg]
             )
-            for i in range(4):
+            if s.segments:
+                plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem2.at[wg], own.at[4, wg])
+            for i in range(5 if s.segments else 4):
                 plgpu.barrier_wait(own.at[i, wg])
             lse = _load_rows(lse_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
             delta = _load_rows(delta_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            q_seg = _load_rows(qseg_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1)) if s.segments else None
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def step(j, dq, masked: bool):
@@ -599,12 +654,11 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                 qk, t = _logits2(_product(q_smem, k_smem.at[slot], (bq, bk)), s)
                 dp = _product(do_smem, v_smem.at[slot], (bq, bk))
                 if masked:
-                    r = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-                    keys = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA) + j * bk
-                    keep = keys < s.S
-                    if s.causal:
-                        keep = keep & (keys <= r + (q_start + s.diag_offset))
-                    qk = jnp.where(keep, qk, -jnp.inf)
+                    kv_seg = None
+                    if s.segments:
+                        plgpu.barrier_wait(kvseg_loaded.at[slot])
+                        kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                    qk = jnp.where(_keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg), qk, -jnp.inf)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
                 ds = _ds(p, dp, delta, t, axis=0)
                 dq = _accumulate(
@@ -617,10 +671,7 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dq
 
-            if not isinstance(full, int) or full > 0:
-                dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-            if not isinstance(full, int) or total > full:
-                dq = lax.fori_loop(full, total, functools.partial(step, masked=True), dq)
+            dq = _key_loops(step, full, total, dq, s.segments)
 
             def release(j, _):
                 # Waited for first: an arrival before the slot is refilled would count toward its
@@ -628,6 +679,8 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                 slot = lax.rem(j, jnp.int32(stages))
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
+                if s.segments:
+                    plgpu.barrier_wait(kvseg_loaded.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
             if s.causal:
@@ -645,10 +698,16 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
                 blk = (bi, pl.ds(j * bk, bk), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_loaded.at[slot])
+                if s.segments:
+                    plgpu.copy_gmem_to_smem(
+                        kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
+                    )
 
             _fill_ring(ring_steps, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     def entry(*refs):
+        ins, dq_ref = refs[:-1], refs[-1]
+        segs_in = ins[6:] if s.segments else (None, None)
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
@@ -658,12 +717,18 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
             plgpu.SMEM((stages, bk, D), dtype, transforms=tiled),
             plgpu.SMEM((stages, bk, D), dtype, transforms=tiled),
             plgpu.SMEM((2, bq, bk), dtype, transforms=tiled) if interpret else None,
+            plgpu.SMEM((2, bq), jnp.int32) if s.segments else None,
+            plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(*refs, scoped),
+            lambda *scoped: kernel(*ins[:6], *segs_in, dq_ref, scoped),
             scratch,
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-            plgpu.Barrier(num_barriers=(4, 2)),
+            (
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages) if s.segments else None,
+            ),
+            plgpu.Barrier(num_barriers=(5 if s.segments else 4, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
         )
@@ -677,10 +742,10 @@ def _dq_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: boo
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_interpret_kw(interpret),
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *(segs or ()))
 
 
-def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bool):
+def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpret: bool):
     """dK, dV (``[B, Sp, K, D]`` in k.dtype) on padded inputs (see :func:`_dq_call`). Each warpgroup
     owns 64 keys of one kv head and walks the query blocks of every query head of its group that can
     see them, so the GQA sum stays in registers."""
@@ -702,13 +767,14 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
         lo = jnp.minimum(lo, nq)
         return lo, jnp.clip(hm, lo, nq)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, scoped):
         bi = lax.axis_index("batch")
         kv_head = lax.axis_index("heads")
         tile = lax.axis_index("kv_tiles")
         wg = lax.axis_index("wg")
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, st_smem2), loaded, own, consumed = scoped
-        q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
+        smem, loaded, own, consumed = scoped
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, st_smem2, kseg_smem2, qseg_smem = smem
+        q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded = loaded
         # The ring streams, for each query head of the group, the query blocks the first warpgroup's
         # keys need (a superset of the second's): step t is (head g, block lo0 + t % n0).
         lo0, _ = q_range(tile * (2 * bk))
@@ -724,6 +790,12 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
             keys_blk = (bi, pl.ds(k_start, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys_blk], k_smem, own.at[0, wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys_blk], v_smem, own.at[1, wg])
+            k_seg = None
+            if s.segments:
+                kseg_smem = kseg_smem2.at[wg]
+                plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(k_start, bk)], kseg_smem, own.at[2, wg])
+                plgpu.barrier_wait(own.at[2, wg])
+                k_seg = _load_rows(kseg_smem, plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(own.at[0, wg])
             plgpu.barrier_wait(own.at[1, wg])
             zeros = jnp.full((bk, D), 0.0, jnp.float32)
@@ -731,8 +803,9 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
             dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
             def wait_slot(slot):
-                for bar in (q_loaded, do_loaded, lse_loaded, delta_loaded):
-                    plgpu.barrier_wait(bar.at[slot])
+                for bar in (q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded):
+                    if bar is not None:
+                        plgpu.barrier_wait(bar.at[slot])
 
             def step(i, carry, g, masked: bool):
                 dk, dv = carry
@@ -742,9 +815,23 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
                 lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:
-                    keys = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA) + k_start
-                    rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA) + i * bq
-                    st = jnp.where(keys <= rows + s.diag_offset, st, -jnp.inf)
+                    keep = None
+                    if s.causal:
+                        keys = (
+                            plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+                            + k_start
+                        )
+                        rows = (
+                            plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA) + i * bq
+                        )
+                        keep = keys <= rows + s.diag_offset
+                    if s.segments:
+                        q_seg = _load_rows(qseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                        same = lax.broadcast_in_dim(k_seg, (bk, bq), [0]) == lax.broadcast_in_dim(
+                            q_seg, (bk, bq), [1]
+                        )
+                        keep = same if keep is None else keep & same
+                    st = jnp.where(keep, st, -jnp.inf)
                 pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse, st.shape, [1]))
                 dv = _accumulate(
                     dv,
@@ -775,6 +862,9 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
             def head_of_group(g, carry):
                 if s.causal:
                     lax.fori_loop(lo0, lo, functools.partial(skip, g=g), None)
+                if s.segments:  # every block masked
+                    return lax.fori_loop(lo, nq, functools.partial(step, g=g, masked=True), carry)
+                if s.causal:
                     carry = lax.fori_loop(lo, hm, functools.partial(step, g=g, masked=True), carry)
                 return lax.fori_loop(hm, nq, functools.partial(step, g=g, masked=False), carry)
 
@@ -801,10 +891,16 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_loaded.at[slot])
+                if s.segments:
+                    plgpu.copy_gmem_to_smem(
+                        qseg_ref.at[bi, pl.ds(i * bq, bq)], qseg_smem.at[slot], qseg_loaded.at[slot]
+                    )
 
             _fill_ring(ring_steps, s_stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     def entry(*refs):
+        ins, outs = refs[:-2], refs[-2:]
+        segs_in = ins[6:] if s.segments else (None, None)
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((2, bk, D), dtype, transforms=tiled),
@@ -814,12 +910,15 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
             plgpu.SMEM((s_stages, bq), jnp.float32),
             plgpu.SMEM((s_stages, bq), jnp.float32),
             plgpu.SMEM((2, bk, bq), dtype, transforms=tiled) if interpret else None,
+            plgpu.SMEM((2, bk), jnp.int32) if s.segments else None,
+            plgpu.SMEM((s_stages, bq), jnp.int32) if s.segments else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(*refs, scoped),
+            lambda *scoped: kernel(*ins[:6], *segs_in, *outs, scoped),
             scratch,
-            tuple(plgpu.Barrier(num_barriers=s_stages) for _ in range(4)),
-            plgpu.Barrier(num_barriers=(2, 2)),
+            tuple(plgpu.Barrier(num_barriers=s_stages) for _ in range(4))
+            + (plgpu.Barrier(num_barriers=s_stages) if s.segments else None,),
+            plgpu.Barrier(num_barriers=(3 if s.segments else 2, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=s_stages),
             collective_axes="wg",
         )
@@ -834,7 +933,7 @@ def _dkv_call(q, k, v, do, lse2, delta, s: _Shape, cfg: BwdConfig, interpret: bo
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_interpret_kw(interpret),
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *(segs or ()))
 
 
 def _interpret_kw(interpret: bool) -> dict:
@@ -856,11 +955,7 @@ def backward(
     if config is not None and not isinstance(config, BwdConfig):
         raise TypeError(f"`bwd_config` must be a mosaic_flash.BwdConfig or None; got {type(config).__name__}")
     cfg = config or BwdConfig()
-    if cfg.smem_bytes(args.head_dim) > _SMEM_BYTES:
-        raise ValueError(
-            f"{cfg} needs {cfg.smem_bytes(args.head_dim)} bytes of shared memory at head dim "
-            f"{args.head_dim}; sm90 has {_SMEM_BYTES}"
-        )
+    _check_smem(cfg, args)
     T, S = args.q_len, args.kv_len
     # Both kernels' programs cover 128 queries / keys (two warpgroups of 64), and their steps the
     # other side's blocks: pad each length to a multiple of both.
@@ -876,26 +971,30 @@ def backward(
     pad_rows = ((0, 0), (0, s.Tp - T), (0, 0), (0, 0))
     pad_keys = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
 
-    def run(q, k, v, do, lse2, delta):
+    def run(q, k, v, do, lse2, delta, *segs):
         q, do = jnp.pad(q, pad_rows), jnp.pad(do.astype(q.dtype), pad_rows)
         k, v = jnp.pad(k, pad_keys), jnp.pad(v, pad_keys)
         lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, s.Tp - T)), constant_values=jnp.inf)
         delta = jnp.pad(delta, ((0, 0), (0, 0), (0, s.Tp - T)))
-        dq = _dq_call(q, k, v, do, lse2, delta, s, cfg, interpret)
-        dk, dv = _dkv_call(q, k, v, do, lse2, delta, s, cfg, interpret)
+        segs = _pad_segments(segs, s)
+        dq = _dq_call(q, k, v, do, lse2, delta, segs, s, cfg, interpret)
+        dk, dv = _dkv_call(q, k, v, do, lse2, delta, segs, s, cfg, interpret)
         return dq[:, :T], dk[:, :S], dv[:, :S]
 
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
-    operands = (args.q, args.k, args.v, d_out, lse2, delta, d_lse)
+    segs = _segments(args)
+    operands = (args.q, args.k, args.v, d_out, lse2, delta, *segs, d_lse)
     if interpret:
-        dq, dk, dv = run(*operands[:6])
+        dq, dk, dv = run(*operands[:-1])
     else:
 
-        def on_cpu(q, k, v, do, lse2, delta, d_lse):  # lowered in multi-platform exports, never run
-            return tuple(base.reference_vjp(args.replace(q=q, k=k, v=v), do, d_lse)[:3])
+        def on_cpu(q, k, v, do, lse2, delta, *rest):  # lowered in multi-platform exports, never run
+            *segs, d_lse = rest
+            return tuple(base.reference_vjp(_with_segments(args, q, k, v, segs), do, d_lse)[:3])
 
-        # The cotangents are operands (a closure would make them constants of the other branch).
-        dq, dk, dv = triton_common.gpu_call(lambda *a: run(*a[:6]), on_cpu, operands)
+        # The cotangents and segment ids are operands (a closure would make them constants of the
+        # other branch).
+        dq, dk, dv = triton_common.gpu_call(lambda *a: run(*a[:-1]), on_cpu, operands)
     return dq, dk, dv, None
 
 
@@ -980,8 +1079,6 @@ def unsupported(
         reasons.append("a local window is not in the Mosaic GPU kernel (the Triton flash kernel has one)")
     if args.q_seq_lengths is not None or args.kv_seq_lengths is not None:
         reasons.append("sequence lengths are not in the Mosaic GPU kernel (the Triton flash kernel has them)")
-    if args.q_segment_ids is not None:
-        reasons.append("segment ids are not in the Mosaic GPU kernel (the Triton flash kernel has them)")
     if args.has_dropout:
         reasons.append("dropout is not in the Mosaic GPU kernel (the Triton flash kernel has it)")
     if not args.scale > 0:
@@ -1004,7 +1101,45 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         causal=bool(args.causal),
         diag_offset=int(args.diag_offset),
         softcap=None if args.logits_soft_cap is None else float(args.logits_soft_cap),
+        segments=args.q_segment_ids is not None,
     )
+
+
+def _check_smem(cfg, args: base.AttentionArgs):
+    """Raises ``ValueError`` when ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs more shared
+    memory for ``args`` than an sm90 block has."""
+    need = cfg.smem_bytes(args.head_dim, segments=args.q_segment_ids is not None)
+    if need > _SMEM_BYTES:
+        raise ValueError(
+            f"{cfg} needs {need} bytes of shared memory at head dim {args.head_dim}; sm90 has {_SMEM_BYTES}"
+        )
+
+
+def _segments(args: base.AttentionArgs) -> tuple:
+    """``(q_segment_ids, kv_segment_ids)`` as int32, or ``()`` without segment ids."""
+    if args.q_segment_ids is None:
+        return ()
+    return (args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32))
+
+
+def _pad_segments(segs: tuple, s: _Shape):
+    """The segment ids padded to ``(Tp, Sp)`` (the padded rows and keys are masked otherwise), or
+    None without them."""
+    if not segs:
+        return None
+    q_seg, kv_seg = segs
+    return (
+        jnp.pad(q_seg, ((0, 0), (0, s.Tp - q_seg.shape[1]))),
+        jnp.pad(kv_seg, ((0, 0), (0, s.Sp - kv_seg.shape[1]))),
+    )
+
+
+def _with_segments(args: base.AttentionArgs, q, k, v, segs):
+    """``args`` with new q / k / v and, where it has them, segment ids."""
+    args = args.replace(q=q, k=k, v=v)
+    if segs:
+        args = args.replace(q_segment_ids=segs[0], kv_segment_ids=segs[1])
+    return args
 
 
 def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interpret: bool = False):
@@ -1015,32 +1150,29 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"`config` must be a mosaic_flash.Config or None; got {type(config).__name__}")
     cfg = config or Config.heuristics(args.head_dim)
-    if cfg.smem_bytes(args.head_dim) > _SMEM_BYTES:
-        raise ValueError(
-            f"{cfg} needs {cfg.smem_bytes(args.head_dim)} bytes of shared memory at head dim "
-            f"{args.head_dim}; sm90 has {_SMEM_BYTES}"
-        )
+    _check_smem(cfg, args)
     s = _shape(args, cfg)
     T, S = args.q_len, args.kv_len
 
-    def run(q, k, v):
+    def run(q, k, v, *segs):
         if s.Tp != T:
             q = jnp.pad(q, ((0, 0), (0, s.Tp - T), (0, 0), (0, 0)))
         if s.Sp != S:
             pad = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
             k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-        out, lse = _forward_call(q, k, v, s, cfg, interpret)
+        out, lse = _forward_call(q, k, v, _pad_segments(segs, s), s, cfg, interpret)
         if s.Tp != T:
             out, lse = out[:, :T], lse[:, :, :T]
         return out, lse
 
+    operands = (args.q, args.k, args.v, *_segments(args))
     if interpret:
-        return run(args.q, args.k, args.v)
+        return run(*operands)
     # In a multi-platform lowering (jax.export for cpu and cuda) every branch of the dispatch's
     # platform_dependent is lowered for every platform, and a Mosaic GPU kernel has no CPU lowering:
     # on other platforms this lowers the reference instead (never selected there).
     return triton_common.gpu_call(
-        run, lambda q, k, v: base.reference(args.replace(q=q, k=k, v=v)), (args.q, args.k, args.v)
+        run, lambda q, k, v, *segs: base.reference(_with_segments(args, q, k, v, segs)), operands
     )
 
 

@@ -110,7 +110,8 @@ class TestCudnnCompiled(_Compiled):
 
 # The Mosaic GPU kernel (sm90): half precision, head dims 64 / 128 / 256, causal both ways, GQA, ragged
 # lengths (padded keys masked in the last block), several query tiles and a ring refilled many times,
-# rows a bottom-right diagonal leaves without a key, the logits soft cap.
+# rows a bottom-right diagonal leaves without a key, the logits soft cap, segment ids (every block
+# masked; rows whose segment has no key when T != S).
 MOSAIC_GRID = [
     Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit, extra=extra)
     for dt, causal, T, S, H, g, K, B, jit, extra in (
@@ -124,6 +125,9 @@ MOSAIC_GRID = [
         ("float16", "lower_right", 700, 300, 128, 2, 1, 1, True, None),  # T > S: 400 rows see no key
         ("bfloat16", "top_left", 1024, 1024, 128, 2, 2, 1, True, "softcap"),
         ("float16", "none", 512, 512, 64, 1, 1, 2, True, "softcap"),
+        ("bfloat16", "top_left", 1024, 1024, 128, 2, 1, 2, True, "segments"),
+        ("float16", "none", 300, 1000, 64, 2, 2, 1, True, "segments"),
+        ("bfloat16", "none", 256, 256, 256, 1, 1, 1, True, "segments"),
     )
 ]
 
@@ -137,7 +141,7 @@ class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
     supports_bias = supports_mask = supports_dropout = False
-    supports_window = supports_lengths = supports_segments = False
+    supports_window = supports_lengths = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda")

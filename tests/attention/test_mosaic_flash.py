@@ -52,6 +52,9 @@ MOSAIC_GRID = [
     Case("float16", "none", 128, 200, 256, 1, K=1, B=1, extra="softcap"),
     Case("float16", "lower_right", 200, 130, 64, 1, K=1, B=1, extra="softcap"),
     Case("bfloat16", "top_left", 200, 200, 256, 2, K=1, B=1),
+    Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="segments"),
+    Case("float16", "top_left", 256, 256, 128, 1, K=2, B=1, extra="segments"),
+    Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, extra="segments"),
 ]
 
 
@@ -60,7 +63,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
     supports_bias = supports_mask = supports_dropout = False
-    supports_window = supports_lengths = supports_segments = False
+    supports_window = supports_lengths = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
@@ -137,10 +140,6 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
         (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
         (dict(window=(8, 0)), "window"),
         (dict(kv_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
-        (
-            dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
-            "segment",
-        ),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
@@ -213,18 +212,26 @@ def _export(f, platforms, *args):
 
 
 @pytest.mark.parametrize(
-    "T, S, H, G, causal, dtype, cap",
+    "T, S, H, G, causal, dtype, cap, segments",
     [
-        (256, 256, 128, 2, True, jnp.bfloat16, None),
-        (200, 333, 64, 1, False, jnp.float16, None),
-        (128, 192, 256, 4, True, jnp.bfloat16, None),
-        (256, 300, 128, 2, True, jnp.float16, 30.0),
+        (256, 256, 128, 2, True, jnp.bfloat16, None, False),
+        (200, 333, 64, 1, False, jnp.float16, None, False),
+        (128, 192, 256, 4, True, jnp.bfloat16, None, False),
+        (256, 300, 128, 2, True, jnp.float16, 30.0, False),
+        (200, 333, 64, 2, False, jnp.bfloat16, None, True),
+        (256, 256, 128, 1, True, jnp.float16, 30.0, True),
+        (128, 192, 256, 2, False, jnp.bfloat16, None, True),
     ],
 )
-def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap):
+def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, segments):
     q = jnp.zeros((2, T, 2 * G, H), dtype)
     k = jnp.zeros((2, S, 2, H), dtype)
-    args = base.make_args(q, k, k, is_causal=causal, diag_offset=S - T if causal else 0, logits_soft_cap=cap)
+    seg = {}
+    if segments:
+        seg = dict(q_segment_ids=jnp.zeros((2, T), jnp.int32), kv_segment_ids=jnp.zeros((2, S), jnp.int32))
+    args = base.make_args(
+        q, k, k, is_causal=causal, diag_offset=S - T if causal else 0, logits_soft_cap=cap, **seg
+    )
     assert mosaic_flash.unsupported(args, "cuda", compute_capability=9.0) == []
 
     def loss(q, k, v):
