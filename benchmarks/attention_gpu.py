@@ -210,7 +210,7 @@ def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_
 FEATURES = ("softcap", "segments", "dropout")
 #: The features the Mosaic GPU kernels run too: also timed with ``flash_cuda_kernel="mosaic"``, against
 #: the jb_mosaic column without them.
-MOSAIC_FEATURES = ("softcap", "segments")
+MOSAIC_FEATURES = ("softcap", "segments", "dropout")
 
 
 def _with_feature(name):

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, Statics, check_prng_key, make_args
 from pallas_kernels.attention.masking import (
+    dropout_keep_from_row_hash,
     dropout_keep_from_seed,
     dropout_keep_mask,
+    dropout_row_hash,
     dropout_seed,
     dropout_threshold,
     index_mask,
@@ -74,6 +76,8 @@ __all__ = [
     "dropout_seed",
     "dropout_keep_mask",
     "dropout_keep_from_seed",
+    "dropout_row_hash",
+    "dropout_keep_from_row_hash",
     "full_mask",
     "rows_can_lack_keys",
     "rows_without_keys",

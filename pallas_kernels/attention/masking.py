@@ -22,6 +22,8 @@ __all__ = [
     "dropout_seed",
     "dropout_threshold",
     "dropout_keep_from_seed",
+    "dropout_row_hash",
+    "dropout_keep_from_row_hash",
     "dropout_keep_mask",
 ]
 
@@ -220,12 +222,22 @@ def dropout_keep_from_seed(seed0, seed1, b, n, i, j, threshold):
 
     Only uint32 multiply / xor / shift, so it lowers inside Pallas (Triton / Mosaic GPU) kernel bodies.
     """
+    return dropout_keep_from_row_hash(dropout_row_hash(seed0, seed1, b, n, i), j, threshold)
+
+
+def dropout_row_hash(seed0, seed1, b, n, i):
+    """The hash state of :func:`dropout_keep_from_seed` after the seed, batch, head and query index
+    (uint32, broadcast over them): what a kernel that holds one value per query row finishes with
+    :func:`dropout_keep_from_row_hash`."""
     h = _mix(_u32(seed0), _u32(seed1))
     h = _mix(h, _u32(b))
     h = _mix(h, _u32(n))
-    h = _mix(h, _u32(i))
-    h = _mix(h, _u32(j))
-    return _fmix(h) >= _u32(threshold)
+    return _mix(h, _u32(i))
+
+
+def dropout_keep_from_row_hash(h, j, threshold):
+    """The keep bits of key index ``j`` given the row hashes ``h`` (:func:`dropout_row_hash`)."""
+    return _fmix(_mix(_u32(h), _u32(j))) >= _u32(threshold)
 
 
 def dropout_keep_mask(rng, b, n, i, j, rate: float, like=None):

@@ -33,12 +33,16 @@ are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P =
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
-masks, windows, lengths and dropout are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels
-run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``;
+masks, windows and lengths are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run
+them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``;
 the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences): each compute
 warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
 block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
-segment has no key gets output 0 and LSE ``-inf``).
+segment has no key gets output 0 and LSE ``-inf``). So does dropout, with the keep bits of every
+other backend (:func:`base.dropout_keep_mask`): XLA hashes the seed, batch, head and query index of
+each row once (:func:`base.dropout_row_hash`, ``[B, N, T]`` uint32, loaded like the LSE), and the
+kernels finish the hash per key in registers; the forward drops probabilities after the softmax sum,
+the backward drops ``P`` for ``dV`` and ``dP`` for ``dS``, each scaled by ``1 / (1 - rate)``.
 
 Verification: CI has no GPU. The kernels are exported for CUDA from CPU with ``jax.export`` (Pallas
 lowers them to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
@@ -150,14 +154,17 @@ class Config:
         if self.stages < 2:
             raise ValueError(f"Config.stages must be at least 2; got {self.stages}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> int:
+    def smem_bytes(
+        self, head_dim: int, itemsize: int = 2, segments: bool = False, dropout: bool = False
+    ) -> int:
         """Shared memory the forward kernel allocates for ``head_dim`` (queries / outputs of both
         compute warpgroups, the key and value ring, the softmax statistics; with ``segments`` the
-        rows' segment ids and a ring of the keys')."""
+        rows' segment ids and a ring of the keys'; with ``dropout`` the rows' hashes)."""
         qo = 2 * self.block_q * head_dim
         kv = 2 * self.stages * self.block_kv * head_dim
         seg = (2 * self.block_q + self.stages * self.block_kv) * 4 if segments else 0
-        return (qo + kv) * itemsize + 2 * self.block_q * 4 + seg
+        rows = 2 * self.block_q * 4 * (1 + dropout)
+        return (qo + kv) * itemsize + rows + seg
 
     @staticmethod
     def heuristics(head_dim: int) -> "Config":
@@ -187,6 +194,8 @@ class _Shape:
     diag_offset: int
     softcap: Optional[float] = None
     segments: bool = False
+    dropout_threshold: Optional[int] = None  # uint32: a probability is kept iff its hash >= this
+    keep_scale: float = 1.0  # 1 / (1 - dropout rate)
 
 
 def _logits2(qk, s: _Shape):
@@ -261,6 +270,17 @@ def _keep(s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None):
     return keep
 
 
+def _dropout_keep(s: _Shape, row_hash, axis: int, k_start, shape):
+    """The dropout keep bits of a tile whose queries run along ``axis`` (0: queries x keys, 1: keys x
+    queries): ``row_hash`` holds each query's :func:`base.dropout_row_hash` (loaded in the matching
+    WGMMA row / column layout), the key index runs along the other axis from ``k_start``. The same
+    bits as :func:`base.dropout_keep_mask` and every other backend."""
+    plgpu = _plgpu()
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, 1 - axis, layout=plgpu.Layout.WGMMA) + k_start
+    h = lax.broadcast_in_dim(row_hash, shape, [axis])
+    return base.dropout_keep_from_row_hash(h, keys.astype(jnp.uint32), s.dropout_threshold)
+
+
 def _key_loops(step, full, total, carry, segments: bool):
     """Runs ``step(j, carry, masked)`` over the key blocks ``[0, total)``, unmasked below ``full``
     (every block masked with segment ids). Static bounds (no causal mask) build only the loops that
@@ -273,10 +293,9 @@ def _key_loops(step, full, total, carry, segments: bool):
     return carry
 
 
-def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
-    """The ``plgpu.kernel`` on padded ``q [B, Tp, N, D]``, ``k`` / ``v [B, Sp, K, D]`` and, with
-    ``s.segments``, ``segs = (q_segment_ids [B, Tp], kv_segment_ids [B, Sp])`` int32 (else None) ->
-    ``(out [B, Tp, N, D], lse [B, N, Tp] float32, natural log)``."""
+def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
+    """The ``plgpu.kernel`` on padded ``q [B, Tp, N, D]``, ``k`` / ``v [B, Sp, K, D]`` and the padded
+    :func:`_extras` -> ``(out [B, Tp, N, D], lse [B, N, Tp] float32, natural log)``."""
     plgpu = _plgpu()
     dtype = jnp.dtype(s.dtype)
     bq, bk, D = cfg.block_q, cfg.block_kv, s.D
@@ -290,14 +309,13 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
         # Without a causal mask only the padded keys of a ragged last block are masked (static).
         return s.S // bk, -(-s.S // bk)
 
-    def kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, hash_ref, out_ref, lse_ref, scoped):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
-        (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem), loaded, consumed, schedule = (
-            scoped
-        )
+        smem, loaded, consumed, schedule = scoped
+        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2 = smem
         k_loaded, v_loaded, q_loaded, kvseg_loaded = loaded
         k_consumed, v_consumed = consumed
 
@@ -323,6 +341,12 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem, q_loaded.at[1, wg])
                 plgpu.barrier_wait(q_loaded.at[1, wg])
                 q_seg = _load_rows(qseg_smem, plgpu.Layout.WGMMA.reduce(1))
+            row_hash = None
+            if s.dropout_threshold is not None:
+                bar = q_loaded.at[1 + s.segments, wg]
+                plgpu.copy_gmem_to_smem(hash_ref.at[bi, head, pl.ds(q_start, bq)], hash_smem2.at[wg], bar)
+                plgpu.barrier_wait(bar)
+                row_hash = _load_rows(hash_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(q_loaded.at[0, wg])
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -362,7 +386,9 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
                 alpha = jnp.exp2(m_i - m_use)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
+                l_i = l_i * alpha + p.sum(axis=1)  # the softmax sums every probability, dropped or not
+                if row_hash is not None:
+                    p = jnp.where(_dropout_keep(s, row_hash, 0, j * bk, (bq, bk)), p, 0.0)
                 p_lo = p.astype(dtype)
                 acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
 
@@ -424,7 +450,8 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
             # A row that saw no key (l = 0, acc = 0): output 0 and LSE -inf, as the reference.
             empty = l_i == 0.0
             l_div = jnp.where(empty, 1.0, l_i)
-            qo_smem[...] = (acc / lax.broadcast_in_dim(l_div, acc.shape, [0])).astype(dtype)
+            inv = (s.keep_scale if s.dropout_threshold is not None else 1.0) / l_div
+            qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
             lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_div)) * _LN2)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_start, bq), head])
@@ -451,7 +478,7 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
             _fill_ring(ring_steps, stages, load, wait_free)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        qseg_ref, kvseg_ref = refs[:2] if s.segments else (None, None)
+        qseg_ref, kvseg_ref, hash_ref = _extra_refs(refs[:-2], s)
         out_ref, lse_ref = refs[-2:]
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
@@ -462,14 +489,17 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
             plgpu.SMEM((2, bq, bk), dtype, transforms=tiled) if interpret else None,
             plgpu.SMEM((2, bq), jnp.int32) if s.segments else None,
             plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
+            plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: kernel(
+                q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, hash_ref, out_ref, lse_ref, scoped
+            ),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=(1 + s.segments, 2)),
+                plgpu.Barrier(num_barriers=(1 + s.segments + (s.dropout_threshold is not None), 2)),
                 plgpu.Barrier(num_barriers=stages) if s.segments else None,
             ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
@@ -491,7 +521,7 @@ def _forward_call(q, k, v, segs, s: _Shape, cfg: Config, interpret: bool):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,
-    )(q, k, v, *(segs or ()))
+    )(q, k, v, *extras)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,14 +557,20 @@ class BwdConfig:
         if self.stages < 2:
             raise ValueError(f"BwdConfig.stages must be at least 2; got {self.stages}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> int:
+    def smem_bytes(
+        self, head_dim: int, itemsize: int = 2, segments: bool = False, dropout: bool = False
+    ) -> int:
         """The larger of the two kernels' shared memory at ``head_dim``: the dQ kernel's queries and
         dO of both warpgroups, the key / value ring and the row statistics; the dK / dV kernel's keys
         and values of both warpgroups, the query / dO ring and its statistics; with ``segments`` each
-        kernel's own segment ids and a ring of the other side's."""
-        dq = (4 * 64 * head_dim + 2 * self.stages * self.block_kv_dq * head_dim) * itemsize + 4 * 64 * 4
+        kernel's own segment ids and a ring of the other side's; with ``dropout`` the query rows'
+        hashes (a third statistic)."""
+        stats = 3 if dropout else 2
+        dq = (
+            4 * 64 * head_dim + 2 * self.stages * self.block_kv_dq * head_dim
+        ) * itemsize + 2 * stats * 64 * 4
         dkv = (4 * 64 * head_dim + 2 * self.stages * self.block_q_dkv * head_dim) * itemsize
-        dkv += 2 * self.stages * self.block_q_dkv * 4
+        dkv += stats * self.stages * self.block_q_dkv * 4
         if segments:
             dq += (2 * 64 + self.stages * self.block_kv_dq) * 4
             dkv += (2 * 64 + self.stages * self.block_q_dkv) * 4
@@ -599,10 +635,10 @@ def _ds(p, dp, delta, t, axis: int):
     return ds if t is None else ds * (1.0 - t * t)
 
 
-def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpret: bool):
+def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interpret: bool):
     """dQ (``[B, Tp, N, D]`` in q.dtype) on padded inputs: ``lse2`` the forward's LSE in base 2
     (``+inf`` on padded or empty rows), ``delta`` ``rowsum(dO * O) - dLSE`` (``[B, N, Tp]`` float32),
-    ``segs`` the padded segment ids or None (see :func:`_forward_call`)."""
+    ``extras`` the padded :func:`_extras`."""
     plgpu = _plgpu()
     dtype = jnp.dtype(s.dtype)
     bq, bk, D = 64, cfg.block_kv_dq, s.D
@@ -615,13 +651,26 @@ def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpre
             return _causal_steps(q_start, bq, s, bk)
         return s.S // bk, -(-s.S // bk)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, scoped):
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, hash_ref, dq_ref, scoped
+    ):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
         smem, loaded, own, consumed = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, qseg_smem2, kvseg_smem = smem
+        (
+            q_smem2,
+            do_smem2,
+            lse_smem2,
+            delta_smem2,
+            k_smem,
+            v_smem,
+            ds_smem2,
+            qseg_smem2,
+            kvseg_smem,
+            hash_smem2,
+        ) = smem
         k_loaded, v_loaded, kvseg_loaded = loaded
         _, ring_steps = steps_of(tile * (2 * bq) + bq)
 
@@ -640,11 +689,17 @@ def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpre
             )
             if s.segments:
                 plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem2.at[wg], own.at[4, wg])
-            for i in range(5 if s.segments else 4):
+            if s.dropout_threshold is not None:
+                plgpu.copy_gmem_to_smem(
+                    hash_ref.at[bi, head, pl.ds(q_start, bq)], hash_smem2.at[wg], own.at[4 + s.segments, wg]
+                )
+            for i in range(own_count):
                 plgpu.barrier_wait(own.at[i, wg])
-            lse = _load_rows(lse_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
-            delta = _load_rows(delta_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
-            q_seg = _load_rows(qseg_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1)) if s.segments else None
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            lse = _load_rows(lse_smem2.at[wg], row_layout)
+            delta = _load_rows(delta_smem2.at[wg], row_layout)
+            q_seg = _load_rows(qseg_smem2.at[wg], row_layout) if s.segments else None
+            row_hash = _load_rows(hash_smem2.at[wg], row_layout) if s.dropout_threshold is not None else None
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def step(j, dq, masked: bool):
@@ -660,6 +715,9 @@ def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpre
                         kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                     qk = jnp.where(_keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg), qk, -jnp.inf)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
+                if row_hash is not None:  # dP of the kept probabilities, scaled as the forward's
+                    keep = _dropout_keep(s, row_hash, 0, j * bk, (bq, bk))
+                    dp = jnp.where(keep, dp * s.keep_scale, 0.0)
                 ds = _ds(p, dp, delta, t, axis=0)
                 dq = _accumulate(
                     dq,
@@ -705,9 +763,10 @@ def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpre
 
             _fill_ring(ring_steps, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
+    own_count = 4 + s.segments + (s.dropout_threshold is not None)
+
     def entry(*refs):
         ins, dq_ref = refs[:-1], refs[-1]
-        segs_in = ins[6:] if s.segments else (None, None)
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
@@ -719,16 +778,17 @@ def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpre
             plgpu.SMEM((2, bq, bk), dtype, transforms=tiled) if interpret else None,
             plgpu.SMEM((2, bq), jnp.int32) if s.segments else None,
             plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
+            plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(*ins[:6], *segs_in, dq_ref, scoped),
+            lambda *scoped: kernel(*ins[:6], *_extra_refs(ins[6:], s), dq_ref, scoped),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages) if s.segments else None,
             ),
-            plgpu.Barrier(num_barriers=(5 if s.segments else 4, 2)),
+            plgpu.Barrier(num_barriers=(own_count, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
         )
@@ -742,10 +802,10 @@ def _dq_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpre
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_interpret_kw(interpret),
-    )(q, k, v, do, lse2, delta, *(segs or ()))
+    )(q, k, v, do, lse2, delta, *extras)
 
 
-def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpret: bool):
+def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interpret: bool):
     """dK, dV (``[B, Sp, K, D]`` in k.dtype) on padded inputs (see :func:`_dq_call`). Each warpgroup
     owns 64 keys of one kv head and walks the query blocks of every query head of its group that can
     see them, so the GQA sum stays in registers."""
@@ -767,14 +827,27 @@ def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpr
         lo = jnp.minimum(lo, nq)
         return lo, jnp.clip(hm, lo, nq)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, scoped):
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, hash_ref, dk_ref, dv_ref, scoped
+    ):
         bi = lax.axis_index("batch")
         kv_head = lax.axis_index("heads")
         tile = lax.axis_index("kv_tiles")
         wg = lax.axis_index("wg")
         smem, loaded, own, consumed = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, st_smem2, kseg_smem2, qseg_smem = smem
-        q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded = loaded
+        (
+            k_smem2,
+            v_smem2,
+            q_smem,
+            do_smem,
+            lse_smem,
+            delta_smem,
+            st_smem2,
+            kseg_smem2,
+            qseg_smem,
+            hash_smem,
+        ) = smem
+        q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded = loaded
         # The ring streams, for each query head of the group, the query blocks the first warpgroup's
         # keys need (a superset of the second's): step t is (head g, block lo0 + t % n0).
         lo0, _ = q_range(tile * (2 * bk))
@@ -803,7 +876,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpr
             dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
             def wait_slot(slot):
-                for bar in (q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded):
+                for bar in (q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded):
                     if bar is not None:
                         plgpu.barrier_wait(bar.at[slot])
 
@@ -833,14 +906,21 @@ def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpr
                         keep = same if keep is None else keep & same
                     st = jnp.where(keep, st, -jnp.inf)
                 pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse, st.shape, [1]))
+                pt_kept, keep = pt, None
+                if s.dropout_threshold is not None:  # the kept probabilities, scaled as the forward's
+                    row_hash = _load_rows(hash_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                    keep = _dropout_keep(s, row_hash, 1, k_start, (bk, bq))
+                    pt_kept = jnp.where(keep, pt * s.keep_scale, 0.0)
                 dv = _accumulate(
                     dv,
-                    pt.astype(dtype),
+                    pt_kept.astype(dtype),
                     do_smem.at[slot],
                     None if st_smem2 is None else st_smem2.at[wg],
                     interpret,
                 )
                 dpt = _product(v_smem, do_smem.at[slot], (bk, bq))  # (dO V^T)^T
+                if keep is not None:
+                    dpt = jnp.where(keep, dpt * s.keep_scale, 0.0)
                 dst = _ds(pt, dpt, delta, t, axis=1)
                 dk = _accumulate(
                     dk,
@@ -895,12 +975,13 @@ def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpr
                     plgpu.copy_gmem_to_smem(
                         qseg_ref.at[bi, pl.ds(i * bq, bq)], qseg_smem.at[slot], qseg_loaded.at[slot]
                     )
+                if s.dropout_threshold is not None:
+                    plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], hash_loaded.at[slot])
 
             _fill_ring(ring_steps, s_stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     def entry(*refs):
         ins, outs = refs[:-2], refs[-2:]
-        segs_in = ins[6:] if s.segments else (None, None)
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((2, bk, D), dtype, transforms=tiled),
@@ -912,12 +993,13 @@ def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpr
             plgpu.SMEM((2, bk, bq), dtype, transforms=tiled) if interpret else None,
             plgpu.SMEM((2, bk), jnp.int32) if s.segments else None,
             plgpu.SMEM((s_stages, bq), jnp.int32) if s.segments else None,
+            plgpu.SMEM((s_stages, bq), jnp.uint32) if s.dropout_threshold is not None else None,
         ]
+        ring = plgpu.Barrier(num_barriers=s_stages)
         pl.run_scoped(
-            lambda *scoped: kernel(*ins[:6], *segs_in, *outs, scoped),
+            lambda *scoped: kernel(*ins[:6], *_extra_refs(ins[6:], s), *outs, scoped),
             scratch,
-            tuple(plgpu.Barrier(num_barriers=s_stages) for _ in range(4))
-            + (plgpu.Barrier(num_barriers=s_stages) if s.segments else None,),
+            (ring,) * 4 + (ring if s.segments else None, ring if s.dropout_threshold is not None else None),
             plgpu.Barrier(num_barriers=(3 if s.segments else 2, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=s_stages),
             collective_axes="wg",
@@ -933,7 +1015,7 @@ def _dkv_call(q, k, v, do, lse2, delta, segs, s: _Shape, cfg: BwdConfig, interpr
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_interpret_kw(interpret),
-    )(q, k, v, do, lse2, delta, *(segs or ()))
+    )(q, k, v, do, lse2, delta, *extras)
 
 
 def _interpret_kw(interpret: bool) -> dict:
@@ -971,29 +1053,28 @@ def backward(
     pad_rows = ((0, 0), (0, s.Tp - T), (0, 0), (0, 0))
     pad_keys = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
 
-    def run(q, k, v, do, lse2, delta, *segs):
+    def run(q, k, v, do, lse2, delta, *extras):
         q, do = jnp.pad(q, pad_rows), jnp.pad(do.astype(q.dtype), pad_rows)
         k, v = jnp.pad(k, pad_keys), jnp.pad(v, pad_keys)
         lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, s.Tp - T)), constant_values=jnp.inf)
         delta = jnp.pad(delta, ((0, 0), (0, 0), (0, s.Tp - T)))
-        segs = _pad_segments(segs, s)
-        dq = _dq_call(q, k, v, do, lse2, delta, segs, s, cfg, interpret)
-        dk, dv = _dkv_call(q, k, v, do, lse2, delta, segs, s, cfg, interpret)
+        extras = _kernel_extras(extras, s, q.shape[2])
+        dq = _dq_call(q, k, v, do, lse2, delta, extras, s, cfg, interpret)
+        dk, dv = _dkv_call(q, k, v, do, lse2, delta, extras, s, cfg, interpret)
         return dq[:, :T], dk[:, :S], dv[:, :S]
 
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
-    segs = _segments(args)
-    operands = (args.q, args.k, args.v, d_out, lse2, delta, *segs, d_lse)
+    operands = (args.q, args.k, args.v, d_out, lse2, delta, *_extras(args), d_lse)
     if interpret:
         dq, dk, dv = run(*operands[:-1])
     else:
 
         def on_cpu(q, k, v, do, lse2, delta, *rest):  # lowered in multi-platform exports, never run
-            *segs, d_lse = rest
-            return tuple(base.reference_vjp(_with_segments(args, q, k, v, segs), do, d_lse)[:3])
+            *extras, d_lse = rest
+            return tuple(base.reference_vjp(_with_extras(args, q, k, v, extras), do, d_lse)[:3])
 
-        # The cotangents and segment ids are operands (a closure would make them constants of the
-        # other branch).
+        # The cotangents, segment ids and dropout seed are operands (a closure would make them
+        # constants of the other branch).
         dq, dk, dv = triton_common.gpu_call(lambda *a: run(*a[:-1]), on_cpu, operands)
     return dq, dk, dv, None
 
@@ -1079,8 +1160,6 @@ def unsupported(
         reasons.append("a local window is not in the Mosaic GPU kernel (the Triton flash kernel has one)")
     if args.q_seq_lengths is not None or args.kv_seq_lengths is not None:
         reasons.append("sequence lengths are not in the Mosaic GPU kernel (the Triton flash kernel has them)")
-    if args.has_dropout:
-        reasons.append("dropout is not in the Mosaic GPU kernel (the Triton flash kernel has it)")
     if not args.scale > 0:
         reasons.append(f"the Mosaic GPU kernel needs a positive softmax scale (got {args.scale})")
     return reasons
@@ -1102,43 +1181,72 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         diag_offset=int(args.diag_offset),
         softcap=None if args.logits_soft_cap is None else float(args.logits_soft_cap),
         segments=args.q_segment_ids is not None,
+        dropout_threshold=base.dropout_threshold(args.dropout_rate) if args.has_dropout else None,
+        keep_scale=1.0 / (1.0 - args.dropout_rate) if args.has_dropout else 1.0,
     )
 
 
 def _check_smem(cfg, args: base.AttentionArgs):
     """Raises ``ValueError`` when ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs more shared
     memory for ``args`` than an sm90 block has."""
-    need = cfg.smem_bytes(args.head_dim, segments=args.q_segment_ids is not None)
+    need = cfg.smem_bytes(args.head_dim, segments=args.q_segment_ids is not None, dropout=args.has_dropout)
     if need > _SMEM_BYTES:
         raise ValueError(
             f"{cfg} needs {need} bytes of shared memory at head dim {args.head_dim}; sm90 has {_SMEM_BYTES}"
         )
 
 
-def _segments(args: base.AttentionArgs) -> tuple:
-    """``(q_segment_ids, kv_segment_ids)`` as int32, or ``()`` without segment ids."""
-    if args.q_segment_ids is None:
-        return ()
-    return (args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32))
+def _extras(args: base.AttentionArgs) -> tuple:
+    """The operands the kernels take beside q, k, v: ``(q_segment_ids, kv_segment_ids)`` (int32) with
+    segment ids, then the dropout seed's two uint32 words with dropout."""
+    extras = ()
+    if args.q_segment_ids is not None:
+        extras += (args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32))
+    if args.has_dropout:
+        extras += (base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)),)
+    return extras
 
 
-def _pad_segments(segs: tuple, s: _Shape):
-    """The segment ids padded to ``(Tp, Sp)`` (the padded rows and keys are masked otherwise), or
-    None without them."""
-    if not segs:
-        return None
-    q_seg, kv_seg = segs
-    return (
-        jnp.pad(q_seg, ((0, 0), (0, s.Tp - q_seg.shape[1]))),
-        jnp.pad(kv_seg, ((0, 0), (0, s.Sp - kv_seg.shape[1]))),
-    )
+def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
+    """:func:`_extras` as the kernels read them: the segment ids padded to ``(Tp, Sp)`` (the padded
+    rows and keys are masked otherwise), and for the seed every query row's dropout hash
+    (:func:`base.dropout_row_hash`, ``[B, heads, Tp]`` uint32: loaded like the LSE)."""
+    out = []
+    rest = list(extras)
+    if s.segments:
+        q_seg, kv_seg, *rest = rest
+        out += [
+            jnp.pad(q_seg, ((0, 0), (0, s.Tp - q_seg.shape[1]))),
+            jnp.pad(kv_seg, ((0, 0), (0, s.Sp - kv_seg.shape[1]))),
+        ]
+    if s.dropout_threshold is not None:
+        (seed,) = rest
+        u32 = jnp.uint32
+        b = jnp.arange(s.B, dtype=u32)[:, None, None]
+        n = jnp.arange(heads, dtype=u32)[None, :, None]
+        i = jnp.arange(s.Tp, dtype=u32)[None, None, :]
+        out.append(base.dropout_row_hash(seed[0], seed[1], b, n, i))
+    return tuple(out)
 
 
-def _with_segments(args: base.AttentionArgs, q, k, v, segs):
-    """``args`` with new q / k / v and, where it has them, segment ids."""
+def _extra_refs(refs: tuple, s: _Shape) -> tuple:
+    """``(q_segment_ids, kv_segment_ids, row_hashes)`` refs of a kernel's :func:`_kernel_extras`
+    operands, None where absent."""
+    refs = list(refs)
+    segs = (refs.pop(0), refs.pop(0)) if s.segments else (None, None)
+    row_hash = refs.pop(0) if s.dropout_threshold is not None else None
+    return (*segs, row_hash)
+
+
+def _with_extras(args: base.AttentionArgs, q, k, v, extras):
+    """``args`` with new q / k / v and :func:`_extras` (the reference takes the seed words as its
+    dropout key: the same keep bits)."""
     args = args.replace(q=q, k=k, v=v)
-    if segs:
-        args = args.replace(q_segment_ids=segs[0], kv_segment_ids=segs[1])
+    extras = list(extras)
+    if args.q_segment_ids is not None:
+        args = args.replace(q_segment_ids=extras.pop(0), kv_segment_ids=extras.pop(0))
+    if args.has_dropout:
+        args = args.replace(dropout_rng=extras.pop(0))
     return args
 
 
@@ -1154,25 +1262,25 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
     s = _shape(args, cfg)
     T, S = args.q_len, args.kv_len
 
-    def run(q, k, v, *segs):
+    def run(q, k, v, *extras):
         if s.Tp != T:
             q = jnp.pad(q, ((0, 0), (0, s.Tp - T), (0, 0), (0, 0)))
         if s.Sp != S:
             pad = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
             k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-        out, lse = _forward_call(q, k, v, _pad_segments(segs, s), s, cfg, interpret)
+        out, lse = _forward_call(q, k, v, _kernel_extras(extras, s, q.shape[2]), s, cfg, interpret)
         if s.Tp != T:
             out, lse = out[:, :T], lse[:, :, :T]
         return out, lse
 
-    operands = (args.q, args.k, args.v, *_segments(args))
+    operands = (args.q, args.k, args.v, *_extras(args))
     if interpret:
         return run(*operands)
     # In a multi-platform lowering (jax.export for cpu and cuda) every branch of the dispatch's
     # platform_dependent is lowered for every platform, and a Mosaic GPU kernel has no CPU lowering:
     # on other platforms this lowers the reference instead (never selected there).
     return triton_common.gpu_call(
-        run, lambda q, k, v, *segs: base.reference(_with_segments(args, q, k, v, segs)), operands
+        run, lambda q, k, v, *extras: base.reference(_with_extras(args, q, k, v, extras)), operands
     )
 
 

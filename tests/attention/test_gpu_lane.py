@@ -111,7 +111,7 @@ class TestCudnnCompiled(_Compiled):
 # The Mosaic GPU kernel (sm90): half precision, head dims 64 / 128 / 256, causal both ways, GQA, ragged
 # lengths (padded keys masked in the last block), several query tiles and a ring refilled many times,
 # rows a bottom-right diagonal leaves without a key, the logits soft cap, segment ids (every block
-# masked; rows whose segment has no key when T != S).
+# masked; rows whose segment has no key when T != S), dropout (the keep bits of every other backend).
 MOSAIC_GRID = [
     Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit, extra=extra)
     for dt, causal, T, S, H, g, K, B, jit, extra in (
@@ -129,6 +129,10 @@ MOSAIC_GRID = [
         ("float16", "none", 300, 1000, 64, 2, 2, 1, True, "segments"),
         ("bfloat16", "none", 256, 256, 256, 1, 1, 1, True, "segments"),
     )
+] + [
+    Case("bfloat16", "top_left", 1024, 1024, 128, 2, K=1, B=2, dropout=0.25),
+    Case("float16", "none", 300, 1000, 64, 2, K=2, B=1, dropout=0.25, extra="segments"),
+    Case("bfloat16", "lower_right", 256, 700, 256, 1, K=1, B=1, dropout=0.25),
 ]
 
 
@@ -140,7 +144,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = supports_dropout = False
+    supports_bias = supports_mask = False
     supports_window = supports_lengths = False
 
     def supports(self, args):

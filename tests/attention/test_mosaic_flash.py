@@ -55,6 +55,9 @@ MOSAIC_GRID = [
     Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="segments"),
     Case("float16", "top_left", 256, 256, 128, 1, K=2, B=1, extra="segments"),
     Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, extra="segments"),
+    Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=2, dropout=0.25),
+    Case("float16", "none", 200, 333, 128, 1, K=2, B=1, dropout=0.25, extra="segments"),
+    Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, dropout=0.25),
 ]
 
 
@@ -62,7 +65,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = supports_dropout = False
+    supports_bias = supports_mask = False
     supports_window = supports_lengths = False
 
     def supports(self, args):
@@ -91,7 +94,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
             assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
 
     def test_deterministic(self):
-        args = make_case(Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=1))
+        args = make_case(Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=1, dropout=0.25))
         a, b = (jax.jit(self.run)(args)[0] for _ in range(2))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -140,7 +143,6 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
         (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
         (dict(window=(8, 0)), "window"),
         (dict(kv_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
-        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
 )
@@ -212,23 +214,27 @@ def _export(f, platforms, *args):
 
 
 @pytest.mark.parametrize(
-    "T, S, H, G, causal, dtype, cap, segments",
+    "T, S, H, G, causal, dtype, cap, segments, dropout",
     [
-        (256, 256, 128, 2, True, jnp.bfloat16, None, False),
-        (200, 333, 64, 1, False, jnp.float16, None, False),
-        (128, 192, 256, 4, True, jnp.bfloat16, None, False),
-        (256, 300, 128, 2, True, jnp.float16, 30.0, False),
-        (200, 333, 64, 2, False, jnp.bfloat16, None, True),
-        (256, 256, 128, 1, True, jnp.float16, 30.0, True),
-        (128, 192, 256, 2, False, jnp.bfloat16, None, True),
+        (256, 256, 128, 2, True, jnp.bfloat16, None, False, 0.0),
+        (200, 333, 64, 1, False, jnp.float16, None, False, 0.0),
+        (128, 192, 256, 4, True, jnp.bfloat16, None, False, 0.0),
+        (256, 300, 128, 2, True, jnp.float16, 30.0, False, 0.0),
+        (200, 333, 64, 2, False, jnp.bfloat16, None, True, 0.0),
+        (256, 256, 128, 1, True, jnp.float16, 30.0, True, 0.1),
+        (128, 192, 256, 2, False, jnp.bfloat16, None, True, 0.0),
+        (200, 333, 64, 2, True, jnp.bfloat16, None, False, 0.1),
+        (128, 192, 256, 1, False, jnp.float16, None, False, 0.1),
     ],
 )
-def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, segments):
+def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, segments, dropout):
     q = jnp.zeros((2, T, 2 * G, H), dtype)
     k = jnp.zeros((2, S, 2, H), dtype)
     seg = {}
     if segments:
         seg = dict(q_segment_ids=jnp.zeros((2, T), jnp.int32), kv_segment_ids=jnp.zeros((2, S), jnp.int32))
+    if dropout:
+        seg.update(dropout_rate=dropout, dropout_rng=jax.random.key(0))
     args = base.make_args(
         q, k, k, is_causal=causal, diag_offset=S - T if causal else 0, logits_soft_cap=cap, **seg
     )
