@@ -33,8 +33,7 @@ are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P =
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
-masks, windows and lengths are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run
-them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``;
+masks and windows are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``;
 the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences): each compute
 warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
 block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
@@ -42,7 +41,11 @@ segment has no key gets output 0 and LSE ``-inf``). So does dropout, with the ke
 other backend (:func:`base.dropout_keep_mask`): XLA hashes the seed, batch, head and query index of
 each row once (:func:`base.dropout_row_hash`, ``[B, N, T]`` uint32, loaded like the LSE), and the
 kernels finish the hash per key in registers; the forward drops probabilities after the softmax sum,
-the backward drops ``P`` for ``dV`` and ``dP`` for ``dS``, each scaled by ``1 / (1 - rate)``.
+the backward drops ``P`` for ``dV`` and ``dP`` for ``dS``, each scaled by ``1 / (1 - rate)``. And
+per-batch query / key lengths: each warpgroup reads its batch's two lengths as scalars, the key
+blocks past the key length are neither streamed nor multiplied (the memory warpgroup streams what
+either compute warpgroup needs), the block the length cuts is masked, query rows past the query
+length see no key (output 0, LSE ``-inf``; ``P = 0`` in the backward).
 
 Verification: CI has no GPU. The kernels are exported for CUDA from CPU with ``jax.export`` (Pallas
 lowers them to the Mosaic GPU dialect there, so shapes, layouts, transforms and barrier types are
@@ -196,6 +199,12 @@ class _Shape:
     segments: bool = False
     dropout_threshold: Optional[int] = None  # uint32: a probability is kept iff its hash >= this
     keep_scale: float = 1.0  # 1 / (1 - dropout rate)
+    q_lengths: bool = False  # per-batch valid query / key counts (int32 [B] operands)
+    kv_lengths: bool = False
+
+    @property
+    def lengths(self) -> bool:
+        return self.q_lengths or self.kv_lengths
 
 
 def _logits2(qk, s: _Shape):
@@ -254,16 +263,22 @@ def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
     return full, total
 
 
-def _keep(s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None):
+def _keep(s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None, q_len=None, kv_len=None):
     """Which logits of a ``(queries, keys)`` tile starting at ``(q_start, k_start)`` count, in the
-    WGMMA layout: keys below ``S`` (the rest is padding), on or below the causal diagonal, and in the
-    query's segment (``q_seg`` / ``kv_seg``: the tile's rows' and columns' segment ids, loaded in the
-    WGMMA row and column layouts, or None)."""
+    WGMMA layout: keys below ``S`` (the rest is padding) and below ``kv_len``, rows below ``q_len``
+    (the batch's lengths: int32 scalars, or None), on or below the causal diagonal, and in the query's
+    segment (``q_seg`` / ``kv_seg``: the tile's rows' and columns' segment ids, loaded in the WGMMA
+    row and column layouts, or None)."""
     plgpu = _plgpu()
     keys = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + k_start
     keep = keys < s.S
-    if s.causal:
+    if kv_len is not None:
+        keep = keep & (keys < kv_len)
+    if s.causal or q_len is not None:
         rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    if q_len is not None:
+        keep = keep & (rows < q_len - q_start)
+    if s.causal:
         keep = keep & (keys <= rows + (q_start + s.diag_offset))
     if q_seg is not None:
         keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(kv_seg, shape, [1]))
@@ -293,6 +308,40 @@ def _key_loops(step, full, total, carry, segments: bool):
     return carry
 
 
+def _key_steps(q_start, block_q: int, s: _Shape, block_kv: int, q_len=None, kv_len=None):
+    """``(full, total)`` key blocks for query rows ``[q_start, q_start + block_q)``: blocks
+    ``[0, full)`` need no mask, ``[full, total)`` do (the causal diagonal, padded keys, the batch's
+    lengths ``q_len`` / ``kv_len``: int32 scalars or None; rows at or past ``q_len`` need none)."""
+    if s.causal:
+        full, total = _causal_steps(q_start, block_q, s, block_kv)
+    else:  # without a causal mask only the padded keys of a ragged last block are masked (static)
+        full, total = s.S // block_kv, -(-s.S // block_kv)
+    if kv_len is not None:
+        total = jnp.minimum(total, lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)))
+        full = jnp.minimum(full, lax.div(kv_len, jnp.int32(block_kv)))
+    if q_len is not None:
+        total = jnp.where(q_start < q_len, total, 0)
+        full = jnp.where(q_start + block_q <= q_len, full, 0)
+    if q_len is not None or kv_len is not None:
+        total = jnp.maximum(total, 0)
+        full = jnp.clip(full, 0, total)
+    return full, total
+
+
+def _ring_steps(steps_of, first_rows, block_q: int, s: _Shape):
+    """Key blocks the memory warpgroup streams: the most either compute warpgroup needs (the second's
+    rows need the most under a causal mask alone; a query length can end inside the first's)."""
+    _, second = steps_of(first_rows + block_q)
+    if not s.q_lengths:
+        return second
+    return jnp.maximum(steps_of(first_rows)[1], second)
+
+
+def _lengths_of(qlen_ref, kvlen_ref, bi):
+    """The batch's ``(q_len, kv_len)`` scalars from the lengths operands (None where absent)."""
+    return (None if qlen_ref is None else qlen_ref[bi], None if kvlen_ref is None else kvlen_ref[bi])
+
+
 def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
     """The ``plgpu.kernel`` on padded ``q [B, Tp, N, D]``, ``k`` / ``v [B, Sp, K, D]`` and the padded
     :func:`_extras` -> ``(out [B, Tp, N, D], lse [B, N, Tp] float32, natural log)``."""
@@ -303,17 +352,15 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
     G = s.N // s.K
     c = _exponent_scale(s)  # logits -> base-2 exponent
 
-    def steps_of(q_start):
-        if s.causal:
-            return _causal_steps(q_start, bq, s, bk)
-        # Without a causal mask only the padded keys of a ragged last block are masked (static).
-        return s.S // bk, -(-s.S // bk)
-
-    def kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, hash_ref, out_ref, lse_ref, scoped):
+    def kernel(
+        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, hash_ref, qlen_ref, kvlen_ref, out_ref, lse_ref, scoped
+    ):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
+        q_len, kv_len = _lengths_of(qlen_ref, kvlen_ref, bi)
+        steps_of = functools.partial(_key_steps, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, consumed, schedule = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2 = smem
         k_loaded, v_loaded, q_loaded, kvseg_loaded = loaded
@@ -323,8 +370,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
-        # The second warpgroup's rows need the most key blocks; the ring runs that many.
-        _, ring_steps = steps_of(tile * (2 * bq) + bq)
+        ring_steps = _ring_steps(steps_of, tile * (2 * bq), bq, s)
 
         @pl.when(wg < 2)
         def _compute():
@@ -377,7 +423,8 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                     if s.segments:
                         plgpu.barrier_wait(kvseg_loaded.at[slot])
                         kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                    qk = jnp.where(_keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg), qk, -jnp.inf)
+                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len)
+                    qk = jnp.where(keep, qk, -jnp.inf)
 
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
                 m_use = m_new
@@ -443,7 +490,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 schedule_turn()
                 schedule_turn()
 
-            if s.causal:
+            if s.causal or s.lengths:
                 lax.fori_loop(total, ring_steps, release, None)
             pl.when(wg == 0)(schedule_turn)
 
@@ -478,7 +525,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             _fill_ring(ring_steps, stages, load, wait_free)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        qseg_ref, kvseg_ref, hash_ref = _extra_refs(refs[:-2], s)
+        extra_refs = _extra_refs(refs[:-2], s)
         out_ref, lse_ref = refs[-2:]
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
@@ -492,9 +539,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(
-                q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, hash_ref, out_ref, lse_ref, scoped
-            ),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, *extra_refs, out_ref, lse_ref, scoped),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
@@ -646,18 +691,27 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
     G = s.N // s.K
     c = _exponent_scale(s)
 
-    def steps_of(q_start):
-        if s.causal:
-            return _causal_steps(q_start, bq, s, bk)
-        return s.S // bk, -(-s.S // bk)
-
     def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, hash_ref, dq_ref, scoped
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        qseg_ref,
+        kvseg_ref,
+        hash_ref,
+        qlen_ref,
+        kvlen_ref,
+        dq_ref,
+        scoped,
     ):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
+        q_len, kv_len = _lengths_of(qlen_ref, kvlen_ref, bi)
+        steps_of = functools.partial(_key_steps, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, own, consumed = scoped
         (
             q_smem2,
@@ -672,7 +726,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             hash_smem2,
         ) = smem
         k_loaded, v_loaded, kvseg_loaded = loaded
-        _, ring_steps = steps_of(tile * (2 * bq) + bq)
+        ring_steps = _ring_steps(steps_of, tile * (2 * bq), bq, s)
 
         @pl.when(wg < 2)
         def _compute():
@@ -713,7 +767,8 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                     if s.segments:
                         plgpu.barrier_wait(kvseg_loaded.at[slot])
                         kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                    qk = jnp.where(_keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg), qk, -jnp.inf)
+                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len)
+                    qk = jnp.where(keep, qk, -jnp.inf)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
                 if row_hash is not None:  # dP of the kept probabilities, scaled as the forward's
                     keep = _dropout_keep(s, row_hash, 0, j * bk, (bq, bk))
@@ -741,7 +796,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                     plgpu.barrier_wait(kvseg_loaded.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            if s.causal:
+            if s.causal or s.lengths:
                 lax.fori_loop(total, ring_steps, release, None)
             q_smem[...] = (dq * s.scale).astype(dtype)
             plgpu.commit_smem()
@@ -817,23 +872,39 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
     G = s.N // s.K
     c = _exponent_scale(s)
 
-    def q_range(k_start):
-        """``(lo, hi_masked)``: query blocks ``[lo, nq)`` see keys ``[k_start, k_start + 64)``, those
-        below ``hi_masked`` only partly (causal)."""
+    def q_range(k_start, q_hi):
+        """``(lo, hi_masked)``: query blocks ``[lo, q_hi)`` see keys ``[k_start, k_start + 64)``,
+        those below ``hi_masked`` only partly (causal); ``q_hi`` is ``nq``, or fewer under a query
+        length (the rows past it have LSE ``+inf``: P = 0)."""
         if not s.causal:
-            return 0, 0
+            return (0, 0) if isinstance(q_hi, int) else (jnp.int32(0), jnp.int32(0))
         lo = lax.div(jnp.maximum(k_start - s.diag_offset, 0), jnp.int32(bq))
         hm = lax.div(jnp.maximum(k_start + bk - 1 - s.diag_offset, 0) + (bq - 1), jnp.int32(bq))
-        lo = jnp.minimum(lo, nq)
-        return lo, jnp.clip(hm, lo, nq)
+        lo = jnp.minimum(lo, q_hi)
+        return lo, jnp.clip(hm, lo, q_hi)
 
     def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, hash_ref, dk_ref, dv_ref, scoped
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        qseg_ref,
+        kvseg_ref,
+        hash_ref,
+        qlen_ref,
+        kvlen_ref,
+        dk_ref,
+        dv_ref,
+        scoped,
     ):
         bi = lax.axis_index("batch")
         kv_head = lax.axis_index("heads")
         tile = lax.axis_index("kv_tiles")
         wg = lax.axis_index("wg")
+        q_len, kv_len = _lengths_of(qlen_ref, kvlen_ref, bi)
+        q_hi = nq if q_len is None else jnp.clip(lax.div(q_len + (bq - 1), jnp.int32(bq)), 0, nq)
         smem, loaded, own, consumed = scoped
         (
             k_smem2,
@@ -850,8 +921,8 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
         q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded = loaded
         # The ring streams, for each query head of the group, the query blocks the first warpgroup's
         # keys need (a superset of the second's): step t is (head g, block lo0 + t % n0).
-        lo0, _ = q_range(tile * (2 * bk))
-        n0 = nq - lo0
+        lo0, _ = q_range(tile * (2 * bk), q_hi)
+        n0 = q_hi - lo0
         ring_steps = G * n0
 
         @pl.when(wg < 2)
@@ -859,7 +930,10 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             plgpu.set_max_registers(232, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k_start = tile * (2 * bk) + wg * bk
-            lo, hm = q_range(k_start)
+            lo, hm = q_range(k_start, q_hi)
+            if kv_len is not None:  # keys past the length: no step; a tile it cuts: every step masked
+                lo = jnp.where(k_start >= kv_len, q_hi, lo)
+                hm = jnp.clip(jnp.where(k_start + bk > kv_len, q_hi, hm), lo, q_hi)
             keys_blk = (bi, pl.ds(k_start, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys_blk], k_smem, own.at[0, wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys_blk], v_smem, own.at[1, wg])
@@ -889,15 +963,14 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:
                     keep = None
+                    keys = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA) + k_start
                     if s.causal:
-                        keys = (
-                            plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
-                            + k_start
-                        )
                         rows = (
                             plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA) + i * bq
                         )
                         keep = keys <= rows + s.diag_offset
+                    if kv_len is not None:
+                        keep = keys < kv_len if keep is None else keep & (keys < kv_len)
                     if s.segments:
                         q_seg = _load_rows(qseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                         same = lax.broadcast_in_dim(k_seg, (bk, bq), [0]) == lax.broadcast_in_dim(
@@ -940,13 +1013,13 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 plgpu.barrier_arrive(consumed.at[slot])
 
             def head_of_group(g, carry):
-                if s.causal:
+                if s.causal or kv_len is not None:
                     lax.fori_loop(lo0, lo, functools.partial(skip, g=g), None)
                 if s.segments:  # every block masked
-                    return lax.fori_loop(lo, nq, functools.partial(step, g=g, masked=True), carry)
-                if s.causal:
+                    return lax.fori_loop(lo, q_hi, functools.partial(step, g=g, masked=True), carry)
+                if s.causal or kv_len is not None:
                     carry = lax.fori_loop(lo, hm, functools.partial(step, g=g, masked=True), carry)
-                return lax.fori_loop(hm, nq, functools.partial(step, g=g, masked=False), carry)
+                return lax.fori_loop(hm, q_hi, functools.partial(step, g=g, masked=False), carry)
 
             dk, dv = lax.fori_loop(0, G, head_of_group, (dk, dv))
             k_smem[...] = (dk * s.scale).astype(dtype)
@@ -1158,8 +1231,6 @@ def unsupported(
         reasons.append("an arbitrary boolean `mask` is not in the Mosaic GPU kernel")
     if args.window is not None:
         reasons.append("a local window is not in the Mosaic GPU kernel (the Triton flash kernel has one)")
-    if args.q_seq_lengths is not None or args.kv_seq_lengths is not None:
-        reasons.append("sequence lengths are not in the Mosaic GPU kernel (the Triton flash kernel has them)")
     if not args.scale > 0:
         reasons.append(f"the Mosaic GPU kernel needs a positive softmax scale (got {args.scale})")
     return reasons
@@ -1183,6 +1254,8 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         segments=args.q_segment_ids is not None,
         dropout_threshold=base.dropout_threshold(args.dropout_rate) if args.has_dropout else None,
         keep_scale=1.0 / (1.0 - args.dropout_rate) if args.has_dropout else 1.0,
+        q_lengths=args.q_seq_lengths is not None,
+        kv_lengths=args.kv_seq_lengths is not None,
     )
 
 
@@ -1198,44 +1271,51 @@ def _check_smem(cfg, args: base.AttentionArgs):
 
 def _extras(args: base.AttentionArgs) -> tuple:
     """The operands the kernels take beside q, k, v: ``(q_segment_ids, kv_segment_ids)`` (int32) with
-    segment ids, then the dropout seed's two uint32 words with dropout."""
+    segment ids, the dropout seed's two uint32 words with dropout, then ``q_seq_lengths`` and
+    ``kv_seq_lengths`` (int32 ``[B]``, each where given: the kernels read the batch's as scalars)."""
     extras = ()
     if args.q_segment_ids is not None:
         extras += (args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32))
     if args.has_dropout:
         extras += (base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)),)
+    for lengths in (args.q_seq_lengths, args.kv_seq_lengths):
+        if lengths is not None:
+            extras += (lengths.astype(jnp.int32),)
     return extras
 
 
 def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
     """:func:`_extras` as the kernels read them: the segment ids padded to ``(Tp, Sp)`` (the padded
-    rows and keys are masked otherwise), and for the seed every query row's dropout hash
-    (:func:`base.dropout_row_hash`, ``[B, heads, Tp]`` uint32: loaded like the LSE)."""
+    rows and keys are masked otherwise); for the seed every query row's dropout hash
+    (:func:`base.dropout_row_hash`, ``[B, heads, Tp]`` uint32: loaded like the LSE); the lengths as
+    they are."""
     out = []
     rest = list(extras)
     if s.segments:
-        q_seg, kv_seg, *rest = rest
+        q_seg, kv_seg = rest.pop(0), rest.pop(0)
         out += [
             jnp.pad(q_seg, ((0, 0), (0, s.Tp - q_seg.shape[1]))),
             jnp.pad(kv_seg, ((0, 0), (0, s.Sp - kv_seg.shape[1]))),
         ]
     if s.dropout_threshold is not None:
-        (seed,) = rest
+        seed = rest.pop(0)
         u32 = jnp.uint32
         b = jnp.arange(s.B, dtype=u32)[:, None, None]
         n = jnp.arange(heads, dtype=u32)[None, :, None]
         i = jnp.arange(s.Tp, dtype=u32)[None, None, :]
         out.append(base.dropout_row_hash(seed[0], seed[1], b, n, i))
-    return tuple(out)
+    return (*out, *rest)  # the lengths
 
 
 def _extra_refs(refs: tuple, s: _Shape) -> tuple:
-    """``(q_segment_ids, kv_segment_ids, row_hashes)`` refs of a kernel's :func:`_kernel_extras`
-    operands, None where absent."""
+    """``(q_segment_ids, kv_segment_ids, row_hashes, q_lengths, kv_lengths)`` refs of a kernel's
+    :func:`_kernel_extras` operands, None where absent."""
     refs = list(refs)
     segs = (refs.pop(0), refs.pop(0)) if s.segments else (None, None)
     row_hash = refs.pop(0) if s.dropout_threshold is not None else None
-    return (*segs, row_hash)
+    q_len = refs.pop(0) if s.q_lengths else None
+    kv_len = refs.pop(0) if s.kv_lengths else None
+    return (*segs, row_hash, q_len, kv_len)
 
 
 def _with_extras(args: base.AttentionArgs, q, k, v, extras):
@@ -1247,6 +1327,10 @@ def _with_extras(args: base.AttentionArgs, q, k, v, extras):
         args = args.replace(q_segment_ids=extras.pop(0), kv_segment_ids=extras.pop(0))
     if args.has_dropout:
         args = args.replace(dropout_rng=extras.pop(0))
+    if args.q_seq_lengths is not None:
+        args = args.replace(q_seq_lengths=extras.pop(0))
+    if args.kv_seq_lengths is not None:
+        args = args.replace(kv_seq_lengths=extras.pop(0))
     return args
 
 

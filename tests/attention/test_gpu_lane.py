@@ -111,7 +111,8 @@ class TestCudnnCompiled(_Compiled):
 # The Mosaic GPU kernel (sm90): half precision, head dims 64 / 128 / 256, causal both ways, GQA, ragged
 # lengths (padded keys masked in the last block), several query tiles and a ring refilled many times,
 # rows a bottom-right diagonal leaves without a key, the logits soft cap, segment ids (every block
-# masked; rows whose segment has no key when T != S), dropout (the keep bits of every other backend).
+# masked; rows whose segment has no key when T != S), dropout (the keep bits of every other backend),
+# per-batch query / key lengths (read as scalars in the kernels; blocks past them skipped).
 MOSAIC_GRID = [
     Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit, extra=extra)
     for dt, causal, T, S, H, g, K, B, jit, extra in (
@@ -133,6 +134,8 @@ MOSAIC_GRID = [
     Case("bfloat16", "top_left", 1024, 1024, 128, 2, K=1, B=2, dropout=0.25),
     Case("float16", "none", 300, 1000, 64, 2, K=2, B=1, dropout=0.25, extra="segments"),
     Case("bfloat16", "lower_right", 256, 700, 256, 1, K=1, B=1, dropout=0.25),
+    Case("bfloat16", "none", 300, 1000, 128, 2, K=1, B=2, extra="lengths"),
+    Case("float16", "top_left", 1024, 1024, 64, 2, K=2, B=2, extra="lengths", dropout=0.25),
 ]
 
 
@@ -144,8 +147,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = False
-    supports_window = supports_lengths = False
+    supports_bias = supports_mask = supports_window = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda")

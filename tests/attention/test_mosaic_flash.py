@@ -58,6 +58,9 @@ MOSAIC_GRID = [
     Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=2, dropout=0.25),
     Case("float16", "none", 200, 333, 128, 1, K=2, B=1, dropout=0.25, extra="segments"),
     Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, dropout=0.25),
+    Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="lengths"),
+    Case("float16", "top_left", 256, 300, 128, 1, K=2, B=2, extra="lengths", dropout=0.25),
+    Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=2, extra="lengths"),
 ]
 
 
@@ -65,8 +68,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = False
-    supports_window = supports_lengths = False
+    supports_bias = supports_mask = supports_window = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
@@ -92,6 +94,26 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         assert float(jnp.abs(dq[:, :empty].astype(jnp.float32)).max()) == 0.0
         for g in (dq, dk, dv):
             assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+
+    def test_lengths_that_empty_a_batch_give_zero_output_and_grads(self):
+        """A query length of 0 (batch 0) and a key length of 0 (batch 1): every row empty, output 0,
+        LSE -inf, zero finite gradients; a third batch with lengths inside a tile is compared with the
+        reference."""
+        args = make_case(Case("bfloat16", "top_left", 200, 260, 64, 2, K=1, B=3))
+        args = args.replace(
+            q_seq_lengths=jnp.asarray([0, 200, 150], jnp.int32),
+            kv_seq_lengths=jnp.asarray([260, 0, 70], jnp.int32),
+        )
+        out, lse = jax.jit(self.run)(args)
+        assert float(jnp.abs(out[:2].astype(jnp.float32)).max()) == 0.0
+        assert bool(jnp.all(jnp.isneginf(lse[:2])))
+        grads = jax.grad(
+            lambda q, k, v: self.run(args.replace(q=q, k=k, v=v))[0].astype(jnp.float32).sum(), (0, 1, 2)
+        )(args.q, args.k, args.v)
+        for g in grads:
+            g = g.astype(jnp.float32)
+            assert float(jnp.abs(g[:2]).max()) == 0.0 and bool(jnp.all(jnp.isfinite(g)))
+        self.check(args)
 
     def test_deterministic(self):
         args = make_case(Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=1, dropout=0.25))
@@ -142,7 +164,6 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
         (dict(bias=jnp.zeros((1, 1, 128, 128))), "bias"),
         (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
         (dict(window=(8, 0)), "window"),
-        (dict(kv_seq_lengths=jnp.asarray([100], jnp.int32)), "lengths"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
 )
@@ -214,29 +235,36 @@ def _export(f, platforms, *args):
 
 
 @pytest.mark.parametrize(
-    "T, S, H, G, causal, dtype, cap, segments, dropout",
+    "T, S, H, G, causal, dtype, cap, index_mask, dropout",
     [
-        (256, 256, 128, 2, True, jnp.bfloat16, None, False, 0.0),
-        (200, 333, 64, 1, False, jnp.float16, None, False, 0.0),
-        (128, 192, 256, 4, True, jnp.bfloat16, None, False, 0.0),
-        (256, 300, 128, 2, True, jnp.float16, 30.0, False, 0.0),
-        (200, 333, 64, 2, False, jnp.bfloat16, None, True, 0.0),
-        (256, 256, 128, 1, True, jnp.float16, 30.0, True, 0.1),
-        (128, 192, 256, 2, False, jnp.bfloat16, None, True, 0.0),
-        (200, 333, 64, 2, True, jnp.bfloat16, None, False, 0.1),
-        (128, 192, 256, 1, False, jnp.float16, None, False, 0.1),
+        (256, 256, 128, 2, True, jnp.bfloat16, None, None, 0.0),
+        (200, 333, 64, 1, False, jnp.float16, None, None, 0.0),
+        (128, 192, 256, 4, True, jnp.bfloat16, None, None, 0.0),
+        (256, 300, 128, 2, True, jnp.float16, 30.0, None, 0.0),
+        (200, 333, 64, 2, False, jnp.bfloat16, None, "segments", 0.0),
+        (256, 256, 128, 1, True, jnp.float16, 30.0, "segments", 0.1),
+        (128, 192, 256, 2, False, jnp.bfloat16, None, "segments", 0.0),
+        (200, 333, 64, 2, True, jnp.bfloat16, None, None, 0.1),
+        (128, 192, 256, 1, False, jnp.float16, None, None, 0.1),
+        (200, 333, 64, 2, True, jnp.bfloat16, None, "lengths", 0.0),
+        (256, 300, 128, 1, False, jnp.float16, None, "lengths", 0.1),
     ],
 )
-def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, segments, dropout):
+def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, index_mask, dropout):
     q = jnp.zeros((2, T, 2 * G, H), dtype)
     k = jnp.zeros((2, S, 2, H), dtype)
-    seg = {}
-    if segments:
-        seg = dict(q_segment_ids=jnp.zeros((2, T), jnp.int32), kv_segment_ids=jnp.zeros((2, S), jnp.int32))
+    masks = {}
+    if index_mask == "lengths":
+        masks = dict(
+            q_seq_lengths=jnp.asarray([T, T // 2], jnp.int32),
+            kv_seq_lengths=jnp.asarray([S - 5, S], jnp.int32),
+        )
+    elif index_mask == "segments":
+        masks = dict(q_segment_ids=jnp.zeros((2, T), jnp.int32), kv_segment_ids=jnp.zeros((2, S), jnp.int32))
     if dropout:
-        seg.update(dropout_rate=dropout, dropout_rng=jax.random.key(0))
+        masks.update(dropout_rate=dropout, dropout_rng=jax.random.key(0))
     args = base.make_args(
-        q, k, k, is_causal=causal, diag_offset=S - T if causal else 0, logits_soft_cap=cap, **seg
+        q, k, k, is_causal=causal, diag_offset=S - T if causal else 0, logits_soft_cap=cap, **masks
     )
     assert mosaic_flash.unsupported(args, "cuda", compute_capability=9.0) == []
 
