@@ -357,6 +357,19 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "mosaic_flash"
             assert "flash_cuda_kernel='mosaic'" in e.kernel
+            # Segment ids, dropout and lengths run in it too.
+            seg = jnp.zeros((1, 256), jnp.int32)
+            e = jb.explain(
+                q,
+                q,
+                q,
+                segment_ids=seg,
+                dropout_rate=0.1,
+                dropout_rng=jax.random.key(0),
+                key_value_seq_lengths=jnp.asarray([100]),
+                **kw,
+            )
+            assert e.implementation == "mosaic_flash", e
             # A call it cannot run: FLASH is unavailable, and the reason is the kernel's.
             e = jb.explain(q, q, q, local_window_size=(8, 0), **kw)
             assert e.chosen is None and "window" in e.reasons[SDPBackend.FLASH_ATTENTION]
