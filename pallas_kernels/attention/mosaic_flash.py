@@ -64,7 +64,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +308,32 @@ def _key_loops(step, full, total, carry, segments: bool):
     return carry
 
 
+class _ExtraRefs(NamedTuple):
+    """A kernel's refs of its :func:`_kernel_extras` operands, None where absent."""
+
+    q_seg: Any  # [B, Tp] int32
+    kv_seg: Any  # [B, Sp] int32
+    row_hash: Any  # [B, N, Tp] uint32
+    q_len: Any  # [B] int32
+    kv_len: Any  # [B] int32
+
+    @staticmethod
+    def of(refs: tuple, s: _Shape) -> "_ExtraRefs":
+        refs = list(refs)
+        segs = (refs.pop(0), refs.pop(0)) if s.segments else (None, None)
+        row_hash = refs.pop(0) if s.dropout_threshold is not None else None
+        q_len = refs.pop(0) if s.q_lengths else None
+        kv_len = refs.pop(0) if s.kv_lengths else None
+        return _ExtraRefs(*segs, row_hash, q_len, kv_len)
+
+    def lengths(self, bi):
+        """Batch ``bi``'s ``(q_len, kv_len)`` int32 scalars (None where absent)."""
+        return (
+            None if self.q_len is None else self.q_len[bi],
+            None if self.kv_len is None else self.kv_len[bi],
+        )
+
+
 def _key_steps(q_start, block_q: int, s: _Shape, block_kv: int, q_len=None, kv_len=None):
     """``(full, total)`` key blocks for query rows ``[q_start, q_start + block_q)``: blocks
     ``[0, full)`` need no mask, ``[full, total)`` do (the causal diagonal, padded keys, the batch's
@@ -337,11 +363,6 @@ def _ring_steps(steps_of, first_rows, block_q: int, s: _Shape):
     return jnp.maximum(steps_of(first_rows)[1], second)
 
 
-def _lengths_of(qlen_ref, kvlen_ref, bi):
-    """The batch's ``(q_len, kv_len)`` scalars from the lengths operands (None where absent)."""
-    return (None if qlen_ref is None else qlen_ref[bi], None if kvlen_ref is None else kvlen_ref[bi])
-
-
 def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
     """The ``plgpu.kernel`` on padded ``q [B, Tp, N, D]``, ``k`` / ``v [B, Sp, K, D]`` and the padded
     :func:`_extras` -> ``(out [B, Tp, N, D], lse [B, N, Tp] float32, natural log)``."""
@@ -352,14 +373,12 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
     G = s.N // s.K
     c = _exponent_scale(s)  # logits -> base-2 exponent
 
-    def kernel(
-        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, hash_ref, qlen_ref, kvlen_ref, out_ref, lse_ref, scoped
-    ):
+    def kernel(q_ref, k_ref, v_ref, x, out_ref, lse_ref, scoped):
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
-        q_len, kv_len = _lengths_of(qlen_ref, kvlen_ref, bi)
+        q_len, kv_len = x.lengths(bi)
         steps_of = functools.partial(_key_steps, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, consumed, schedule = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2 = smem
@@ -381,18 +400,13 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             full, total = steps_of(q_start)
 
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], qo_smem, q_loaded.at[0, wg])
-            q_seg = None
+            q_seg = row_hash = None
             if s.segments:
-                qseg_smem = qseg_smem2.at[wg]
-                plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem, q_loaded.at[1, wg])
-                plgpu.barrier_wait(q_loaded.at[1, wg])
-                q_seg = _load_rows(qseg_smem, plgpu.Layout.WGMMA.reduce(1))
-            row_hash = None
+                src = x.q_seg.at[bi, pl.ds(q_start, bq)]
+                q_seg = _own_rows(src, qseg_smem2.at[wg], q_loaded.at[1, wg])
             if s.dropout_threshold is not None:
-                bar = q_loaded.at[1 + s.segments, wg]
-                plgpu.copy_gmem_to_smem(hash_ref.at[bi, head, pl.ds(q_start, bq)], hash_smem2.at[wg], bar)
-                plgpu.barrier_wait(bar)
-                row_hash = _load_rows(hash_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                src = x.row_hash.at[bi, head, pl.ds(q_start, bq)]
+                row_hash = _own_rows(src, hash_smem2.at[wg], q_loaded.at[1 + s.segments, wg])
             plgpu.barrier_wait(q_loaded.at[0, wg])
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -515,7 +529,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
                 if s.segments:  # read after the keys are released: guarded by the values' barrier
                     plgpu.copy_gmem_to_smem(
-                        kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
+                        x.kv_seg.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
                     )
 
             def wait_free(slot):
@@ -525,7 +539,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             _fill_ring(ring_steps, stages, load, wait_free)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        extra_refs = _extra_refs(refs[:-2], s)
+        x = _ExtraRefs.of(refs[:-2], s)
         out_ref, lse_ref = refs[-2:]
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
@@ -539,7 +553,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, *extra_refs, out_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, x, out_ref, lse_ref, scoped),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
@@ -635,6 +649,15 @@ def _load_rows(ref, layout):
     return _plgpu().load(ref, layout=layout)
 
 
+def _own_rows(src, smem, barrier):
+    """A compute warpgroup's own vector (its 64 rows' segment ids or dropout hashes): copied from
+    ``src`` in global memory to ``smem``, waited for, loaded in the WGMMA row layout."""
+    plgpu = _plgpu()
+    plgpu.copy_gmem_to_smem(src, smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return _load_rows(smem, plgpu.Layout.WGMMA.reduce(1))
+
+
 @functools.cache
 def _load_needs_index() -> bool:
     idx = inspect.signature(_plgpu().load).parameters.get("idx")
@@ -691,26 +714,13 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
     G = s.N // s.K
     c = _exponent_scale(s)
 
-    def kernel(
-        q_ref,
-        k_ref,
-        v_ref,
-        do_ref,
-        lse_ref,
-        delta_ref,
-        qseg_ref,
-        kvseg_ref,
-        hash_ref,
-        qlen_ref,
-        kvlen_ref,
-        dq_ref,
-        scoped,
-    ):
+    def kernel(ins, x, dq_ref, scoped):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
-        q_len, kv_len = _lengths_of(qlen_ref, kvlen_ref, bi)
+        q_len, kv_len = x.lengths(bi)
         steps_of = functools.partial(_key_steps, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, own, consumed = scoped
         (
@@ -742,10 +752,10 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 delta_ref.at[bi, head, pl.ds(q_start, bq)], delta_smem2.at[wg], own.at[3, wg]
             )
             if s.segments:
-                plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem2.at[wg], own.at[4, wg])
+                plgpu.copy_gmem_to_smem(x.q_seg.at[bi, pl.ds(q_start, bq)], qseg_smem2.at[wg], own.at[4, wg])
             if s.dropout_threshold is not None:
                 plgpu.copy_gmem_to_smem(
-                    hash_ref.at[bi, head, pl.ds(q_start, bq)], hash_smem2.at[wg], own.at[4 + s.segments, wg]
+                    x.row_hash.at[bi, head, pl.ds(q_start, bq)], hash_smem2.at[wg], own.at[4 + s.segments, wg]
                 )
             for i in range(own_count):
                 plgpu.barrier_wait(own.at[i, wg])
@@ -813,7 +823,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_loaded.at[slot])
                 if s.segments:
                     plgpu.copy_gmem_to_smem(
-                        kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
+                        x.kv_seg.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
                     )
 
             _fill_ring(ring_steps, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
@@ -836,7 +846,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(*ins[:6], *_extra_refs(ins[6:], s), dq_ref, scoped),
+            lambda *scoped: kernel(ins[:6], _ExtraRefs.of(ins[6:], s), dq_ref, scoped),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
@@ -883,27 +893,13 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
         lo = jnp.minimum(lo, q_hi)
         return lo, jnp.clip(hm, lo, q_hi)
 
-    def kernel(
-        q_ref,
-        k_ref,
-        v_ref,
-        do_ref,
-        lse_ref,
-        delta_ref,
-        qseg_ref,
-        kvseg_ref,
-        hash_ref,
-        qlen_ref,
-        kvlen_ref,
-        dk_ref,
-        dv_ref,
-        scoped,
-    ):
+    def kernel(ins, x, dk_ref, dv_ref, scoped):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         bi = lax.axis_index("batch")
         kv_head = lax.axis_index("heads")
         tile = lax.axis_index("kv_tiles")
         wg = lax.axis_index("wg")
-        q_len, kv_len = _lengths_of(qlen_ref, kvlen_ref, bi)
+        q_len, kv_len = x.lengths(bi)
         q_hi = nq if q_len is None else jnp.clip(lax.div(q_len + (bq - 1), jnp.int32(bq)), 0, nq)
         smem, loaded, own, consumed = scoped
         (
@@ -939,10 +935,7 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             plgpu.copy_gmem_to_smem(v_ref.at[keys_blk], v_smem, own.at[1, wg])
             k_seg = None
             if s.segments:
-                kseg_smem = kseg_smem2.at[wg]
-                plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(k_start, bk)], kseg_smem, own.at[2, wg])
-                plgpu.barrier_wait(own.at[2, wg])
-                k_seg = _load_rows(kseg_smem, plgpu.Layout.WGMMA.reduce(1))
+                k_seg = _own_rows(x.kv_seg.at[bi, pl.ds(k_start, bk)], kseg_smem2.at[wg], own.at[2, wg])
             plgpu.barrier_wait(own.at[0, wg])
             plgpu.barrier_wait(own.at[1, wg])
             zeros = jnp.full((bk, D), 0.0, jnp.float32)
@@ -1046,10 +1039,10 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_loaded.at[slot])
                 if s.segments:
                     plgpu.copy_gmem_to_smem(
-                        qseg_ref.at[bi, pl.ds(i * bq, bq)], qseg_smem.at[slot], qseg_loaded.at[slot]
+                        x.q_seg.at[bi, pl.ds(i * bq, bq)], qseg_smem.at[slot], qseg_loaded.at[slot]
                     )
                 if s.dropout_threshold is not None:
-                    plgpu.copy_gmem_to_smem(hash_ref.at[stats], hash_smem.at[slot], hash_loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(x.row_hash.at[stats], hash_smem.at[slot], hash_loaded.at[slot])
 
             _fill_ring(ring_steps, s_stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
@@ -1070,7 +1063,7 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
         ]
         ring = plgpu.Barrier(num_barriers=s_stages)
         pl.run_scoped(
-            lambda *scoped: kernel(*ins[:6], *_extra_refs(ins[6:], s), *outs, scoped),
+            lambda *scoped: kernel(ins[:6], _ExtraRefs.of(ins[6:], s), *outs, scoped),
             scratch,
             (ring,) * 4 + (ring if s.segments else None, ring if s.dropout_threshold is not None else None),
             plgpu.Barrier(num_barriers=(3 if s.segments else 2, 2)),
@@ -1305,17 +1298,6 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
         i = jnp.arange(s.Tp, dtype=u32)[None, None, :]
         out.append(base.dropout_row_hash(seed[0], seed[1], b, n, i))
     return (*out, *rest)  # the lengths
-
-
-def _extra_refs(refs: tuple, s: _Shape) -> tuple:
-    """``(q_segment_ids, kv_segment_ids, row_hashes, q_lengths, kv_lengths)`` refs of a kernel's
-    :func:`_kernel_extras` operands, None where absent."""
-    refs = list(refs)
-    segs = (refs.pop(0), refs.pop(0)) if s.segments else (None, None)
-    row_hash = refs.pop(0) if s.dropout_threshold is not None else None
-    q_len = refs.pop(0) if s.q_lengths else None
-    kv_len = refs.pop(0) if s.kv_lengths else None
-    return (*segs, row_hash, q_len, kv_len)
 
 
 def _with_extras(args: base.AttentionArgs, q, k, v, extras):
