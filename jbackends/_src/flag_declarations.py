@@ -238,9 +238,8 @@ DECLARATIONS: tuple[Flag, ...] = (
         "Which Pallas kernels may run the FLASH SDPA backend when lowered for CUDA: 'auto' (the Triton "
         "kernels; not yet the Mosaic GPU kernel, which has not run on a GPU), 'triton' (only the Triton "
         "kernels), 'mosaic' (only the Mosaic GPU FlashAttention-3 kernels: sm90, float16 / bfloat16, "
-        "head dims 64 / 128 / 256 (at 256 with the Triton backward), causal or not, soft cap; no bias, mask, "
-        "window, lengths, segment ids "
-        "or dropout; explain() says why it cannot run a call).",
+        "head dims 64 / 128 / 256 (at 256 with the Triton backward), causal or not, soft cap, segment ids, "
+        "dropout, query / key lengths; no bias, mask or window; explain() says why it cannot run a call).",
         _choice("auto", "triton", "mosaic"),
     ),
     Flag(

@@ -162,17 +162,22 @@ class Config:
     ) -> int:
         """Shared memory the forward kernel allocates for ``head_dim`` (queries / outputs of both
         compute warpgroups, the key and value ring, the softmax statistics; with ``segments`` the
-        rows' segment ids and a ring of the keys'; with ``dropout`` the rows' hashes)."""
-        qo = 2 * self.block_q * head_dim
-        kv = 2 * self.stages * self.block_kv * head_dim
-        seg = (2 * self.block_q + self.stages * self.block_kv) * 4 if segments else 0
-        rows = 2 * self.block_q * 4 * (1 + dropout)
-        return (qo + kv) * itemsize + rows + seg
+        rows' segment ids and a ring of the keys'; with ``dropout`` the rows' hashes), each buffer
+        aligned as Mosaic GPU places it."""
+        rows, ring = 2 * self.block_q, self.stages * self.block_kv
+        tiles = [rows * head_dim * itemsize] + [ring * head_dim * itemsize] * 2
+        vectors = [rows] + [rows, ring] * segments + [rows] * dropout
+        return _smem_total(tiles + [n * 4 for n in vectors])
 
     @staticmethod
     def heuristics(head_dim: int) -> "Config":
         """The default for a head dim: 128-key steps up to head dim 128, 64 at 256 (shared memory)."""
         return Config(block_kv=128 if head_dim <= 128 else 64)
+
+
+def _smem_total(buffers) -> int:
+    """Bytes of shared memory for buffers of these sizes: Mosaic GPU aligns each to 1 KiB."""
+    return sum(-(-n // 1024) * 1024 for n in buffers)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -624,16 +629,16 @@ class BwdConfig:
         and values of both warpgroups, the query / dO ring and its statistics; with ``segments`` each
         kernel's own segment ids and a ring of the other side's; with ``dropout`` the query rows'
         hashes (a third statistic)."""
-        stats = 3 if dropout else 2
-        dq = (
-            4 * 64 * head_dim + 2 * self.stages * self.block_kv_dq * head_dim
-        ) * itemsize + 2 * stats * 64 * 4
-        dkv = (4 * 64 * head_dim + 2 * self.stages * self.block_q_dkv * head_dim) * itemsize
-        dkv += stats * self.stages * self.block_q_dkv * 4
-        if segments:
-            dq += (2 * 64 + self.stages * self.block_kv_dq) * 4
-            dkv += (2 * 64 + self.stages * self.block_q_dkv) * 4
-        return max(dq, dkv)
+        own = 2 * 64 * head_dim * itemsize  # two warpgroups' 64 rows (dQ) or keys (dK / dV)
+        kv_ring = self.stages * self.block_kv_dq
+        q_ring = self.stages * self.block_q_dkv
+        dq = [own] * 2 + [kv_ring * head_dim * itemsize] * 2
+        dq_vectors = [128] * (2 + dropout) + [128, kv_ring] * segments
+        dkv = [own] * 2 + [q_ring * head_dim * itemsize] * 2
+        dkv_vectors = [q_ring] * (2 + dropout) + [128, q_ring] * segments
+        return max(
+            _smem_total(dq + [n * 4 for n in dq_vectors]), _smem_total(dkv + [n * 4 for n in dkv_vectors])
+        )
 
 
 #: Head dims the Mosaic backward takes: dK and dV of a warpgroup's 64 keys stay in registers (2 x 64
@@ -918,6 +923,8 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
         # The ring streams, for each query head of the group, the query blocks the first warpgroup's
         # keys need (a superset of the second's): step t is (head g, block lo0 + t % n0).
         lo0, _ = q_range(tile * (2 * bk), q_hi)
+        if kv_len is not None:  # every key of the program past the length: nothing to stream
+            lo0 = jnp.where(tile * (2 * bk) >= kv_len, q_hi, lo0)
         n0 = q_hi - lo0
         ring_steps = G * n0
 
