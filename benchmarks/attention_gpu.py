@@ -229,11 +229,20 @@ def _with_feature(name):
 
 def run_features(impls, B, L, N, H, iters, dtype):
     """``[(feature, {"jb": seconds with it, "jb_pallas": seconds of FLASH without it}, jb's choice)]``
-    for forward + backward (non-causal)."""
+    for forward + backward (non-causal); with a ``jb_mosaic`` column, then the same for the Mosaic GPU
+    kernels (``{"jb": with it under jb_mosaic's flags, "jb_mosaic": without it}``)."""
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32).astype(dtype) for _ in range(3))
     plain_fn, plain_scope = impls["jb_pallas"]
     plain = time_jax(plain_fn, plain_scope, q, k, v, False, True, iters)
+
+    def timed(fn, scope, what):
+        try:
+            return time_jax(fn, scope, q, k, v, False, True, iters)
+        except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
+            print(f"  {what}: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
+            return math.nan
+
     out = []
     for name in FEATURES:
         fn = _with_feature(name)
@@ -244,25 +253,14 @@ def run_features(impls, B, L, N, H, iters, dtype):
         else:
             e = jb.explain(q, k, v, segment_ids=jnp.zeros((B, L), jnp.int32))
         label = f"{e.chosen.name}[{e.implementation}] {name}" if e.chosen is not None else name
-        try:
-            t = time_jax(fn, None, q, k, v, False, True, iters)
-        except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
-            print(f"  feature {name}: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
-            t = math.nan
-        out.append((name, {"jb": t, "jb_pallas": plain}, label))
+        out.append((name, {"jb": timed(fn, None, f"feature {name}"), "jb_pallas": plain}, label))
     if "jb_mosaic" in impls:  # last (see jax_impls): the features the Mosaic GPU kernels run
         mosaic_fn, mosaic_scope = impls["jb_mosaic"]
-        try:
-            plain = time_jax(mosaic_fn, mosaic_scope, q, k, v, False, True, iters)
-        except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
-            print(f"  jb_mosaic: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
+        plain = timed(mosaic_fn, mosaic_scope, "jb_mosaic")
+        if plain != plain:  # NaN: the kernel failed without the features
             return out
         for name in MOSAIC_FEATURES:
-            try:
-                t = time_jax(_with_feature(name), mosaic_scope, q, k, v, False, True, iters)
-            except Exception as err:  # noqa: BLE001
-                print(f"  feature {name} (mosaic): {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
-                t = math.nan
+            t = timed(_with_feature(name), mosaic_scope, f"feature {name} (mosaic)")
             label = f"FLASH[mosaic_flash] {name} (flash_cuda_kernel='mosaic', in the jb column)"
             out.append((name, {"jb": t, "jb_mosaic": plain}, label))
     return out

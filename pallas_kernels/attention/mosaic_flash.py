@@ -28,13 +28,15 @@ A causal mask (any ``diag_offset``) is applied only to the blocks that straddle 
 blocks above it are never loaded or multiplied, and a warpgroup releases the ring slots streamed only
 for the other one (waiting for each first: an early arrival would complete the slot's previous phase
 while the other warpgroup may still read it). A row the diagonal leaves without a key (a bottom-right
-mask with more queries than keys) gets output 0 and LSE ``-inf``, as the reference. Lengths that are not block multiples are zero-padded by the wrappers: padded keys
-are masked in the last block, padded query rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
+mask with more queries than keys) gets output 0 and LSE ``-inf``, as the reference. Lengths that
+are not block multiples are zero-padded by the wrappers: padded keys are masked in the last block,
+padded query rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
-masks and windows are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``;
-the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences): each compute
+masks and windows are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run them. A
+logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``; the
+backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences): each compute
 warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
 block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
 segment has no key gets output 0 and LSE ``-inf``). So does dropout, with the keep bits of every
@@ -268,25 +270,31 @@ def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
     return full, total
 
 
-def _keep(s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None, q_len=None, kv_len=None):
-    """Which logits of a ``(queries, keys)`` tile starting at ``(q_start, k_start)`` count, in the
-    WGMMA layout: keys below ``S`` (the rest is padding) and below ``kv_len``, rows below ``q_len``
-    (the batch's lengths: int32 scalars, or None), on or below the causal diagonal, and in the query's
-    segment (``q_seg`` / ``kv_seg``: the tile's rows' and columns' segment ids, loaded in the WGMMA
-    row and column layouts, or None)."""
+def _keep(
+    s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None, q_len=None, kv_len=None, query_axis: int = 0
+):
+    """Which logits of a tile whose queries (from ``q_start``) run along ``query_axis`` and keys (from
+    ``k_start``) along the other count, in the WGMMA layout: keys below ``S`` (the rest is padding)
+    and below ``kv_len``, queries below ``q_len`` (the batch's lengths: int32 scalars, or None), on or
+    below the causal diagonal, and in the query's segment (``q_seg`` / ``kv_seg``: the tile's
+    queries' and keys' segment ids, loaded in the matching WGMMA row / column layouts, or None)."""
     plgpu = _plgpu()
-    keys = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + k_start
+    key_axis = 1 - query_axis
+    keys = plgpu.broadcasted_iota(jnp.int32, shape, key_axis, layout=plgpu.Layout.WGMMA) + k_start
     keep = keys < s.S
     if kv_len is not None:
         keep = keep & (keys < kv_len)
     if s.causal or q_len is not None:
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, query_axis, layout=plgpu.Layout.WGMMA)
     if q_len is not None:
         keep = keep & (rows < q_len - q_start)
     if s.causal:
         keep = keep & (keys <= rows + (q_start + s.diag_offset))
     if q_seg is not None:
-        keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(kv_seg, shape, [1]))
+        same = lax.broadcast_in_dim(q_seg, shape, [query_axis]) == lax.broadcast_in_dim(
+            kv_seg, shape, [key_axis]
+        )
+        keep = keep & same
     return keep
 
 
@@ -961,22 +969,11 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 st, t = _logits2(_product(k_smem, q_smem.at[slot], (bk, bq)), s)  # S^T: keys x queries
                 lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                if masked:
-                    keep = None
-                    keys = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA) + k_start
-                    if s.causal:
-                        rows = (
-                            plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA) + i * bq
-                        )
-                        keep = keys <= rows + s.diag_offset
-                    if kv_len is not None:
-                        keep = keys < kv_len if keep is None else keep & (keys < kv_len)
+                if masked:  # the query length needs no mask here: its rows' P is 0 (LSE +inf)
+                    q_seg = None
                     if s.segments:
                         q_seg = _load_rows(qseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                        same = lax.broadcast_in_dim(k_seg, (bk, bq), [0]) == lax.broadcast_in_dim(
-                            q_seg, (bk, bq), [1]
-                        )
-                        keep = same if keep is None else keep & same
+                    keep = _keep(s, i * bq, k_start, (bk, bq), q_seg, k_seg, kv_len=kv_len, query_axis=1)
                     st = jnp.where(keep, st, -jnp.inf)
                 pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse, st.shape, [1]))
                 pt_kept, keep = pt, None
