@@ -24,20 +24,22 @@ split: ``delta = rowsum(dO * O) - dLSE`` in XLA, then
   head of the key's GQA group streamed): ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
   ``dK += dS^T Q``. The GQA sum stays in registers: no per-query-head dK / dV in memory.
 
-A causal mask (any ``diag_offset``) is applied only to the blocks that straddle the diagonal; the
-blocks above it are never loaded or multiplied, and a warpgroup releases the ring slots streamed only
-for the other one (waiting for each first: an early arrival would complete the slot's previous phase
-while the other warpgroup may still read it). A row the diagonal leaves without a key (a bottom-right
-mask with more queries than keys) gets output 0 and LSE ``-inf``, as the reference. Lengths that
-are not block multiples are zero-padded by the wrappers: padded keys are masked in the last block,
-padded query rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
+A causal mask (any ``diag_offset``) and a local window ``(left, right)`` are applied only to the
+blocks that straddle their edges; the blocks outside the band are never loaded or multiplied (the
+ring starts at the first block either compute warpgroup needs), and a warpgroup releases the ring
+slots streamed only for the other one, before and after its own band (waiting for each first: an
+early arrival would complete the slot's previous phase while the other warpgroup may still read
+it). A row the diagonal or the window leaves without a key (e.g. a bottom-right mask with more
+queries than keys) gets output 0 and LSE ``-inf``, as the reference. Lengths that are not block
+multiples are zero-padded by the wrappers: padded keys are masked in the last block, padded query
+rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
-and v head dims of 64, 128 or 256, GQA / MQA, causal or not, on a compute capability 9.x GPU. Bias,
-masks and windows are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run them. A
-logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through ``exp2``; the
-backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences): each compute
-warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
+and v head dims of 64, 128 or 256, GQA / MQA, causal or not, local windows, on a compute capability
+9.x GPU. Bias and boolean masks are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels
+run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through
+``exp2``; the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences):
+each compute warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
 block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
 segment has no key gets output 0 and LSE ``-inf``). So does dropout, with the keep bits of every
 other backend (:func:`base.dropout_keep_mask`): XLA hashes the seed, batch, head and query index of
@@ -208,10 +210,25 @@ class _Shape:
     keep_scale: float = 1.0  # 1 / (1 - dropout rate)
     q_lengths: bool = False  # per-batch valid query / key counts (int32 [B] operands)
     kv_lengths: bool = False
+    window: Optional[tuple] = None  # (left, right): key j seen by query i iff it is within them
 
     @property
     def lengths(self) -> bool:
         return self.q_lengths or self.kv_lengths
+
+    @property
+    def banded(self) -> bool:
+        """Whether the blocks a tile sees depend on where it is (causal, window) or on the batch
+        (lengths): block ranges are traced, and warpgroups release what they do not use."""
+        return self.causal or self.window is not None or self.lengths
+
+    @property
+    def right_reach(self) -> Optional[int]:
+        """How far past the diagonal a query sees keys: the window's right side (at most 0 under a
+        causal mask), 0 with a causal mask alone, None without either."""
+        if self.window is not None:
+            return min(self.window[1], 0) if self.causal else self.window[1]
+        return 0 if self.causal else None
 
 
 def _logits2(qk, s: _Shape):
@@ -233,10 +250,10 @@ def _exponent_scale(s: _Shape) -> float:
 
 
 def _fill_ring(ring_steps, stages: int, load, wait_free):
-    """The memory warpgroup's loop, shared by the kernels: blocks ``0 .. stages - 1`` (those below
-    ``ring_steps``) at once, then block ``j + stages`` into slot ``j % stages`` once both compute
+    """The memory warpgroup's loop, shared by the kernels: ring steps ``0 .. stages - 1`` (those below
+    ``ring_steps``) at once, then step ``j + stages`` into slot ``j % stages`` once both compute
     warpgroups have released it (``wait_free(slot)``), up to ``ring_steps``. ``load(j, slot)`` issues
-    block ``j``'s TMA copies onto the slot's "loaded" barriers. Then it waits for the release of the
+    step ``j``'s TMA copies onto the slot's "loaded" barriers. Then it waits for the release of the
     last ``stages`` blocks, so that it has seen every phase of the "consumed" barriers before they go:
     free on the hardware (the compute warpgroups release a block before their epilogue), and what
     jax 0.11's GPU interpreter checks when a barrier is deallocated."""
@@ -257,39 +274,31 @@ def _fill_ring(ring_steps, stages: int, load, wait_free):
         wait_free(lax.rem(j, jnp.int32(stages)))
 
 
-def _causal_steps(q_start, block_q: int, s: _Shape, block_kv: int):
-    """``(full, total)`` key blocks for query rows ``[q_start, q_start + block_q)`` under the causal
-    mask ``key <= query + diag_offset``: blocks ``[0, full)`` need no mask, ``[full, total)`` straddle
-    the diagonal or hold padded keys (traced int32)."""
-    hi = jnp.minimum(q_start + block_q + s.diag_offset, s.S)  # keys the last row may see
-    total = jnp.maximum(lax.div(hi + (block_kv - 1), jnp.int32(block_kv)), 0)  # 0: every row empty
-    # Every key < q_start + diag_offset + 1 is seen by every row; a block is mask-free when it is
-    # below that and holds no padding.
-    free = jnp.minimum(q_start + s.diag_offset + 1, (s.S // block_kv) * block_kv)
-    full = jnp.clip(lax.div(jnp.maximum(free, 0), jnp.int32(block_kv)), 0, total)
-    return full, total
-
-
 def _keep(
     s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None, q_len=None, kv_len=None, query_axis: int = 0
 ):
     """Which logits of a tile whose queries (from ``q_start``) run along ``query_axis`` and keys (from
     ``k_start``) along the other count, in the WGMMA layout: keys below ``S`` (the rest is padding)
     and below ``kv_len``, queries below ``q_len`` (the batch's lengths: int32 scalars, or None), on or
-    below the causal diagonal, and in the query's segment (``q_seg`` / ``kv_seg``: the tile's
-    queries' and keys' segment ids, loaded in the matching WGMMA row / column layouts, or None)."""
+    below the causal diagonal, within the local window, and in the query's segment (``q_seg`` /
+    ``kv_seg``: the tile's queries' and keys' segment ids, loaded in the matching WGMMA row / column
+    layouts, or None)."""
     plgpu = _plgpu()
     key_axis = 1 - query_axis
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_axis, layout=plgpu.Layout.WGMMA) + k_start
     keep = keys < s.S
     if kv_len is not None:
         keep = keep & (keys < kv_len)
-    if s.causal or q_len is not None:
+    if s.causal or s.window is not None or q_len is not None:
         rows = plgpu.broadcasted_iota(jnp.int32, shape, query_axis, layout=plgpu.Layout.WGMMA)
     if q_len is not None:
         keep = keep & (rows < q_len - q_start)
     if s.causal:
         keep = keep & (keys <= rows + (q_start + s.diag_offset))
+    if s.window is not None:
+        left, right = s.window
+        keep = keep & (keys >= rows + (q_start + s.diag_offset - left))
+        keep = keep & (keys <= rows + (q_start + s.diag_offset + right))
     if q_seg is not None:
         same = lax.broadcast_in_dim(q_seg, shape, [query_axis]) == lax.broadcast_in_dim(
             kv_seg, shape, [key_axis]
@@ -309,16 +318,59 @@ def _dropout_keep(s: _Shape, row_hash, axis: int, k_start, shape):
     return base.dropout_keep_from_row_hash(h, keys.astype(jnp.uint32), s.dropout_threshold)
 
 
-def _key_loops(step, full, total, carry, segments: bool):
-    """Runs ``step(j, carry, masked)`` over the key blocks ``[0, total)``, unmasked below ``full``
-    (every block masked with segment ids). Static bounds (no causal mask) build only the loops that
-    run: Mosaic GPU fails to lower an empty static loop."""
-    start = 0 if segments else full
-    if not segments and (not isinstance(full, int) or full > 0):
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    if not isinstance(total, int) or not isinstance(start, int) or total > start:
-        carry = lax.fori_loop(start, total, functools.partial(step, masked=True), carry)
-    return carry
+class _Blocks(NamedTuple):
+    """The blocks a warpgroup walks: ``[start, free_lo)`` masked, ``[free_lo, free_hi)`` mask-free,
+    ``[free_hi, stop)`` masked; empty when ``stop <= start``. Python ints where nothing varies with
+    the tile or the batch (no causal mask, window or lengths), else traced int32."""
+
+    start: Any
+    free_lo: Any
+    free_hi: Any
+    stop: Any
+
+    @property
+    def empty(self):
+        return self.stop <= self.start
+
+    def within(self, ring_lo) -> "_Blocks":
+        """These blocks, or none (every bound at ``ring_lo``: the warpgroup releases the whole ring)
+        when they are empty."""
+        if all(isinstance(b, int) for b in self):
+            return self
+        return _Blocks(*(jnp.where(self.empty, ring_lo, b) for b in self))
+
+
+def _ring(blocks_of, first_rows, rows: int, s: _Shape):
+    """``(lo, hi)``: the blocks the memory warpgroup streams, those either compute warpgroup needs
+    (``blocks_of(start)`` gives the :class:`_Blocks` of the ``rows`` rows or keys from ``start``; the
+    second warpgroup's start at ``first_rows + rows``). Under a causal mask alone the second needs the
+    most; a query length can end inside the first's rows, a window starts the second's later."""
+    a, b = blocks_of(first_rows), blocks_of(first_rows + rows)
+    if not s.banded:
+        return a.start, a.stop
+    never = jnp.int32(jnp.iinfo(jnp.int32).max)
+    lo = jnp.minimum(jnp.where(a.empty, never, a.start), jnp.where(b.empty, never, b.start))
+    hi = jnp.maximum(jnp.where(a.empty, 0, a.stop), jnp.where(b.empty, 0, b.stop))
+    return jnp.minimum(lo, hi), hi
+
+
+def _block_loops(step, blocks: _Blocks, carry, s: _Shape, lead: bool, trail: bool = True):
+    """Runs ``step(j, carry, masked)`` over ``blocks`` in order, masked where they say (every block
+    with segment ids). Only the loops that can run are built: the leading masked one if ``lead``,
+    the trailing one if ``trail``, none with static empty bounds (Mosaic GPU fails to lower an empty
+    static loop, and each loop is a copy of the step's code)."""
+
+    def run(lo, hi, masked, carry):
+        if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:
+            return carry
+        return lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+
+    if s.segments:
+        return run(blocks.start, blocks.stop, True, carry)
+    if lead:
+        carry = run(blocks.start, blocks.free_lo, True, carry)
+    carry = run(blocks.free_lo, blocks.free_hi, False, carry)
+    return run(blocks.free_hi, blocks.stop, True, carry) if trail else carry
 
 
 class _ExtraRefs(NamedTuple):
@@ -347,33 +399,37 @@ class _ExtraRefs(NamedTuple):
         )
 
 
-def _key_steps(q_start, block_q: int, s: _Shape, block_kv: int, q_len=None, kv_len=None):
-    """``(full, total)`` key blocks for query rows ``[q_start, q_start + block_q)``: blocks
-    ``[0, full)`` need no mask, ``[full, total)`` do (the causal diagonal, padded keys, the batch's
-    lengths ``q_len`` / ``kv_len``: int32 scalars or None; rows at or past ``q_len`` need none)."""
-    if s.causal:
-        full, total = _causal_steps(q_start, block_q, s, block_kv)
-    else:  # without a causal mask only the padded keys of a ragged last block are masked (static)
-        full, total = s.S // block_kv, -(-s.S // block_kv)
+def _key_blocks(q_start, block_q: int, s: _Shape, block_kv: int, q_len=None, kv_len=None) -> _Blocks:
+    """The key blocks of query rows ``[q_start, q_start + block_q)`` (:class:`_Blocks`): those inside
+    the causal / window band, below the key length ``kv_len`` and the padding; mask-free where every
+    row sees every key of the block. Rows at or past the query length ``q_len`` see none (``q_len`` /
+    ``kv_len``: the batch's int32 scalars, or None)."""
+    n_full, n = s.S // block_kv, -(-s.S // block_kv)
+    if not s.banded:  # only the padded keys of a ragged last block are masked
+        return _Blocks(0, 0, n_full, n)
+    bk = jnp.int32(block_kv)
+    last = q_start + (block_q - 1)
+    lo, hi = jnp.int32(0), jnp.int32(s.S)  # keys [lo, hi) some row sees
+    free_lo, free_hi = jnp.int32(0), jnp.int32(n_full * block_kv)  # keys every row sees
+    if s.right_reach is not None:
+        hi = jnp.minimum(hi, last + (s.diag_offset + s.right_reach + 1))
+        free_hi = jnp.minimum(free_hi, q_start + (s.diag_offset + s.right_reach + 1))
+    if s.window is not None:
+        lo = jnp.maximum(q_start + (s.diag_offset - s.window[0]), 0)
+        free_lo = last + (s.diag_offset - s.window[0])
     if kv_len is not None:
-        total = jnp.minimum(total, lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)))
-        full = jnp.minimum(full, lax.div(kv_len, jnp.int32(block_kv)))
+        hi = jnp.minimum(hi, kv_len)
+        free_hi = jnp.minimum(free_hi, kv_len)
+    start = lax.div(lo, bk)
+    stop = lax.div(jnp.maximum(hi, 0) + (block_kv - 1), bk)
+    free_lo = lax.div(jnp.maximum(free_lo, 0) + (block_kv - 1), bk)
+    free_hi = lax.div(jnp.maximum(free_hi, 0), bk)
     if q_len is not None:
-        total = jnp.where(q_start < q_len, total, 0)
-        full = jnp.where(q_start + block_q <= q_len, full, 0)
-    if q_len is not None or kv_len is not None:
-        total = jnp.maximum(total, 0)
-        full = jnp.clip(full, 0, total)
-    return full, total
-
-
-def _ring_steps(steps_of, first_rows, block_q: int, s: _Shape):
-    """Key blocks the memory warpgroup streams: the most either compute warpgroup needs (the second's
-    rows need the most under a causal mask alone; a query length can end inside the first's)."""
-    _, second = steps_of(first_rows + block_q)
-    if not s.q_lengths:
-        return second
-    return jnp.maximum(steps_of(first_rows)[1], second)
+        stop = jnp.where(q_start < q_len, stop, 0)
+        free_hi = jnp.where(last < q_len, free_hi, 0)  # a tile the length cuts: every block masked
+    stop = jnp.maximum(stop, start)
+    free_lo = jnp.clip(free_lo, start, stop)
+    return _Blocks(start, free_lo, jnp.clip(free_hi, free_lo, stop), stop)
 
 
 def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
@@ -392,7 +448,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
         q_len, kv_len = x.lengths(bi)
-        steps_of = functools.partial(_key_steps, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
+        blocks_of = functools.partial(_key_blocks, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, consumed, schedule = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2 = smem
         k_loaded, v_loaded, q_loaded, kvseg_loaded = loaded
@@ -402,7 +458,10 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
-        ring_steps = _ring_steps(steps_of, tile * (2 * bq), bq, s)
+        ring_lo, ring_hi = _ring(blocks_of, tile * (2 * bq), bq, s)
+
+        def slot_of(j):  # key block j's ring slot
+            return lax.rem(j - ring_lo, jnp.int32(stages))
 
         @pl.when(wg < 2)
         def _compute():
@@ -410,7 +469,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
             q_start = tile * (2 * bq) + wg * bq
-            full, total = steps_of(q_start)
+            blocks = blocks_of(q_start).within(ring_lo)
 
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], qo_smem, q_loaded.at[0, wg])
             q_seg = row_hash = None
@@ -426,15 +485,32 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(total > 0)
-            def _():
-                plgpu.barrier_wait(k_loaded.at[0])
+            def release(j, _):
+                # Ring slots this warpgroup's rows never need (causal, window, lengths): release
+                # them, and keep the schedule barrier's turns in step with the other warpgroup. Each
+                # is waited for first: an early arrival would count toward the slot's previous use,
+                # which the other warpgroup may still be reading.
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
+                if s.segments:
+                    plgpu.barrier_wait(kvseg_loaded.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                schedule_turn()
+                schedule_turn()
 
             pl.when(wg == 1)(schedule_turn)
+            if s.window is not None:  # blocks before this warpgroup's band: the other's
+                lax.fori_loop(ring_lo, blocks.start, release, None)
+
+            @pl.when(blocks.stop > blocks.start)
+            def _():
+                plgpu.barrier_wait(k_loaded.at[slot_of(blocks.start)])
 
             def step(j, carry, masked: bool):
                 acc, m_i, l_i = carry
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = slot_of(j)
 
                 def qk_product(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -473,9 +549,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 def wait_next_keys():
                     nxt = j + 1
 
-                    @pl.when(nxt < total)
+                    @pl.when(nxt < blocks.stop)
                     def _():
-                        plgpu.barrier_wait(k_loaded.at[lax.rem(nxt, jnp.int32(stages))])
+                        plgpu.barrier_wait(k_loaded.at[slot_of(nxt)])
 
                 if interpret:
                     # The GPU interpreter takes WGMMA operands from shared memory only, and no
@@ -500,25 +576,10 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
-            acc, m_i, l_i = _key_loops(step, full, total, (acc, m_i, l_i), s.segments)
-
-            def release(j, _):
-                # Ring slots this warpgroup's rows never needed (causal): release them, and keep
-                # the schedule barrier's turns in step with the other warpgroup. Each is waited for
-                # first: an early arrival would count toward the slot's previous use, which the other
-                # warpgroup may still be reading.
-                slot = lax.rem(j, jnp.int32(stages))
-                plgpu.barrier_wait(k_loaded.at[slot])
-                plgpu.barrier_wait(v_loaded.at[slot])
-                if s.segments:
-                    plgpu.barrier_wait(kvseg_loaded.at[slot])
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                schedule_turn()
-                schedule_turn()
-
-            if s.causal or s.lengths:
-                lax.fori_loop(total, ring_steps, release, None)
+            # Key blocks: masked before the band's mask-free part only with a window.
+            acc, m_i, l_i = _block_loops(step, blocks, (acc, m_i, l_i), s, lead=s.window is not None)
+            if s.banded:  # blocks after this warpgroup's band: the other's
+                lax.fori_loop(blocks.stop, ring_hi, release, None)
             pl.when(wg == 0)(schedule_turn)
 
             # A row that saw no key (l = 0, acc = 0): output 0 and LSE -inf, as the reference.
@@ -549,7 +610,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
-            _fill_ring(ring_steps, stages, load, wait_free)
+            _fill_ring(ring_hi - ring_lo, stages, lambda r, slot: load(ring_lo + r, slot), wait_free)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         x = _ExtraRefs.of(refs[:-2], s)
@@ -734,7 +795,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
         tile = lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
         q_len, kv_len = x.lengths(bi)
-        steps_of = functools.partial(_key_steps, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
+        blocks_of = functools.partial(_key_blocks, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, own, consumed = scoped
         (
             q_smem2,
@@ -749,14 +810,17 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             hash_smem2,
         ) = smem
         k_loaded, v_loaded, kvseg_loaded = loaded
-        ring_steps = _ring_steps(steps_of, tile * (2 * bq), bq, s)
+        ring_lo, ring_hi = _ring(blocks_of, tile * (2 * bq), bq, s)
+
+        def slot_of(j):  # key block j's ring slot
+            return lax.rem(j - ring_lo, jnp.int32(stages))
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             q_start = tile * (2 * bq) + wg * bq
-            full, total = steps_of(q_start)
+            blocks = blocks_of(q_start).within(ring_lo)
             rows = (bi, pl.ds(q_start, bq), head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, own.at[0, wg])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own.at[1, wg])
@@ -779,8 +843,22 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             row_hash = _load_rows(hash_smem2.at[wg], row_layout) if s.dropout_threshold is not None else None
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+            def release(j, _):
+                # Blocks streamed for the other warpgroup's rows. Waited for first: an arrival before
+                # the slot is refilled would count toward its previous use, which the other
+                # warpgroup may still be reading.
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_loaded.at[slot])
+                plgpu.barrier_wait(v_loaded.at[slot])
+                if s.segments:
+                    plgpu.barrier_wait(kvseg_loaded.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            if s.window is not None:
+                lax.fori_loop(ring_lo, blocks.start, release, None)
+
             def step(j, dq, masked: bool):
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = slot_of(j)
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
                 qk, t = _logits2(_product(q_smem, k_smem.at[slot], (bq, bk)), s)
@@ -807,20 +885,9 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dq
 
-            dq = _key_loops(step, full, total, dq, s.segments)
-
-            def release(j, _):
-                # Waited for first: an arrival before the slot is refilled would count toward its
-                # previous use, which the other warpgroup may still be reading.
-                slot = lax.rem(j, jnp.int32(stages))
-                plgpu.barrier_wait(k_loaded.at[slot])
-                plgpu.barrier_wait(v_loaded.at[slot])
-                if s.segments:
-                    plgpu.barrier_wait(kvseg_loaded.at[slot])
-                plgpu.barrier_arrive(consumed.at[slot])
-
-            if s.causal or s.lengths:
-                lax.fori_loop(total, ring_steps, release, None)
+            dq = _block_loops(step, blocks, dq, s, lead=s.window is not None)
+            if s.banded:
+                lax.fori_loop(blocks.stop, ring_hi, release, None)
             q_smem[...] = (dq * s.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -839,7 +906,12 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                         x.kv_seg.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
                     )
 
-            _fill_ring(ring_steps, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+            _fill_ring(
+                ring_hi - ring_lo,
+                stages,
+                lambda r, slot: load(ring_lo + r, slot),
+                lambda slot: plgpu.barrier_wait(consumed.at[slot]),
+            )
 
     own_count = 4 + s.segments + (s.dropout_threshold is not None)
 
@@ -895,16 +967,35 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
     G = s.N // s.K
     c = _exponent_scale(s)
 
-    def q_range(k_start, q_hi):
-        """``(lo, hi_masked)``: query blocks ``[lo, q_hi)`` see keys ``[k_start, k_start + 64)``,
-        those below ``hi_masked`` only partly (causal); ``q_hi`` is ``nq``, or fewer under a query
-        length (the rows past it have LSE ``+inf``: P = 0)."""
-        if not s.causal:
-            return (0, 0) if isinstance(q_hi, int) else (jnp.int32(0), jnp.int32(0))
-        lo = lax.div(jnp.maximum(k_start - s.diag_offset, 0), jnp.int32(bq))
-        hm = lax.div(jnp.maximum(k_start + bk - 1 - s.diag_offset, 0) + (bq - 1), jnp.int32(bq))
-        lo = jnp.minimum(lo, q_hi)
-        return lo, jnp.clip(hm, lo, q_hi)
+    def query_blocks(k_start, q_hi, kv_len) -> _Blocks:
+        """The query blocks that see some of keys ``[k_start, k_start + 64)`` (:class:`_Blocks`; the
+        causal / window band), mask-free where every row of the block sees every key. ``q_hi`` is
+        ``nq``, or fewer under a query length (the rows past it have LSE ``+inf``: P = 0, no mask
+        needed). Keys at or past the key length ``kv_len`` (or past ``S``) need none; a tile the
+        length cuts is masked in every step."""
+        if not s.banded:
+            return _Blocks(0, 0, q_hi, q_hi)
+        bq32 = jnp.int32(bq)
+        # In query blocks: [lo, hi) see some key of the tile, [free_lo, free_hi) all of them.
+        lo = free_lo = jnp.int32(0)
+        hi = free_hi = jnp.int32(q_hi)
+        if s.right_reach is not None:  # the first rows that see the tile's first / last key
+            lo = lax.div(jnp.maximum(k_start - (s.diag_offset + s.right_reach), 0), bq32)
+            first_all = k_start + (bk - 1 - s.diag_offset - s.right_reach)
+            free_lo = lax.div(jnp.maximum(first_all, 0) + (bq - 1), bq32)
+        if s.window is not None:  # the last rows that see the tile's last / first key, plus one
+            past_any = k_start + (bk - s.diag_offset + s.window[0])
+            past_all = k_start + (1 - s.diag_offset + s.window[0])
+            hi = jnp.minimum(lax.div(jnp.maximum(past_any, 0) + (bq - 1), bq32), q_hi)
+            free_hi = lax.div(jnp.maximum(past_all, 0), bq32)
+        past = k_start >= s.S
+        if kv_len is not None:
+            past = past | (k_start >= kv_len)
+            free_hi = jnp.where(k_start + bk > kv_len, 0, free_hi)
+        hi = jnp.where(past, 0, hi)
+        lo = jnp.minimum(lo, hi)
+        free_lo = jnp.clip(free_lo, lo, hi)
+        return _Blocks(lo, free_lo, jnp.clip(free_hi, free_lo, hi), hi)
 
     def kernel(ins, x, dk_ref, dv_ref, scoped):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
@@ -928,23 +1019,22 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             hash_smem,
         ) = smem
         q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded = loaded
-        # The ring streams, for each query head of the group, the query blocks the first warpgroup's
-        # keys need (a superset of the second's): step t is (head g, block lo0 + t % n0).
-        lo0, _ = q_range(tile * (2 * bk), q_hi)
-        if kv_len is not None:  # every key of the program past the length: nothing to stream
-            lo0 = jnp.where(tile * (2 * bk) >= kv_len, q_hi, lo0)
-        n0 = q_hi - lo0
-        ring_steps = G * n0
+        # The ring streams, for each query head of the group, the query blocks either warpgroup's
+        # keys need: step t is (head g, block ring_lo + t % n).
+        blocks_of = functools.partial(query_blocks, q_hi=q_hi, kv_len=kv_len)
+        ring_lo, ring_hi = _ring(blocks_of, tile * (2 * bk), bk, s)
+        n = ring_hi - ring_lo
+        ring_steps = G * n
+
+        def slot_of(i, g):  # query block i of head g's ring slot
+            return lax.rem(g * n + (i - ring_lo), jnp.int32(s_stages))
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k_start = tile * (2 * bk) + wg * bk
-            lo, hm = q_range(k_start, q_hi)
-            if kv_len is not None:  # keys past the length: no step; a tile it cuts: every step masked
-                lo = jnp.where(k_start >= kv_len, q_hi, lo)
-                hm = jnp.clip(jnp.where(k_start + bk > kv_len, q_hi, hm), lo, q_hi)
+            blocks = blocks_of(k_start).within(ring_lo)
             keys_blk = (bi, pl.ds(k_start, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys_blk], k_smem, own.at[0, wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys_blk], v_smem, own.at[1, wg])
@@ -964,7 +1054,7 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
 
             def step(i, carry, g, masked: bool):
                 dk, dv = carry
-                slot = lax.rem(g * n0 + (i - lo0), jnp.int32(s_stages))
+                slot = slot_of(i, g)
                 wait_slot(slot)
                 st, t = _logits2(_product(k_smem, q_smem.at[slot], (bk, bq)), s)  # S^T: keys x queries
                 lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
@@ -1005,18 +1095,26 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             def skip(i, _, g):
                 # Blocks streamed for the other warpgroup's keys: waited for (each warpgroup must
                 # pass every phase of a barrier it waits on later) and released.
-                slot = lax.rem(g * n0 + (i - lo0), jnp.int32(s_stages))
+                slot = slot_of(i, g)
                 wait_slot(slot)
                 plgpu.barrier_arrive(consumed.at[slot])
 
             def head_of_group(g, carry):
-                if s.causal or kv_len is not None:
-                    lax.fori_loop(lo0, lo, functools.partial(skip, g=g), None)
-                if s.segments:  # every block masked
-                    return lax.fori_loop(lo, q_hi, functools.partial(step, g=g, masked=True), carry)
-                if s.causal or kv_len is not None:
-                    carry = lax.fori_loop(lo, hm, functools.partial(step, g=g, masked=True), carry)
-                return lax.fori_loop(hm, q_hi, functools.partial(step, g=g, masked=False), carry)
+                if s.banded:
+                    lax.fori_loop(ring_lo, blocks.start, functools.partial(skip, g=g), None)
+                # Query blocks: masked first along the diagonal (causal / window), last past the
+                # window or in every step of a tile the key length cuts.
+                carry = _block_loops(
+                    functools.partial(step, g=g),
+                    blocks,
+                    carry,
+                    s,
+                    lead=s.right_reach is not None,
+                    trail=s.window is not None or s.kv_lengths,
+                )
+                if s.banded:
+                    lax.fori_loop(blocks.stop, ring_hi, functools.partial(skip, g=g), None)
+                return carry
 
             dk, dv = lax.fori_loop(0, G, head_of_group, (dk, dv))
             k_smem[...] = (dk * s.scale).astype(dtype)
@@ -1031,9 +1129,9 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
         def _memory():
 
             def load(t, slot):
-                per_head = jnp.int32(n0) if isinstance(n0, int) else n0
+                per_head = jnp.int32(n) if isinstance(n, int) else n
                 g = lax.div(t, per_head)
-                i = lo0 + lax.rem(t, per_head)
+                i = ring_lo + lax.rem(t, per_head)
                 head = kv_head * G + g
                 rows = (bi, pl.ds(i * bq, bq), head)
                 stats = (bi, head, pl.ds(i * bq, bq))
@@ -1173,7 +1271,10 @@ def unsupported(
       >>> mosaic_flash.unsupported(base.make_args(x, x, x, is_causal=True), "cuda", compute_capability=9.0)
       []
       >>> mosaic_flash.unsupported(base.make_args(x, x, x, window=(16, 0)), "cuda", compute_capability=9.0)
-      ['a local window is not in the Mosaic GPU kernel (the Triton flash kernel has one)']
+      []
+      >>> mask = jnp.tril(jnp.ones((1, 1, 128, 128), bool))
+      >>> mosaic_flash.unsupported(base.make_args(x, x, x, mask=mask), "cuda", compute_capability=9.0)
+      ['an arbitrary boolean `mask` is not in the Mosaic GPU kernel']
     """
     reasons = []
     why = available()
@@ -1200,11 +1301,11 @@ def unsupported(
     elif cc is not None and int(cc) != 9:
         reasons.append(f"the Mosaic GPU flash kernel needs sm90 (Hopper: WGMMA); compute capability {cc}")
     cuda = _cuda_runtime_version()
-    if args.causal and cuda is not None and 12080 <= cuda < 12091:
+    if (args.causal or args.window is not None) and cuda is not None and 12080 <= cuda < 12091:
         reasons.append(
             f"causal masking in Mosaic GPU kernels is miscompiled by ptxas of CUDA 12.8 to 12.9.0 (the "
             f"runtime reports no patch level, so all of 12.8 and 12.9 is refused, as jax's "
-            f"attention_mgpu does); this runtime is {cuda}"
+            f"attention_mgpu does; a window is the same kind of mask); this runtime is {cuda}"
         )
     if jnp.dtype(args.dtype) not in _DTYPES:
         reasons.append(
@@ -1226,8 +1327,6 @@ def unsupported(
         )
     if args.mask is not None:
         reasons.append("an arbitrary boolean `mask` is not in the Mosaic GPU kernel")
-    if args.window is not None:
-        reasons.append("a local window is not in the Mosaic GPU kernel (the Triton flash kernel has one)")
     if not args.scale > 0:
         reasons.append(f"the Mosaic GPU kernel needs a positive softmax scale (got {args.scale})")
     return reasons
@@ -1253,6 +1352,7 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         keep_scale=1.0 / (1.0 - args.dropout_rate) if args.has_dropout else 1.0,
         q_lengths=args.q_seq_lengths is not None,
         kv_lengths=args.kv_seq_lengths is not None,
+        window=None if args.window is None else tuple(int(w) for w in args.window),
     )
 
 

@@ -138,6 +138,17 @@ MOSAIC_GRID = [
     Case("float16", "top_left", 1024, 1024, 64, 2, K=2, B=2, extra="lengths", dropout=0.25),
 ]
 
+# Local windows (left, right): rings that start past block 0, bands with masked blocks on both sides
+# of mask-free ones, with a causal diagonal, segment ids, dropout and lengths, head dim 256.
+MOSAIC_WINDOWS = [
+    (Case("bfloat16", "none", 2048, 2048, 128, 2, K=2, B=1), (512, 256)),
+    (Case("float16", "top_left", 1024, 1024, 64, 2, K=1, B=2), (300, 0)),
+    (Case("bfloat16", "lower_right", 700, 1500, 128, 4, K=1, B=1), (200, 64)),
+    (Case("bfloat16", "top_left", 1024, 1024, 256, 1, K=1, B=1), (128, 0)),
+    (Case("float16", "none", 1024, 1024, 128, 2, K=1, B=1, extra="segments", dropout=0.25), (256, 256)),
+    (Case("bfloat16", "none", 1000, 1200, 64, 2, K=1, B=2, extra="lengths"), (100, 300)),
+]
+
 
 @pytest.mark.skipif(
     not jax.devices()[0].platform == "gpu"
@@ -147,7 +158,7 @@ MOSAIC_GRID = [
 class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = supports_window = False
+    supports_bias = supports_mask = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda")
@@ -160,6 +171,17 @@ class TestMosaicFlashCompiled(_Compiled):
             pytest.skip(reasons[0])  # causal on a CUDA 12.8 / 12.9 runtime
         assert not reasons, reasons  # the grid must reach the kernel
         self.check(args, jit=case.jit)
+
+    @pytest.mark.parametrize(
+        "case, window", MOSAIC_WINDOWS, ids=[f"{c.id}-w{w[0]}_{w[1]}" for c, w in MOSAIC_WINDOWS]
+    )
+    def test_window(self, case, window):
+        args = make_case(case).replace(window=window)
+        reasons = mosaic_flash.unsupported(args, "cuda")
+        if reasons and all("ptxas" in r for r in reasons):
+            pytest.skip(reasons[0])  # windows on a CUDA 12.8 / 12.9 runtime
+        assert not reasons, reasons
+        self.check(args)
 
     def test_large_soft_cap_saturates_accurately(self):
         """A cap of 30 with logits of tens: tanh near +-1, where 1 - tanh^2 (the backward) loses

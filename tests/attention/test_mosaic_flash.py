@@ -39,7 +39,8 @@ needs_interpret = pytest.mark.skipif(
 # five blocks (causal: the first warpgroup releases the slots it skips); head dim 256 (64-key blocks);
 # a bottom-right diagonal with more queries than keys (a negative offset: the first 70 rows see no key,
 # output 0 and LSE -inf); the logits soft cap, forward and backward (at head dim 256 Triton's backward),
-# with rows that see no key too; causal at head dim 256 (64-key forward blocks).
+# with rows that see no key too; causal at head dim 256 (64-key forward blocks). Local windows are in
+# WINDOW_GRID.
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
@@ -63,12 +64,27 @@ MOSAIC_GRID = [
     Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=2, extra="lengths"),
 ]
 
+# Local windows (left, right): the ring starts past block 0, the second warpgroup releases the blocks
+# before its band first, and a band has masked blocks on both sides of its mask-free ones. Wide
+# enough that some blocks are mask-free (at 128-key forward / 64-row backward blocks); a window with
+# a causal diagonal (its right side ignored past it); one that leaves the last rows without a key
+# (output 0, LSE -inf); with segment ids, dropout, lengths and the soft cap; head dim 256 (64-key
+# forward blocks, the Triton backward).
+WINDOW_GRID = [
+    (Case("bfloat16", "none", 640, 640, 64, 1, K=1, B=1), (130, 70)),
+    (Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=1), (100, 40)),
+    (Case("bfloat16", "top_left", 300, 100, 64, 1, K=1, B=1), (20, 0)),
+    (Case("float16", "none", 300, 300, 256, 1, K=1, B=1, extra="segments"), (64, 64)),
+    (Case("bfloat16", "none", 256, 384, 64, 2, K=1, B=2, extra="lengths", dropout=0.25), (90, 150)),
+    (Case("float16", "top_left", 384, 384, 128, 1, K=1, B=1, extra="softcap"), (150, 0)),
+]
+
 
 @needs_interpret
 class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = supports_window = False
+    supports_bias = supports_mask = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
@@ -78,6 +94,14 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         args = make_case(case, seed=case.T + case.S)
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args, jit=case.jit)
+
+    @pytest.mark.parametrize(
+        "case, window", WINDOW_GRID, ids=[f"{c.id}-w{w[0]}_{w[1]}" for c, w in WINDOW_GRID]
+    )
+    def test_window(self, case, window):
+        args = make_case(case, seed=case.T + case.S).replace(window=window)
+        assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
+        self.check(args)
 
     def test_fully_masked_rows_give_zero_output_and_grads(self):
         """Rows a bottom-right diagonal leaves without a key: output 0, LSE -inf, zero finite grads."""
@@ -163,7 +187,6 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
         (dict(Hv=128), "head dims of 64, 128 or 256"),
         (dict(bias=jnp.zeros((1, 1, 128, 128))), "bias"),
         (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
-        (dict(window=(8, 0)), "window"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
 )
@@ -190,8 +213,8 @@ def test_unsupported_platform_and_device():
 
 
 def test_attention_refuses_with_the_reasons():
-    with pytest.raises(ValueError, match="window"):
-        mosaic_flash.attention(_args(window=(8, 0)), interpret=True)
+    with pytest.raises(ValueError, match="mask"):
+        mosaic_flash.attention(_args(mask=jnp.ones((1, 1, 128, 128), bool)), interpret=True)
 
 
 def test_config_is_validated():
@@ -248,6 +271,9 @@ def _export(f, platforms, *args):
         (128, 192, 256, 1, False, jnp.float16, None, None, 0.1),
         (200, 333, 64, 2, True, jnp.bfloat16, None, "lengths", 0.0),
         (256, 300, 128, 1, False, jnp.float16, None, "lengths", 0.1),
+        (384, 384, 64, 2, False, jnp.bfloat16, None, "window", 0.0),
+        (200, 333, 128, 1, True, jnp.float16, 30.0, "window", 0.1),
+        (256, 256, 256, 1, True, jnp.bfloat16, None, "window", 0.0),
     ],
 )
 def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, index_mask, dropout):
@@ -261,6 +287,8 @@ def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, ind
         )
     elif index_mask == "segments":
         masks = dict(q_segment_ids=jnp.zeros((2, T), jnp.int32), kv_segment_ids=jnp.zeros((2, S), jnp.int32))
+    elif index_mask == "window":
+        masks = dict(window=(100, 30))
     if dropout:
         masks.update(dropout_rate=dropout, dropout_rng=jax.random.key(0))
     args = base.make_args(
@@ -357,7 +385,7 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "mosaic_flash"
             assert "flash_cuda_kernel='mosaic'" in e.kernel
-            # Segment ids, dropout and lengths run in it too.
+            # Segment ids, dropout, lengths and a local window run in it too.
             seg = jnp.zeros((1, 256), jnp.int32)
             e = jb.explain(
                 q,
@@ -367,12 +395,13 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
                 dropout_rate=0.1,
                 dropout_rng=jax.random.key(0),
                 key_value_seq_lengths=jnp.asarray([100]),
+                local_window_size=(8, 0),
                 **kw,
             )
             assert e.implementation == "mosaic_flash", e
             # A call it cannot run: FLASH is unavailable, and the reason is the kernel's.
-            e = jb.explain(q, q, q, local_window_size=(8, 0), **kw)
-            assert e.chosen is None and "window" in e.reasons[SDPBackend.FLASH_ATTENTION]
+            e = jb.explain(q, q, q, mask=jnp.ones((1, 1, 256, 256), bool), **kw)
+            assert e.chosen is None and "mask" in e.reasons[SDPBackend.FLASH_ATTENTION]
         with jb.with_backends(flash_cuda_kernel="triton"):
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "triton_flash" and "flash_cuda_kernel='triton'" in e.kernel
