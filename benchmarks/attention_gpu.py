@@ -209,8 +209,9 @@ def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_
 #: backward against FLASH without them: issue 13 asks for >= 0.8x of the no-feature speed.
 FEATURES = ("softcap", "segments", "dropout")
 #: The features the Mosaic GPU kernels run too: also timed with ``flash_cuda_kernel="mosaic"``, against
-#: the jb_mosaic column without them.
-MOSAIC_FEATURES = ("softcap", "segments", "dropout")
+#: the jb_mosaic column without them; with a random boolean mask (a ring of int8 tiles streamed beside
+#: the keys) and a local window of a quarter of the keys (the blocks outside it skipped: faster).
+MOSAIC_FEATURES = ("softcap", "segments", "dropout", "mask", "window")
 
 
 def _with_feature(name):
@@ -220,6 +221,11 @@ def _with_feature(name):
         elif name == "segments":  # 4 packed sequences per row
             B, T = q.shape[:2]
             kw = dict(segment_ids=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) * 4 // T, (B, T)))
+        elif name == "mask":  # one [T, S] mask shared by the batch and heads
+            T, S = q.shape[1], k.shape[1]
+            kw = dict(mask=jax.random.bernoulli(jax.random.key(1), 0.7, (1, 1, T, S)))
+        elif name == "window":
+            kw = dict(local_window_size=(k.shape[1] // 8, k.shape[1] // 8))
         else:
             kw = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
         return jb.dot_product_attention(q, k, v, is_causal=causal, **kw)

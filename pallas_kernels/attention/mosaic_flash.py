@@ -36,8 +36,11 @@ rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, local windows, on a compute capability
-9.x GPU. Bias and boolean masks are refused: under ``flash_cuda_kernel="auto"`` the Triton kernels
-run them. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through
+9.x GPU. An additive bias is refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run it.
+A boolean mask (``[1 or B, 1 or N, T or 1, S or 1]``) runs as int8 tiles that the memory warpgroup
+streams with each block (``[128 rows, block]``; transposed, ``[128 keys, block]``, for dK / dV, from
+a transposed copy XLA makes once), each compute warpgroup reading its 64 rows; every block is
+masked. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through
 ``exp2``; the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences):
 each compute warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
 block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
@@ -162,14 +165,19 @@ class Config:
             raise ValueError(f"Config.stages must be at least 2; got {self.stages}")
 
     def smem_bytes(
-        self, head_dim: int, itemsize: int = 2, segments: bool = False, dropout: bool = False
+        self,
+        head_dim: int,
+        itemsize: int = 2,
+        segments: bool = False,
+        dropout: bool = False,
+        mask: bool = False,
     ) -> int:
         """Shared memory the forward kernel allocates for ``head_dim`` (queries / outputs of both
         compute warpgroups, the key and value ring, the softmax statistics; with ``segments`` the
-        rows' segment ids and a ring of the keys'; with ``dropout`` the rows' hashes), each buffer
-        aligned as Mosaic GPU places it."""
+        rows' segment ids and a ring of the keys'; with ``dropout`` the rows' hashes; with ``mask`` a
+        ring of int8 mask tiles), each buffer aligned as Mosaic GPU places it."""
         rows, ring = 2 * self.block_q, self.stages * self.block_kv
-        tiles = [rows * head_dim * itemsize] + [ring * head_dim * itemsize] * 2
+        tiles = [rows * head_dim * itemsize] + [ring * head_dim * itemsize] * 2 + [rows * ring] * mask
         vectors = [rows] + [rows, ring] * segments + [rows] * dropout
         return _smem_total(tiles + [n * 4 for n in vectors])
 
@@ -211,10 +219,17 @@ class _Shape:
     q_lengths: bool = False  # per-batch valid query / key counts (int32 [B] operands)
     kv_lengths: bool = False
     window: Optional[tuple] = None  # (left, right): key j seen by query i iff it is within them
+    mask: Optional[tuple] = None  # a boolean mask: (per batch, per head), False where broadcast
 
     @property
     def lengths(self) -> bool:
         return self.q_lengths or self.kv_lengths
+
+    @property
+    def every_block_masked(self) -> bool:
+        """Whether the mask of a block depends on data (segment ids, a boolean mask): then every
+        block a tile walks is masked."""
+        return self.segments or self.mask is not None
 
     @property
     def banded(self) -> bool:
@@ -275,14 +290,24 @@ def _fill_ring(ring_steps, stages: int, load, wait_free):
 
 
 def _keep(
-    s: _Shape, q_start, k_start, shape, q_seg=None, kv_seg=None, q_len=None, kv_len=None, query_axis: int = 0
+    s: _Shape,
+    q_start,
+    k_start,
+    shape,
+    q_seg=None,
+    kv_seg=None,
+    q_len=None,
+    kv_len=None,
+    query_axis: int = 0,
+    mask=None,
 ):
     """Which logits of a tile whose queries (from ``q_start``) run along ``query_axis`` and keys (from
     ``k_start``) along the other count, in the WGMMA layout: keys below ``S`` (the rest is padding)
     and below ``kv_len``, queries below ``q_len`` (the batch's lengths: int32 scalars, or None), on or
-    below the causal diagonal, within the local window, and in the query's segment (``q_seg`` /
+    below the causal diagonal, within the local window, in the query's segment (``q_seg`` /
     ``kv_seg``: the tile's queries' and keys' segment ids, loaded in the matching WGMMA row / column
-    layouts, or None)."""
+    layouts, or None), and where the boolean mask's tile (``mask``: int8 of the tile's shape, or
+    None) is nonzero."""
     plgpu = _plgpu()
     key_axis = 1 - query_axis
     keys = plgpu.broadcasted_iota(jnp.int32, shape, key_axis, layout=plgpu.Layout.WGMMA) + k_start
@@ -304,7 +329,17 @@ def _keep(
             kv_seg, shape, [key_axis]
         )
         keep = keep & same
+    if mask is not None:
+        keep = keep & (mask != 0)
     return keep
+
+
+def _byte_tiles(width: int):
+    """Shared-memory transforms of an int8 tile ``width`` bytes wide (the boolean mask's): swizzled
+    rows of up to 128 bytes, as TMA writes them."""
+    plgpu = _plgpu()
+    swizzle = min(width, 128)
+    return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
 
 def _dropout_keep(s: _Shape, row_hash, axis: int, k_start, shape):
@@ -365,7 +400,7 @@ def _block_loops(step, blocks: _Blocks, carry, s: _Shape, lead: bool, trail: boo
             return carry
         return lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
 
-    if s.segments:
+    if s.every_block_masked:
         return run(blocks.start, blocks.stop, True, carry)
     if lead:
         carry = run(blocks.start, blocks.free_lo, True, carry)
@@ -381,6 +416,7 @@ class _ExtraRefs(NamedTuple):
     row_hash: Any  # [B, N, Tp] uint32
     q_len: Any  # [B] int32
     kv_len: Any  # [B] int32
+    mask: Any  # [1 or B, 1 or N, Tp, Sp] int8, or its transpose [.., Sp, Tp] (the dK / dV kernel's)
 
     @staticmethod
     def of(refs: tuple, s: _Shape) -> "_ExtraRefs":
@@ -389,7 +425,14 @@ class _ExtraRefs(NamedTuple):
         row_hash = refs.pop(0) if s.dropout_threshold is not None else None
         q_len = refs.pop(0) if s.q_lengths else None
         kv_len = refs.pop(0) if s.kv_lengths else None
-        return _ExtraRefs(*segs, row_hash, q_len, kv_len)
+        mask = refs.pop(0) if s.mask is not None else None
+        return _ExtraRefs(*segs, row_hash, q_len, kv_len, mask)
+
+    def mask_tiles(self, s: _Shape, bi, head):
+        """The mask ref's ``[rows, keys]`` (or transposed) plane of batch ``bi`` and query head
+        ``head`` (index 0 along a broadcast dimension)."""
+        per_batch, per_head = s.mask
+        return self.mask.at[bi if per_batch else 0, head if per_head else 0]
 
     def lengths(self, bi):
         """Batch ``bi``'s ``(q_len, kv_len)`` int32 scalars (None where absent)."""
@@ -450,8 +493,8 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
         q_len, kv_len = x.lengths(bi)
         blocks_of = functools.partial(_key_blocks, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, consumed, schedule = scoped
-        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2 = smem
-        k_loaded, v_loaded, q_loaded, kvseg_loaded = loaded
+        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2, mask_smem = smem
+        k_loaded, v_loaded, q_loaded, kvseg_loaded, mask_loaded = loaded
         k_consumed, v_consumed = consumed
 
         def schedule_turn():
@@ -493,8 +536,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
-                if s.segments:
-                    plgpu.barrier_wait(kvseg_loaded.at[slot])
+                for bar in (kvseg_loaded, mask_loaded):
+                    if bar is not None:
+                        plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 schedule_turn()
@@ -522,11 +566,14 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 qk, _ = _logits2(qk, s)
 
                 if masked:
-                    kv_seg = None
+                    kv_seg = tile_mask = None
                     if s.segments:
                         plgpu.barrier_wait(kvseg_loaded.at[slot])
                         kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len)
+                    if s.mask is not None:  # read, like the key ids, before the values are released
+                        plgpu.barrier_wait(mask_loaded.at[slot])
+                        tile_mask = mask_smem[slot, pl.ds(wg * bq, bq)]
+                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len, mask=tile_mask)
                     qk = jnp.where(keep, qk, -jnp.inf)
 
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
@@ -605,6 +652,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                     plgpu.copy_gmem_to_smem(
                         x.kv_seg.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
                     )
+                if s.mask is not None:  # the tile of both compute warpgroups' rows; guarded the same way
+                    tiles = x.mask_tiles(s, bi, head).at[pl.ds(tile * (2 * bq), 2 * bq), pl.ds(j * bk, bk)]
+                    plgpu.copy_gmem_to_smem(tiles, mask_smem.at[slot], mask_loaded.at[slot])
 
             def wait_free(slot):
                 plgpu.barrier_wait(k_consumed.at[slot])
@@ -625,6 +675,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             plgpu.SMEM((2, bq), jnp.int32) if s.segments else None,
             plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
+            plgpu.SMEM((stages, 2 * bq, bk), jnp.int8, transforms=_byte_tiles(bk)) if s.mask else None,
         ]
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, x, out_ref, lse_ref, scoped),
@@ -634,6 +685,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=(1 + s.segments + (s.dropout_threshold is not None), 2)),
                 plgpu.Barrier(num_barriers=stages) if s.segments else None,
+                plgpu.Barrier(num_barriers=stages) if s.mask else None,
             ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
@@ -691,19 +743,24 @@ class BwdConfig:
             raise ValueError(f"BwdConfig.stages must be at least 2; got {self.stages}")
 
     def smem_bytes(
-        self, head_dim: int, itemsize: int = 2, segments: bool = False, dropout: bool = False
+        self,
+        head_dim: int,
+        itemsize: int = 2,
+        segments: bool = False,
+        dropout: bool = False,
+        mask: bool = False,
     ) -> int:
         """The larger of the two kernels' shared memory at ``head_dim``: the dQ kernel's queries and
         dO of both warpgroups, the key / value ring and the row statistics; the dK / dV kernel's keys
         and values of both warpgroups, the query / dO ring and its statistics; with ``segments`` each
         kernel's own segment ids and a ring of the other side's; with ``dropout`` the query rows'
-        hashes (a third statistic)."""
+        hashes (a third statistic); with ``mask`` a ring of int8 mask tiles in each."""
         own = 2 * 64 * head_dim * itemsize  # two warpgroups' 64 rows (dQ) or keys (dK / dV)
         kv_ring = self.stages * self.block_kv_dq
         q_ring = self.stages * self.block_q_dkv
-        dq = [own] * 2 + [kv_ring * head_dim * itemsize] * 2
+        dq = [own] * 2 + [kv_ring * head_dim * itemsize] * 2 + [128 * kv_ring] * mask
         dq_vectors = [128] * (2 + dropout) + [128, kv_ring] * segments
-        dkv = [own] * 2 + [q_ring * head_dim * itemsize] * 2
+        dkv = [own] * 2 + [q_ring * head_dim * itemsize] * 2 + [128 * q_ring] * mask
         dkv_vectors = [q_ring] * (2 + dropout) + [128, q_ring] * segments
         return max(
             _smem_total(dq + [n * 4 for n in dq_vectors]), _smem_total(dkv + [n * 4 for n in dkv_vectors])
@@ -808,8 +865,9 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             qseg_smem2,
             kvseg_smem,
             hash_smem2,
+            mask_smem,
         ) = smem
-        k_loaded, v_loaded, kvseg_loaded = loaded
+        k_loaded, v_loaded, kvseg_loaded, mask_loaded = loaded
         ring_lo, ring_hi = _ring(blocks_of, tile * (2 * bq), bq, s)
 
         def slot_of(j):  # key block j's ring slot
@@ -850,8 +908,9 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
-                if s.segments:
-                    plgpu.barrier_wait(kvseg_loaded.at[slot])
+                for bar in (kvseg_loaded, mask_loaded):
+                    if bar is not None:
+                        plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
             if s.window is not None:
@@ -864,11 +923,14 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 qk, t = _logits2(_product(q_smem, k_smem.at[slot], (bq, bk)), s)
                 dp = _product(do_smem, v_smem.at[slot], (bq, bk))
                 if masked:
-                    kv_seg = None
+                    kv_seg = tile_mask = None
                     if s.segments:
                         plgpu.barrier_wait(kvseg_loaded.at[slot])
                         kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len)
+                    if s.mask is not None:
+                        plgpu.barrier_wait(mask_loaded.at[slot])
+                        tile_mask = mask_smem[slot, pl.ds(wg * bq, bq)]
+                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len, mask=tile_mask)
                     qk = jnp.where(keep, qk, -jnp.inf)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(lse, qk.shape, [0]))
                 if row_hash is not None:  # dP of the kept probabilities, scaled as the forward's
@@ -905,6 +967,9 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                     plgpu.copy_gmem_to_smem(
                         x.kv_seg.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_loaded.at[slot]
                     )
+                if s.mask is not None:
+                    tiles = x.mask_tiles(s, bi, head).at[pl.ds(tile * (2 * bq), 2 * bq), pl.ds(j * bk, bk)]
+                    plgpu.copy_gmem_to_smem(tiles, mask_smem.at[slot], mask_loaded.at[slot])
 
             _fill_ring(
                 ring_hi - ring_lo,
@@ -929,6 +994,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             plgpu.SMEM((2, bq), jnp.int32) if s.segments else None,
             plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
+            plgpu.SMEM((stages, 2 * bq, bk), jnp.int8, transforms=_byte_tiles(bk)) if s.mask else None,
         ]
         pl.run_scoped(
             lambda *scoped: kernel(ins[:6], _ExtraRefs.of(ins[6:], s), dq_ref, scoped),
@@ -937,6 +1003,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages) if s.segments else None,
+                plgpu.Barrier(num_barriers=stages) if s.mask else None,
             ),
             plgpu.Barrier(num_barriers=(own_count, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -1017,8 +1084,9 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             kseg_smem2,
             qseg_smem,
             hash_smem,
+            mask_smem,
         ) = smem
-        q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded = loaded
+        q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded, mask_loaded = loaded
         # The ring streams, for each query head of the group, the query blocks either warpgroup's
         # keys need: step t is (head g, block ring_lo + t % n).
         blocks_of = functools.partial(query_blocks, q_hi=q_hi, kv_len=kv_len)
@@ -1048,7 +1116,7 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
             def wait_slot(slot):
-                for bar in (q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded):
+                for bar in loaded:
                     if bar is not None:
                         plgpu.barrier_wait(bar.at[slot])
 
@@ -1060,10 +1128,22 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:  # the query length needs no mask here: its rows' P is 0 (LSE +inf)
-                    q_seg = None
+                    q_seg = tile_mask = None
                     if s.segments:
                         q_seg = _load_rows(qseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                    keep = _keep(s, i * bq, k_start, (bk, bq), q_seg, k_seg, kv_len=kv_len, query_axis=1)
+                    if s.mask is not None:  # the transposed mask: this warpgroup's keys x the queries
+                        tile_mask = mask_smem[slot, pl.ds(wg * bk, bk)]
+                    keep = _keep(
+                        s,
+                        i * bq,
+                        k_start,
+                        (bk, bq),
+                        q_seg,
+                        k_seg,
+                        kv_len=kv_len,
+                        query_axis=1,
+                        mask=tile_mask,
+                    )
                     st = jnp.where(keep, st, -jnp.inf)
                 pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse, st.shape, [1]))
                 pt_kept, keep = pt, None
@@ -1145,6 +1225,9 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                     )
                 if s.dropout_threshold is not None:
                     plgpu.copy_gmem_to_smem(x.row_hash.at[stats], hash_smem.at[slot], hash_loaded.at[slot])
+                if s.mask is not None:  # both warpgroups' keys x the block's queries
+                    tiles = x.mask_tiles(s, bi, head).at[pl.ds(tile * (2 * bk), 2 * bk), pl.ds(i * bq, bq)]
+                    plgpu.copy_gmem_to_smem(tiles, mask_smem.at[slot], mask_loaded.at[slot])
 
             _fill_ring(ring_steps, s_stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
@@ -1162,12 +1245,14 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             plgpu.SMEM((2, bk), jnp.int32) if s.segments else None,
             plgpu.SMEM((s_stages, bq), jnp.int32) if s.segments else None,
             plgpu.SMEM((s_stages, bq), jnp.uint32) if s.dropout_threshold is not None else None,
+            plgpu.SMEM((s_stages, 2 * bk, bq), jnp.int8, transforms=_byte_tiles(bq)) if s.mask else None,
         ]
         ring = plgpu.Barrier(num_barriers=s_stages)
         pl.run_scoped(
             lambda *scoped: kernel(ins[:6], _ExtraRefs.of(ins[6:], s), *outs, scoped),
             scratch,
-            (ring,) * 4 + (ring if s.segments else None, ring if s.dropout_threshold is not None else None),
+            (ring,) * 4
+            + tuple(ring if on else None for on in (s.segments, s.dropout_threshold is not None, s.mask)),
             plgpu.Barrier(num_barriers=(3 if s.segments else 2, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=s_stages),
             collective_axes="wg",
@@ -1228,7 +1313,7 @@ def backward(
         delta = jnp.pad(delta, ((0, 0), (0, 0), (0, s.Tp - T)))
         extras = _kernel_extras(extras, s, q.shape[2])
         dq = _dq_call(q, k, v, do, lse2, delta, extras, s, cfg, interpret)
-        dk, dv = _dkv_call(q, k, v, do, lse2, delta, extras, s, cfg, interpret)
+        dk, dv = _dkv_call(q, k, v, do, lse2, delta, _transposed_mask(extras, s), s, cfg, interpret)
         return dq[:, :T], dk[:, :S], dv[:, :S]
 
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
@@ -1272,9 +1357,9 @@ def unsupported(
       []
       >>> mosaic_flash.unsupported(base.make_args(x, x, x, window=(16, 0)), "cuda", compute_capability=9.0)
       []
-      >>> mask = jnp.tril(jnp.ones((1, 1, 128, 128), bool))
-      >>> mosaic_flash.unsupported(base.make_args(x, x, x, mask=mask), "cuda", compute_capability=9.0)
-      ['an arbitrary boolean `mask` is not in the Mosaic GPU kernel']
+      >>> bias = jnp.zeros((1, 1, 128, 128), jnp.bfloat16)
+      >>> mosaic_flash.unsupported(base.make_args(x, x, x, bias=bias), "cuda", compute_capability=9.0)
+      ['an additive `bias` is not in the Mosaic GPU kernel (the Triton flash kernel takes one)']
     """
     reasons = []
     why = available()
@@ -1323,10 +1408,8 @@ def unsupported(
         reasons.append(f"batch={args.batch} / 128-row tiles={tiles} exceed the CUDA grid limit 65535")
     if args.bias is not None:
         reasons.append(
-            "an additive `bias` is not in the Mosaic GPU kernel (use the memory-efficient backend)"
+            "an additive `bias` is not in the Mosaic GPU kernel (the Triton flash kernel takes one)"
         )
-    if args.mask is not None:
-        reasons.append("an arbitrary boolean `mask` is not in the Mosaic GPU kernel")
     if not args.scale > 0:
         reasons.append(f"the Mosaic GPU kernel needs a positive softmax scale (got {args.scale})")
     return reasons
@@ -1353,13 +1436,19 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         q_lengths=args.q_seq_lengths is not None,
         kv_lengths=args.kv_seq_lengths is not None,
         window=None if args.window is None else tuple(int(w) for w in args.window),
+        mask=None if args.mask is None else (args.mask.shape[0] > 1, args.mask.shape[1] > 1),
     )
 
 
 def _check_smem(cfg, args: base.AttentionArgs):
     """Raises ``ValueError`` when ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs more shared
     memory for ``args`` than an sm90 block has."""
-    need = cfg.smem_bytes(args.head_dim, segments=args.q_segment_ids is not None, dropout=args.has_dropout)
+    need = cfg.smem_bytes(
+        args.head_dim,
+        segments=args.q_segment_ids is not None,
+        dropout=args.has_dropout,
+        mask=args.mask is not None,
+    )
     if need > _SMEM_BYTES:
         raise ValueError(
             f"{cfg} needs {need} bytes of shared memory at head dim {args.head_dim}; sm90 has {_SMEM_BYTES}"
@@ -1378,6 +1467,8 @@ def _extras(args: base.AttentionArgs) -> tuple:
     for lengths in (args.q_seq_lengths, args.kv_seq_lengths):
         if lengths is not None:
             extras += (lengths.astype(jnp.int32),)
+    if args.mask is not None:
+        extras += (args.mask,)
     return extras
 
 
@@ -1385,7 +1476,7 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
     """:func:`_extras` as the kernels read them: the segment ids padded to ``(Tp, Sp)`` (the padded
     rows and keys are masked otherwise); for the seed every query row's dropout hash
     (:func:`base.dropout_row_hash`, ``[B, heads, Tp]`` uint32: loaded like the LSE); the lengths as
-    they are."""
+    they are; a boolean mask as int8 ``[1 or B, 1 or N, Tp, Sp]`` (0 on the padding)."""
     out = []
     rest = list(extras)
     if s.segments:
@@ -1401,7 +1492,20 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
         n = jnp.arange(heads, dtype=u32)[None, :, None]
         i = jnp.arange(s.Tp, dtype=u32)[None, None, :]
         out.append(base.dropout_row_hash(seed[0], seed[1], b, n, i))
-    return (*out, *rest)  # the lengths
+    if s.mask is not None:
+        mask = rest.pop()
+        Bm, Nm, T, _ = mask.shape  # broadcast rows / keys made full (rows to Tp: the padded ones)
+        mask = jnp.broadcast_to(mask, (Bm, Nm, T if T > 1 else s.Tp, s.S)).astype(jnp.int8)
+        rest.append(jnp.pad(mask, ((0, 0), (0, 0), (0, s.Tp - mask.shape[2]), (0, s.Sp - s.S))))
+    return (*out, *rest)  # the lengths, the mask
+
+
+def _transposed_mask(extras: tuple, s: _Shape) -> tuple:
+    """:func:`_kernel_extras` for the dK / dV kernel: the mask ``[.., Sp, Tp]`` (its tiles are keys x
+    queries there)."""
+    if s.mask is None:
+        return extras
+    return (*extras[:-1], jnp.swapaxes(extras[-1], 2, 3))
 
 
 def _with_extras(args: base.AttentionArgs, q, k, v, extras):
@@ -1417,6 +1521,8 @@ def _with_extras(args: base.AttentionArgs, q, k, v, extras):
         args = args.replace(q_seq_lengths=extras.pop(0))
     if args.kv_seq_lengths is not None:
         args = args.replace(kv_seq_lengths=extras.pop(0))
+    if args.mask is not None:
+        args = args.replace(mask=extras.pop(0))
     return args
 
 

@@ -112,7 +112,7 @@ class TestCudnnCompiled(_Compiled):
 # lengths (padded keys masked in the last block), several query tiles and a ring refilled many times,
 # rows a bottom-right diagonal leaves without a key, the logits soft cap, segment ids (every block
 # masked; rows whose segment has no key when T != S), dropout (the keep bits of every other backend),
-# per-batch query / key lengths (read as scalars in the kernels; blocks past them skipped).
+# per-batch query / key lengths (read as scalars in the kernels; blocks past them skipped), boolean masks.
 MOSAIC_GRID = [
     Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit, extra=extra)
     for dt, causal, T, S, H, g, K, B, jit, extra in (
@@ -136,6 +136,10 @@ MOSAIC_GRID = [
     Case("bfloat16", "lower_right", 256, 700, 256, 1, K=1, B=1, dropout=0.25),
     Case("bfloat16", "none", 300, 1000, 128, 2, K=1, B=2, extra="lengths"),
     Case("float16", "top_left", 1024, 1024, 64, 2, K=2, B=2, extra="lengths", dropout=0.25),
+    # boolean masks: a ring of int8 tiles (transposed for dK / dV), every block masked
+    Case("bfloat16", "none", 1024, 1024, 128, 2, K=2, B=2, mask="bool"),
+    Case("float16", "lower_right", 300, 1000, 64, 2, K=1, B=1, mask="bool", extra="segments"),
+    Case("bfloat16", "top_left", 512, 512, 256, 1, K=1, B=2, mask="bool", dropout=0.25),
 ]
 
 # Local windows (left, right): rings that start past block 0, bands with masked blocks on both sides
@@ -158,7 +162,7 @@ MOSAIC_WINDOWS = [
 class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = False
+    supports_bias = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda")

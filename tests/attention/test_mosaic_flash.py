@@ -39,8 +39,9 @@ needs_interpret = pytest.mark.skipif(
 # five blocks (causal: the first warpgroup releases the slots it skips); head dim 256 (64-key blocks);
 # a bottom-right diagonal with more queries than keys (a negative offset: the first 70 rows see no key,
 # output 0 and LSE -inf); the logits soft cap, forward and backward (at head dim 256 Triton's backward),
-# with rows that see no key too; causal at head dim 256 (64-key forward blocks). Local windows are in
-# WINDOW_GRID.
+# with rows that see no key too; causal at head dim 256 (64-key forward blocks); boolean masks (a ring of
+# int8 tiles, transposed for dK / dV; every block masked) with causal, GQA, ragged lengths, segment ids,
+# dropout and lengths. Local windows are in WINDOW_GRID.
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
@@ -62,6 +63,10 @@ MOSAIC_GRID = [
     Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="lengths"),
     Case("float16", "top_left", 256, 300, 128, 1, K=2, B=2, extra="lengths", dropout=0.25),
     Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=2, extra="lengths"),
+    Case("bfloat16", "none", 256, 256, 64, 1, K=1, B=1, mask="bool"),
+    Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=2, mask="bool"),
+    Case("bfloat16", "top_left", 300, 300, 256, 1, K=1, B=2, mask="bool", extra="segments"),
+    Case("float16", "none", 130, 200, 64, 2, K=2, B=2, mask="bool", dropout=0.25, extra="lengths"),
 ]
 
 # Local windows (left, right): the ring starts past block 0, the second warpgroup releases the blocks
@@ -84,7 +89,7 @@ WINDOW_GRID = [
 class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
-    supports_bias = supports_mask = False
+    supports_bias = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
@@ -100,6 +105,24 @@ class TestMosaicFlashInterpret(AttentionTestBase):
     )
     def test_window(self, case, window):
         args = make_case(case, seed=case.T + case.S).replace(window=window)
+        assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
+        self.check(args)
+
+    @pytest.mark.parametrize("shape", ["per_head", "key_padding"])
+    def test_mask_broadcasts_and_empties_rows(self, shape):
+        """A mask per query head ``[1, N, T, S]`` and a key-padding mask ``[B, 1, 1, S]`` (broadcast over
+        batch / heads / rows in the kernels' tiles), each leaving some rows without a key (output 0,
+        LSE -inf), with a local window: against the reference, gradients included."""
+        args = make_case(Case("bfloat16", "top_left", 200, 260, 64, 2, K=1, B=2), seed=11)
+        rng = np.random.default_rng(4)
+        if shape == "per_head":
+            mask = rng.random((1, 2, 200, 260)) > 0.4
+            mask[:, 1, 150:170] = False
+        else:
+            mask = np.ones((2, 1, 1, 260), bool)
+            mask[0, ..., 100:] = False
+            mask[1, ..., :30] = False  # causal: batch 1's first 30 rows see no key
+        args = args.replace(mask=jnp.asarray(mask), window=(120, 0))
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
@@ -186,7 +209,6 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
         (dict(H=80), "head dims of 64, 128 or 256"),
         (dict(Hv=128), "head dims of 64, 128 or 256"),
         (dict(bias=jnp.zeros((1, 1, 128, 128))), "bias"),
-        (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
 )
@@ -213,8 +235,8 @@ def test_unsupported_platform_and_device():
 
 
 def test_attention_refuses_with_the_reasons():
-    with pytest.raises(ValueError, match="mask"):
-        mosaic_flash.attention(_args(mask=jnp.ones((1, 1, 128, 128), bool)), interpret=True)
+    with pytest.raises(ValueError, match="bias"):
+        mosaic_flash.attention(_args(bias=jnp.zeros((1, 1, 128, 128))), interpret=True)
 
 
 def test_config_is_validated():
@@ -274,6 +296,9 @@ def _export(f, platforms, *args):
         (384, 384, 64, 2, False, jnp.bfloat16, None, "window", 0.0),
         (200, 333, 128, 1, True, jnp.float16, 30.0, "window", 0.1),
         (256, 256, 256, 1, True, jnp.bfloat16, None, "window", 0.0),
+        (200, 333, 64, 2, False, jnp.bfloat16, None, "mask", 0.0),
+        (256, 300, 128, 1, True, jnp.float16, 30.0, "mask", 0.1),
+        (128, 192, 256, 2, True, jnp.bfloat16, None, "mask", 0.0),
     ],
 )
 def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, index_mask, dropout):
@@ -289,6 +314,8 @@ def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, ind
         masks = dict(q_segment_ids=jnp.zeros((2, T), jnp.int32), kv_segment_ids=jnp.zeros((2, S), jnp.int32))
     elif index_mask == "window":
         masks = dict(window=(100, 30))
+    elif index_mask == "mask":  # per batch and head
+        masks = dict(mask=jnp.ones((2, 2 * G, T, S), bool))
     if dropout:
         masks.update(dropout_rate=dropout, dropout_rng=jax.random.key(0))
     args = base.make_args(
@@ -385,7 +412,7 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "mosaic_flash"
             assert "flash_cuda_kernel='mosaic'" in e.kernel
-            # Segment ids, dropout, lengths and a local window run in it too.
+            # Segment ids, dropout, lengths, a local window and a boolean mask run in it too.
             seg = jnp.zeros((1, 256), jnp.int32)
             e = jb.explain(
                 q,
@@ -396,12 +423,13 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
                 dropout_rng=jax.random.key(0),
                 key_value_seq_lengths=jnp.asarray([100]),
                 local_window_size=(8, 0),
+                mask=jnp.ones((1, 1, 256, 256), bool),
                 **kw,
             )
             assert e.implementation == "mosaic_flash", e
             # A call it cannot run: FLASH is unavailable, and the reason is the kernel's.
-            e = jb.explain(q, q, q, mask=jnp.ones((1, 1, 256, 256), bool), **kw)
-            assert e.chosen is None and "mask" in e.reasons[SDPBackend.FLASH_ATTENTION]
+            e = jb.explain(q, q, q, bias=jnp.zeros((1, 1, 256, 256), q.dtype), **kw)
+            assert e.chosen is None and "bias" in e.reasons[SDPBackend.FLASH_ATTENTION]
         with jb.with_backends(flash_cuda_kernel="triton"):
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "triton_flash" and "flash_cuda_kernel='triton'" in e.kernel
