@@ -176,6 +176,15 @@ class TestMosaicFlashCompiled(_Compiled):
         assert not reasons, reasons  # the grid must reach the kernel
         self.check(args, jit=case.jit)
 
+    def test_smoke(self):
+        """The first compiled run, kept short (a first device call runs ``-k "Mosaic and smoke"`` alone,
+        so that a kernel that fails or hangs on hardware costs little): one program without a mask,
+        then causal GQA over several tiles, then a window with a boolean mask, forward and gradients."""
+        self.check(make_case(Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1)))
+        self.check(make_case(Case("bfloat16", "top_left", 1024, 1024, 128, 2, K=2, B=1)))
+        args = make_case(Case("float16", "lower_right", 300, 1000, 128, 2, K=1, B=1, mask="bool"))
+        self.check(args.replace(window=(200, 64)))
+
     @pytest.mark.parametrize(
         "case, window", MOSAIC_WINDOWS, ids=[f"{c.id}-w{w[0]}_{w[1]}" for c, w in MOSAIC_WINDOWS]
     )
