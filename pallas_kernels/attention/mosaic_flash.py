@@ -39,12 +39,16 @@ and v head dims of 64, 128 or 256, GQA / MQA, causal or not, local windows, on a
 9.x GPU. An additive bias is refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run it.
 A boolean mask (``[1 or B, 1 or N, T or 1, S or 1]``) runs as int8 tiles that the memory warpgroup
 streams with each block (``[128 rows, block]``; transposed, ``[128 keys, block]``, for dK / dV, from
-a transposed copy XLA makes once), each compute warpgroup reading its 64 rows; every block is
-masked. A logits soft cap runs in all three kernels (``tanh`` on the scaled logits, through
-``exp2``; the backward multiplies ``dS`` by ``1 - tanh^2``). So do segment ids (packed sequences):
-each compute warpgroup loads its own rows' ids once, the memory warpgroup streams the other side's ids with each
-block into the ring, and every block is masked where the ids differ (no block is skipped; a row whose
-segment has no key gets output 0 and LSE ``-inf``). So does dropout, with the keep bits of every
+a transposed copy XLA makes once), each compute warpgroup reading its 64 rows. A logits soft cap runs
+in all three kernels (``tanh`` on the scaled logits, through ``exp2``; the backward multiplies ``dS``
+by ``1 - tanh^2``). So do segment ids (packed sequences): each compute warpgroup loads its own rows'
+ids once, the memory warpgroup streams the other side's ids with each block into the ring, and every
+block is masked where the ids differ (a row whose segment has no key gets output 0 and LSE
+``-inf``). With segment ids or a mask, XLA flags each (64-row tile, block) pair that has no visible
+pair (:func:`_block_flags`: the tile's and the block's id ranges do not meet, exact for sorted ids;
+or the mask's tile is all False), and a compute warpgroup reads its flag (a scalar) before each block
+and releases a flagged block without multiplying it: packed sequences cost about the blocks on their
+diagonal. So does dropout, with the keep bits of every
 other backend (:func:`base.dropout_keep_mask`): XLA hashes the seed, batch, head and query index of
 each row once (:func:`base.dropout_row_hash`, ``[B, N, T]`` uint32, loaded like the LSE), and the
 kernels finish the hash per key in registers; the forward drops probabilities after the softmax sum,
@@ -389,19 +393,30 @@ def _ring(blocks_of, first_rows, rows: int, s: _Shape):
     return jnp.minimum(lo, hi), hi
 
 
-def _block_loops(step, blocks: _Blocks, carry, s: _Shape, lead: bool, trail: bool = True):
+def _block_loops(
+    step, blocks: _Blocks, carry, s: _Shape, lead: bool, trail: bool = True, visible=None, skip=None
+):
     """Runs ``step(j, carry, masked)`` over ``blocks`` in order, masked where they say (every block
-    with segment ids). Only the loops that can run are built: the leading masked one if ``lead``,
-    the trailing one if ``trail``, none with static empty bounds (Mosaic GPU fails to lower an empty
-    static loop, and each loop is a copy of the step's code)."""
+    with segment ids or a boolean mask). Only the loops that can run are built: the leading masked
+    one if ``lead``, the trailing one if ``trail``, none with static empty bounds (Mosaic GPU fails to
+    lower an empty static loop, and each loop is a copy of the step's code). With ``visible(j)`` (an
+    int32 scalar: 0 where the segment ids / mask leave no pair of block ``j`` visible) such a block
+    runs ``skip(j, carry)`` instead: released, not multiplied."""
 
-    def run(lo, hi, masked, carry):
+    def run(lo, hi, masked, carry, body=step):
         if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:
             return carry
-        return lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+        return lax.fori_loop(lo, hi, functools.partial(body, masked=masked), carry)
 
     if s.every_block_masked:
-        return run(blocks.start, blocks.stop, True, carry)
+        if visible is None:
+            return run(blocks.start, blocks.stop, True, carry)
+
+        def gated(j, carry, masked):
+            run_it = functools.partial(step, j, masked=masked)
+            return lax.cond(visible(j) != 0, run_it, functools.partial(skip, j), carry)
+
+        return run(blocks.start, blocks.stop, True, carry, body=gated)
     if lead:
         carry = run(blocks.start, blocks.free_lo, True, carry)
     carry = run(blocks.free_lo, blocks.free_hi, False, carry)
@@ -417,6 +432,7 @@ class _ExtraRefs(NamedTuple):
     q_len: Any  # [B] int32
     kv_len: Any  # [B] int32
     mask: Any  # [1 or B, 1 or N, Tp, Sp] int8, or its transpose [.., Sp, Tp] (the dK / dV kernel's)
+    visible: Any  # int32 [1 or B, 1 or N, row tiles, blocks]: :func:`_block_flags`
 
     @staticmethod
     def of(refs: tuple, s: _Shape) -> "_ExtraRefs":
@@ -426,7 +442,17 @@ class _ExtraRefs(NamedTuple):
         q_len = refs.pop(0) if s.q_lengths else None
         kv_len = refs.pop(0) if s.kv_lengths else None
         mask = refs.pop(0) if s.mask is not None else None
-        return _ExtraRefs(*segs, row_hash, q_len, kv_len, mask)
+        visible = refs.pop(0) if s.every_block_masked else None
+        return _ExtraRefs(*segs, row_hash, q_len, kv_len, mask, visible)
+
+    def visible_fn(self, bi, head, tile):
+        """``block -> int32 scalar``: :func:`_block_flags` of the 64-row (or, in the dK / dV kernel,
+        64-key) tile ``tile`` of batch ``bi`` and query head ``head``; None without flags."""
+        if self.visible is None:
+            return None
+        Bf, Nf = self.visible.shape[:2]
+        plane = self.visible.at[bi if Bf > 1 else 0, head if Nf > 1 else 0, tile]
+        return lambda j: plane[j]
 
     def mask_tiles(self, s: _Shape, bi, head):
         """The mask ref's ``[rows, keys]`` (or transposed) plane of batch ``bi`` and query head
@@ -624,7 +650,34 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 return acc, m_new, l_i
 
             # Key blocks: masked before the band's mask-free part only with a window.
-            acc, m_i, l_i = _block_loops(step, blocks, (acc, m_i, l_i), s, lead=s.window is not None)
+            def skip(j, carry):
+                # A block the segment ids / mask leave without a visible pair (its keys were waited
+                # for at the previous step): released as the other warpgroup's are, then the next
+                # block's keys awaited as a step does.
+                slot = slot_of(j)
+                for bar in (v_loaded, kvseg_loaded, mask_loaded):
+                    if bar is not None:
+                        plgpu.barrier_wait(bar.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                schedule_turn()
+                schedule_turn()
+
+                @pl.when(j + 1 < blocks.stop)
+                def _():
+                    plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)])
+
+                return carry
+
+            acc, m_i, l_i = _block_loops(
+                step,
+                blocks,
+                (acc, m_i, l_i),
+                s,
+                lead=s.window is not None,
+                visible=x.visible_fn(bi, head, tile * 2 + wg),
+                skip=skip,
+            )
             if s.banded:  # blocks after this warpgroup's band: the other's
                 lax.fori_loop(blocks.stop, ring_hi, release, None)
             pl.when(wg == 0)(schedule_turn)
@@ -947,7 +1000,15 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dq
 
-            dq = _block_loops(step, blocks, dq, s, lead=s.window is not None)
+            dq = _block_loops(
+                step,
+                blocks,
+                dq,
+                s,
+                lead=s.window is not None,
+                visible=x.visible_fn(bi, head, tile * 2 + wg),
+                skip=lambda j, dq: (release(j, None), dq)[1],
+            )
             if s.banded:
                 lax.fori_loop(blocks.stop, ring_hi, release, None)
             q_smem[...] = (dq * s.scale).astype(dtype)
@@ -1191,6 +1252,8 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                     s,
                     lead=s.right_reach is not None,
                     trail=s.window is not None or s.kv_lengths,
+                    visible=x.visible_fn(bi, kv_head * G + g, tile * 2 + wg),
+                    skip=lambda i, carry: (skip(i, None, g), carry)[1],
                 )
                 if s.banded:
                     lax.fori_loop(blocks.stop, ring_hi, functools.partial(skip, g=g), None)
@@ -1312,8 +1375,11 @@ def backward(
         lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, s.Tp - T)), constant_values=jnp.inf)
         delta = jnp.pad(delta, ((0, 0), (0, 0), (0, s.Tp - T)))
         extras = _kernel_extras(extras, s, q.shape[2])
-        dq = _dq_call(q, k, v, do, lse2, delta, extras, s, cfg, interpret)
-        dk, dv = _dkv_call(q, k, v, do, lse2, delta, _transposed_mask(extras, s), s, cfg, interpret)
+        dq = _dq_call(
+            q, k, v, do, lse2, delta, _with_flags(extras, s, 64, cfg.block_kv_dq), s, cfg, interpret
+        )
+        dkv_extras = _dkv_extras(extras, s, cfg.block_q_dkv)
+        dk, dv = _dkv_call(q, k, v, do, lse2, delta, dkv_extras, s, cfg, interpret)
         return dq[:, :T], dk[:, :S], dv[:, :S]
 
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
@@ -1500,12 +1566,41 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
     return (*out, *rest)  # the lengths, the mask
 
 
-def _transposed_mask(extras: tuple, s: _Shape) -> tuple:
-    """:func:`_kernel_extras` for the dK / dV kernel: the mask ``[.., Sp, Tp]`` (its tiles are keys x
-    queries there)."""
-    if s.mask is None:
+def _block_flags(extras: tuple, s: _Shape, rows: int, keys: int):
+    """int32 ``[1 or B, 1 or N, Tp // rows, Sp // keys]`` from the padded :func:`_kernel_extras`: 0
+    where no (query, key) pair of a ``rows x keys`` tile can be visible, by the segment ids (their
+    ranges over the tile's queries and keys do not meet: exact for sorted ids, packed sequences) or
+    the boolean mask (all False); such tiles are released, not multiplied."""
+    nr, nk = s.Tp // rows, s.Sp // keys
+    flags = None
+    if s.segments:
+        q = extras[0].reshape(s.B, nr, rows)
+        k = extras[1].reshape(s.B, nk, keys)
+        q_lo, q_hi = q.min(-1)[:, :, None], q.max(-1)[:, :, None]
+        k_lo, k_hi = k.min(-1)[:, None, :], k.max(-1)[:, None, :]
+        flags = ((q_lo <= k_hi) & (k_lo <= q_hi))[:, None]
+    if s.mask is not None:
+        mask = extras[-1]
+        Bm, Nm = mask.shape[:2]
+        any_kept = (mask.reshape(Bm, Nm, nr, rows, nk, keys) != 0).any(axis=(3, 5))
+        flags = any_kept if flags is None else flags & any_kept
+    return flags.astype(jnp.int32)
+
+
+def _with_flags(extras: tuple, s: _Shape, rows: int, keys: int) -> tuple:
+    """``extras`` and, with segment ids or a mask, their :func:`_block_flags` (a kernel's last operand)."""
+    return (*extras, _block_flags(extras, s, rows, keys)) if s.every_block_masked else extras
+
+
+def _dkv_extras(extras: tuple, s: _Shape, rows: int) -> tuple:
+    """:func:`_kernel_extras` for the dK / dV kernel (query blocks of ``rows``): the mask ``[.., Sp,
+    Tp]`` (its tiles are keys x queries there), the block flags of 64-key tiles x query blocks."""
+    if not s.every_block_masked:
         return extras
-    return (*extras[:-1], jnp.swapaxes(extras[-1], 2, 3))
+    flags = jnp.swapaxes(_block_flags(extras, s, rows, 64), 2, 3)
+    if s.mask is not None:
+        extras = (*extras[:-1], jnp.swapaxes(extras[-1], 2, 3))
+    return (*extras, flags)
 
 
 def _with_extras(args: base.AttentionArgs, q, k, v, extras):
@@ -1544,7 +1639,8 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
         if s.Sp != S:
             pad = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
             k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-        out, lse = _forward_call(q, k, v, _kernel_extras(extras, s, q.shape[2]), s, cfg, interpret)
+        extras = _with_flags(_kernel_extras(extras, s, q.shape[2]), s, 64, cfg.block_kv)
+        out, lse = _forward_call(q, k, v, extras, s, cfg, interpret)
         if s.Tp != T:
             out, lse = out[:, :T], lse[:, :, :T]
         return out, lse

@@ -126,6 +126,29 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
+    @pytest.mark.parametrize("what, causal", [("segments", "none"), ("mask", "top_left")])
+    def test_tiles_without_a_visible_pair_are_skipped(self, what, causal):
+        """Five packed sequences per row (sorted segment ids), or a per-head block-diagonal mask: most
+        tiles have no visible pair and are released without a multiply (the block flags say which;
+        the forward, dQ and dK / dV kernels each skip some): against the reference, gradients
+        included; causal too."""
+        case = Case("bfloat16", causal, 512, 512, 64, 2, K=1, B=1)
+        args = make_case(case, seed=9)
+        docs = jnp.arange(512, dtype=jnp.int32) * 5 // 512  # ~102 rows each: tiles span two
+        if what == "segments":
+            args = args.replace(q_segment_ids=docs[None], kv_segment_ids=docs[None])
+        else:  # head 0: the five diagonal blocks; head 1: the same, shifted by 64 keys
+            m0 = docs[:, None] == docs[None, :]
+            m1 = docs[:, None] == ((jnp.arange(512) + 64) % 512 * 5 // 512)[None, :]
+            args = args.replace(mask=jnp.stack([m0, m1])[None])
+        cfg, bwd = mosaic_flash.Config.heuristics(64), mosaic_flash.BwdConfig()
+        s = mosaic_flash._shape(args, cfg)
+        extras = mosaic_flash._kernel_extras(mosaic_flash._extras(args), s, 2)
+        for rows, keys in ((64, cfg.block_kv), (64, bwd.block_kv_dq), (bwd.block_q_dkv, 64)):
+            flags = mosaic_flash._block_flags(extras, s, rows, keys)
+            assert 0 < int((flags == 0).sum()) < flags.size, (rows, keys)
+        self.check(args)
+
     def test_fully_masked_rows_give_zero_output_and_grads(self):
         """Rows a bottom-right diagonal leaves without a key: output 0, LSE -inf, zero finite grads."""
         args = make_case(Case("float16", "lower_right", 256, 100, 64, 1, K=1, B=1))
