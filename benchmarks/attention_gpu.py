@@ -210,8 +210,9 @@ def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_
 FEATURES = ("softcap", "segments", "dropout")
 #: The features the Mosaic GPU kernels run too: also timed with ``flash_cuda_kernel="mosaic"``, against
 #: the jb_mosaic column without them; with a random boolean mask (a ring of int8 tiles streamed beside
-#: the keys) and a local window of a quarter of the keys (the blocks outside it skipped: faster).
-MOSAIC_FEATURES = ("softcap", "segments", "dropout", "mask", "window")
+#: the keys), an additive bias shared by the batch and heads (the same, in the inputs' dtype, and its
+#: gradient) and a local window of a quarter of the keys (the blocks outside it skipped: faster).
+MOSAIC_FEATURES = ("softcap", "segments", "dropout", "mask", "bias", "window")
 
 
 def _with_feature(name):
@@ -224,6 +225,9 @@ def _with_feature(name):
         elif name == "mask":  # one [T, S] mask shared by the batch and heads
             T, S = q.shape[1], k.shape[1]
             kw = dict(mask=jax.random.bernoulli(jax.random.key(1), 0.7, (1, 1, T, S)))
+        elif name == "bias":
+            T, S = q.shape[1], k.shape[1]
+            kw = dict(bias=jax.random.normal(jax.random.key(2), (1, 1, T, S), q.dtype))
         elif name == "window":
             kw = dict(local_window_size=(k.shape[1] // 8, k.shape[1] // 8))
         else:

@@ -24,13 +24,13 @@ def test_attention_gpu_smoke(tmp_path):
 
 
 def test_attention_gpu_feature_rows_of_the_mosaic_kernel():
-    """With a ``jb_mosaic`` column the softcap, segment-id and dropout rows, and a boolean mask's and a local
-    window's, are also timed under its flags, against its time without them (on CPU the flag selects
+    """With a ``jb_mosaic`` column the softcap, segment-id and dropout rows, and a boolean mask's, a bias's
+    and a local window's, are also timed under its flags, against its time without them (on CPU the flag selects
     nothing: this checks the rows' plumbing)."""
     impls = attention_gpu.jax_impls(smoke=True)
     impls["jb_mosaic"] = (attention_gpu._jb, {"flash": True, "flash_cuda_kernel": "mosaic"})
     rows = attention_gpu.run_features(impls, 1, 32, 2, 16, 2, "float32")
-    assert [name for name, *_ in rows] == ["softcap", "segments", "dropout"] * 2 + ["mask", "window"]
+    assert [name for name, *_ in rows] == ["softcap", "segments", "dropout"] * 2 + ["mask", "bias", "window"]
     for name, res, label in rows[3:]:
         assert set(res) == {"jb", "jb_mosaic"} and all(t > 0 for t in res.values()), res
         assert label.startswith("FLASH[mosaic_flash]") and name in label

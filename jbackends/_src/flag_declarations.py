@@ -239,8 +239,8 @@ DECLARATIONS: tuple[Flag, ...] = (
         "kernels; not yet the Mosaic GPU kernel, which has not run on a GPU), 'triton' (only the Triton "
         "kernels), 'mosaic' (only the Mosaic GPU FlashAttention-3 kernels: sm90, float16 / bfloat16, "
         "head dims 64 / 128 / 256 (at 256 with the Triton backward), causal or not, soft cap, segment ids, "
-        "dropout, query / key lengths, local windows, boolean masks; no bias; explain() says why it cannot run a "
-        "call).",
+        "dropout, query / key lengths, local windows, boolean masks, an additive bias in the inputs' dtype (not at "
+        "head dim 256); explain() says why it cannot run a call).",
         _choice("auto", "triton", "mosaic"),
     ),
     Flag(

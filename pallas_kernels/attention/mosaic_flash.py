@@ -36,8 +36,12 @@ rows get an LSE of ``+inf`` (so ``P = 0``) in the backward.
 
 What it runs (:func:`unsupported` says why not, and dispatch moves on): float16 / bfloat16, equal q/k
 and v head dims of 64, 128 or 256, GQA / MQA, causal or not, local windows, on a compute capability
-9.x GPU. An additive bias is refused: under ``flash_cuda_kernel="auto"`` the Triton kernels run it.
-A boolean mask (``[1 or B, 1 or N, T or 1, S or 1]``) runs as int8 tiles that the memory warpgroup
+9.x GPU. An additive bias in the inputs' dtype (``[1 or B, 1 or N, T or 1, S or 1]``) runs like the
+mask below, as tiles in that dtype (128-key forward steps become 64: shared memory), added to the
+logits after the soft cap; the dQ kernel also writes ``dS`` (float32, ``[B, N, T, S]``), which XLA
+zeroes where no query sees the key and sums over the bias's broadcast dimensions (its gradient). A
+bias of another dtype, and one at head dim 256 (shared memory), are refused: under
+``flash_cuda_kernel="auto"`` the Triton kernels run them. A boolean mask (``[1 or B, 1 or N, T or 1, S or 1]``) runs as int8 tiles that the memory warpgroup
 streams with each block (``[128 rows, block]``; transposed, ``[128 keys, block]``, for dK / dV, from
 a transposed copy XLA makes once), each compute warpgroup reading its 64 rows. A logits soft cap runs
 in all three kernels (``tanh`` on the scaled logits, through ``exp2``; the backward multiplies ``dS``
@@ -92,8 +96,9 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _HEAD_DIMS = (64, 128, 256)
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-# Shared memory per block on sm90 (227 KiB), less room for barriers.
-_SMEM_BYTES = 227 * 1024 - 1024
+# Shared memory per block on sm90 (227 KiB), less room for the barriers and Mosaic GPU's own scratch
+# (its lowering counted 2.1 KiB beyond our buffers for the forward at head dim 256 with a bias).
+_SMEM_BYTES = 227 * 1024 - 3 * 1024
 
 
 def _plgpu():
@@ -175,20 +180,24 @@ class Config:
         segments: bool = False,
         dropout: bool = False,
         mask: bool = False,
+        bias: bool = False,
     ) -> int:
         """Shared memory the forward kernel allocates for ``head_dim`` (queries / outputs of both
         compute warpgroups, the key and value ring, the softmax statistics; with ``segments`` the
         rows' segment ids and a ring of the keys'; with ``dropout`` the rows' hashes; with ``mask`` a
-        ring of int8 mask tiles), each buffer aligned as Mosaic GPU places it."""
+        ring of int8 mask tiles; with ``bias`` a ring of bias tiles), each buffer aligned as Mosaic
+        GPU places it."""
         rows, ring = 2 * self.block_q, self.stages * self.block_kv
         tiles = [rows * head_dim * itemsize] + [ring * head_dim * itemsize] * 2 + [rows * ring] * mask
+        tiles += [rows * ring * itemsize] * bias
         vectors = [rows] + [rows, ring] * segments + [rows] * dropout
         return _smem_total(tiles + [n * 4 for n in vectors])
 
     @staticmethod
-    def heuristics(head_dim: int) -> "Config":
-        """The default for a head dim: 128-key steps up to head dim 128, 64 at 256 (shared memory)."""
-        return Config(block_kv=128 if head_dim <= 128 else 64)
+    def heuristics(head_dim: int, bias: bool = False) -> "Config":
+        """The default for a head dim: 128-key steps up to head dim 128, 64 at 256 or with a bias
+        (shared memory)."""
+        return Config(block_kv=128 if head_dim <= 128 and not bias else 64)
 
 
 def _smem_total(buffers) -> int:
@@ -224,6 +233,7 @@ class _Shape:
     kv_lengths: bool = False
     window: Optional[tuple] = None  # (left, right): key j seen by query i iff it is within them
     mask: Optional[tuple] = None  # a boolean mask: (per batch, per head), False where broadcast
+    bias: Optional[tuple] = None  # an additive bias (in the inputs' dtype): the same
 
     @property
     def lengths(self) -> bool:
@@ -250,10 +260,19 @@ class _Shape:
         return 0 if self.causal else None
 
 
-def _logits2(qk, s: _Shape):
+def _logits2(qk, s: _Shape, bias=None):
     """With a soft cap: ``(cap * log2(e) * t, t)`` for ``t = tanh(scale * qk / cap)``, the base-2
     logits and the ``tanh`` the backward's chain rule needs (``d logits / d (scale qk) = 1 - t^2``);
-    without one ``(qk, None)`` (the scale is folded into the exponent there)."""
+    without one ``(qk, None)`` (the scale is folded into the exponent there). With a ``bias`` tile
+    (``s.bias``: every kernel passes one) it is added to the logits (after the soft cap), and the
+    first output is in base 2 either way."""
+    if s.bias is not None:
+        logits = qk * s.scale if s.softcap is None else None
+        t = None
+        if s.softcap is not None:
+            t = 1.0 - 2.0 / (jnp.exp2(qk * (2.0 * _LOG2E * s.scale / s.softcap)) + 1.0)
+            logits = t * s.softcap
+        return (logits + bias.astype(jnp.float32)) * _LOG2E, t
     if s.softcap is None:
         return qk, None
     # tanh(x) = 1 - 2 / (e^(2x) + 1) through exp2: with approx_math a compiled jnp.tanh is
@@ -265,7 +284,7 @@ def _logits2(qk, s: _Shape):
 
 def _exponent_scale(s: _Shape) -> float:
     """The factor from :func:`_logits2`'s first output to base-2 logits."""
-    return 1.0 if s.softcap is not None else s.scale * _LOG2E
+    return 1.0 if s.softcap is not None or s.bias is not None else s.scale * _LOG2E
 
 
 def _fill_ring(ring_steps, stages: int, load, wait_free):
@@ -432,6 +451,7 @@ class _ExtraRefs(NamedTuple):
     q_len: Any  # [B] int32
     kv_len: Any  # [B] int32
     mask: Any  # [1 or B, 1 or N, Tp, Sp] int8, or its transpose [.., Sp, Tp] (the dK / dV kernel's)
+    bias: Any  # the same in the inputs' dtype
     visible: Any  # int32 [1 or B, 1 or N, row tiles, blocks]: :func:`_block_flags`
 
     @staticmethod
@@ -442,8 +462,9 @@ class _ExtraRefs(NamedTuple):
         q_len = refs.pop(0) if s.q_lengths else None
         kv_len = refs.pop(0) if s.kv_lengths else None
         mask = refs.pop(0) if s.mask is not None else None
+        bias = refs.pop(0) if s.bias is not None else None
         visible = refs.pop(0) if s.every_block_masked else None
-        return _ExtraRefs(*segs, row_hash, q_len, kv_len, mask, visible)
+        return _ExtraRefs(*segs, row_hash, q_len, kv_len, mask, bias, visible)
 
     def visible_fn(self, bi, head, tile):
         """``block -> int32 scalar``: :func:`_block_flags` of the 64-row (or, in the dK / dV kernel,
@@ -459,6 +480,11 @@ class _ExtraRefs(NamedTuple):
         ``head`` (index 0 along a broadcast dimension)."""
         per_batch, per_head = s.mask
         return self.mask.at[bi if per_batch else 0, head if per_head else 0]
+
+    def bias_tiles(self, s: _Shape, bi, head):
+        """The bias ref's plane of batch ``bi`` and query head ``head``, as :meth:`mask_tiles`."""
+        per_batch, per_head = s.bias
+        return self.bias.at[bi if per_batch else 0, head if per_head else 0]
 
     def lengths(self, bi):
         """Batch ``bi``'s ``(q_len, kv_len)`` int32 scalars (None where absent)."""
@@ -519,8 +545,19 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
         q_len, kv_len = x.lengths(bi)
         blocks_of = functools.partial(_key_blocks, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
         smem, loaded, consumed, schedule = scoped
-        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, qseg_smem2, kvseg_smem, hash_smem2, mask_smem = smem
-        k_loaded, v_loaded, q_loaded, kvseg_loaded, mask_loaded = loaded
+        (
+            qo_smem2,
+            k_smem,
+            v_smem,
+            lse_smem2,
+            p_smem2,
+            qseg_smem2,
+            kvseg_smem,
+            hash_smem2,
+            mask_smem,
+            bias_smem,
+        ) = smem
+        k_loaded, v_loaded, q_loaded, kvseg_loaded, mask_loaded, bias_loaded = loaded
         k_consumed, v_consumed = consumed
 
         def schedule_turn():
@@ -562,7 +599,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
-                for bar in (kvseg_loaded, mask_loaded):
+                for bar in (kvseg_loaded, mask_loaded, bias_loaded):
                     if bar is not None:
                         plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -589,7 +626,11 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
 
                 qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                qk, _ = _logits2(qk, s)
+                bias = None
+                if s.bias is not None:  # read, like the key ids, before the values are released
+                    plgpu.barrier_wait(bias_loaded.at[slot])
+                    bias = bias_smem[slot, pl.ds(wg * bq, bq)]
+                qk, _ = _logits2(qk, s, bias)
 
                 if masked:
                     kv_seg = tile_mask = None
@@ -604,7 +645,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
 
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
                 m_use = m_new
-                if masked:  # a row without a key so far (-inf): exponents against 0, so p = alpha = 0
+                if masked or s.bias is not None:
+                    # A row without a key so far (masked, or a bias of -inf): exponents against 0, so
+                    # p = alpha = 0.
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2(m_i - m_use)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
@@ -655,7 +698,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 # for at the previous step): released as the other warpgroup's are, then the next
                 # block's keys awaited as a step does.
                 slot = slot_of(j)
-                for bar in (v_loaded, kvseg_loaded, mask_loaded):
+                for bar in (v_loaded, kvseg_loaded, mask_loaded, bias_loaded):
                     if bar is not None:
                         plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -708,6 +751,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 if s.mask is not None:  # the tile of both compute warpgroups' rows; guarded the same way
                     tiles = x.mask_tiles(s, bi, head).at[pl.ds(tile * (2 * bq), 2 * bq), pl.ds(j * bk, bk)]
                     plgpu.copy_gmem_to_smem(tiles, mask_smem.at[slot], mask_loaded.at[slot])
+                if s.bias is not None:
+                    tiles = x.bias_tiles(s, bi, head).at[pl.ds(tile * (2 * bq), 2 * bq), pl.ds(j * bk, bk)]
+                    plgpu.copy_gmem_to_smem(tiles, bias_smem.at[slot], bias_loaded.at[slot])
 
             def wait_free(slot):
                 plgpu.barrier_wait(k_consumed.at[slot])
@@ -729,6 +775,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
             plgpu.SMEM((stages, 2 * bq, bk), jnp.int8, transforms=_byte_tiles(bk)) if s.mask else None,
+            plgpu.SMEM((stages, 2 * bq, bk), dtype, transforms=tiled) if s.bias else None,
         ]
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, x, out_ref, lse_ref, scoped),
@@ -739,6 +786,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.Barrier(num_barriers=(1 + s.segments + (s.dropout_threshold is not None), 2)),
                 plgpu.Barrier(num_barriers=stages) if s.segments else None,
                 plgpu.Barrier(num_barriers=stages) if s.mask else None,
+                plgpu.Barrier(num_barriers=stages) if s.bias else None,
             ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
@@ -802,18 +850,23 @@ class BwdConfig:
         segments: bool = False,
         dropout: bool = False,
         mask: bool = False,
+        bias: bool = False,
     ) -> int:
         """The larger of the two kernels' shared memory at ``head_dim``: the dQ kernel's queries and
         dO of both warpgroups, the key / value ring and the row statistics; the dK / dV kernel's keys
         and values of both warpgroups, the query / dO ring and its statistics; with ``segments`` each
         kernel's own segment ids and a ring of the other side's; with ``dropout`` the query rows'
-        hashes (a third statistic); with ``mask`` a ring of int8 mask tiles in each."""
+        hashes (a third statistic); with ``mask`` a ring of int8 mask tiles in each; with ``bias`` a
+        ring of bias tiles in each, and the dQ kernel's float32 dS tiles on their way out (the bias
+        gradient)."""
         own = 2 * 64 * head_dim * itemsize  # two warpgroups' 64 rows (dQ) or keys (dK / dV)
         kv_ring = self.stages * self.block_kv_dq
         q_ring = self.stages * self.block_q_dkv
         dq = [own] * 2 + [kv_ring * head_dim * itemsize] * 2 + [128 * kv_ring] * mask
+        dq += [128 * kv_ring * itemsize, 128 * self.block_kv_dq * 4] * bias
         dq_vectors = [128] * (2 + dropout) + [128, kv_ring] * segments
         dkv = [own] * 2 + [q_ring * head_dim * itemsize] * 2 + [128 * q_ring] * mask
+        dkv += [128 * q_ring * itemsize] * bias
         dkv_vectors = [q_ring] * (2 + dropout) + [128, q_ring] * segments
         return max(
             _smem_total(dq + [n * 4 for n in dq_vectors]), _smem_total(dkv + [n * 4 for n in dkv_vectors])
@@ -887,10 +940,14 @@ def _ds(p, dp, delta, t, axis: int):
     return ds if t is None else ds * (1.0 - t * t)
 
 
-def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interpret: bool):
+def _dq_call(
+    q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interpret: bool, dbias: bool = False
+):
     """dQ (``[B, Tp, N, D]`` in q.dtype) on padded inputs: ``lse2`` the forward's LSE in base 2
     (``+inf`` on padded or empty rows), ``delta`` ``rowsum(dO * O) - dLSE`` (``[B, N, Tp]`` float32),
-    ``extras`` the padded :func:`_extras`."""
+    ``extras`` the padded :func:`_extras`. With ``dbias`` also ``dS`` (the gradient of the logits,
+    ``[B, N, Tp, Sp]`` float32), written where a step ran: the tiles no step reached are left as they
+    are (the caller zeroes what no query sees)."""
     plgpu = _plgpu()
     dtype = jnp.dtype(s.dtype)
     bq, bk, D = 64, cfg.block_kv_dq, s.D
@@ -898,7 +955,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
     G = s.N // s.K
     c = _exponent_scale(s)
 
-    def kernel(ins, x, dq_ref, scoped):
+    def kernel(ins, x, dq_ref, ds_ref, scoped):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
@@ -919,8 +976,10 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             kvseg_smem,
             hash_smem2,
             mask_smem,
+            bias_smem,
+            dsout_smem2,
         ) = smem
-        k_loaded, v_loaded, kvseg_loaded, mask_loaded = loaded
+        k_loaded, v_loaded, kvseg_loaded, mask_loaded, bias_loaded = loaded
         ring_lo, ring_hi = _ring(blocks_of, tile * (2 * bq), bq, s)
 
         def slot_of(j):  # key block j's ring slot
@@ -961,7 +1020,7 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
-                for bar in (kvseg_loaded, mask_loaded):
+                for bar in (kvseg_loaded, mask_loaded, bias_loaded):
                     if bar is not None:
                         plgpu.barrier_wait(bar.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -973,7 +1032,11 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_loaded.at[slot])
                 plgpu.barrier_wait(v_loaded.at[slot])
-                qk, t = _logits2(_product(q_smem, k_smem.at[slot], (bq, bk)), s)
+                bias = None
+                if s.bias is not None:
+                    plgpu.barrier_wait(bias_loaded.at[slot])
+                    bias = bias_smem[slot, pl.ds(wg * bq, bq)]
+                qk, t = _logits2(_product(q_smem, k_smem.at[slot], (bq, bk)), s, bias)
                 dp = _product(do_smem, v_smem.at[slot], (bq, bk))
                 if masked:
                     kv_seg = tile_mask = None
@@ -989,7 +1052,15 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 if row_hash is not None:  # dP of the kept probabilities, scaled as the forward's
                     keep = _dropout_keep(s, row_hash, 0, j * bk, (bq, bk))
                     dp = jnp.where(keep, dp * s.keep_scale, 0.0)
-                ds = _ds(p, dp, delta, t, axis=0)
+                ds = _ds(p, dp, delta, None, axis=0)  # the gradient of the logits (the bias's)
+                if dbias:
+                    dsout = dsout_smem2.at[wg]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile has left
+                    dsout[...] = ds
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dsout, ds_ref.at[bi, head, pl.ds(q_start, bq), pl.ds(j * bk, bk)])
+                if t is not None:
+                    ds = ds * (1.0 - t * t)
                 dq = _accumulate(
                     dq,
                     ds.astype(dtype),
@@ -1031,6 +1102,9 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
                 if s.mask is not None:
                     tiles = x.mask_tiles(s, bi, head).at[pl.ds(tile * (2 * bq), 2 * bq), pl.ds(j * bk, bk)]
                     plgpu.copy_gmem_to_smem(tiles, mask_smem.at[slot], mask_loaded.at[slot])
+                if s.bias is not None:
+                    tiles = x.bias_tiles(s, bi, head).at[pl.ds(tile * (2 * bq), 2 * bq), pl.ds(j * bk, bk)]
+                    plgpu.copy_gmem_to_smem(tiles, bias_smem.at[slot], bias_loaded.at[slot])
 
             _fill_ring(
                 ring_hi - ring_lo,
@@ -1042,8 +1116,10 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
     own_count = 4 + s.segments + (s.dropout_threshold is not None)
 
     def entry(*refs):
-        ins, dq_ref = refs[:-1], refs[-1]
+        n_out = 2 if dbias else 1
+        ins, (dq_ref, *ds_ref) = refs[:-n_out], refs[-n_out:]
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
             plgpu.SMEM((2, bq, D), dtype, transforms=tiled),
@@ -1056,24 +1132,32 @@ def _dq_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, interp
             plgpu.SMEM((stages, bk), jnp.int32) if s.segments else None,
             plgpu.SMEM((2, bq), jnp.uint32) if s.dropout_threshold is not None else None,
             plgpu.SMEM((stages, 2 * bq, bk), jnp.int8, transforms=_byte_tiles(bk)) if s.mask else None,
+            plgpu.SMEM((stages, 2 * bq, bk), dtype, transforms=tiled) if s.bias else None,
+            plgpu.SMEM((2, bq, bk), jnp.float32, transforms=tiled32) if dbias else None,
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(ins[:6], _ExtraRefs.of(ins[6:], s), dq_ref, scoped),
+            lambda *scoped: kernel(
+                ins[:6], _ExtraRefs.of(ins[6:], s), dq_ref, ds_ref[0] if ds_ref else None, scoped
+            ),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages) if s.segments else None,
                 plgpu.Barrier(num_barriers=stages) if s.mask else None,
+                plgpu.Barrier(num_barriers=stages) if s.bias else None,
             ),
             plgpu.Barrier(num_barriers=(own_count, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
         )
 
+    out_type = base.out_struct((s.B, s.Tp, s.N, D), dtype, q)
+    if dbias:
+        out_type = (out_type, base.out_struct((s.B, s.N, s.Tp, s.Sp), jnp.float32, q))
     return plgpu.kernel(
         entry,
-        out_type=base.out_struct((s.B, s.Tp, s.N, D), dtype, q),
+        out_type=out_type,
         grid=(s.N, s.Tp // (2 * bq), s.B),
         grid_names=("heads", "q_tiles", "batch"),
         num_threads=3,
@@ -1146,8 +1230,18 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             qseg_smem,
             hash_smem,
             mask_smem,
+            bias_smem,
         ) = smem
-        q_loaded, do_loaded, lse_loaded, delta_loaded, qseg_loaded, hash_loaded, mask_loaded = loaded
+        (
+            q_loaded,
+            do_loaded,
+            lse_loaded,
+            delta_loaded,
+            qseg_loaded,
+            hash_loaded,
+            mask_loaded,
+            bias_loaded,
+        ) = loaded
         # The ring streams, for each query head of the group, the query blocks either warpgroup's
         # keys need: step t is (head g, block ring_lo + t % n).
         blocks_of = functools.partial(query_blocks, q_hi=q_hi, kv_len=kv_len)
@@ -1185,7 +1279,10 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 dk, dv = carry
                 slot = slot_of(i, g)
                 wait_slot(slot)
-                st, t = _logits2(_product(k_smem, q_smem.at[slot], (bk, bq)), s)  # S^T: keys x queries
+                bias = None
+                if s.bias is not None:  # the transposed bias: this warpgroup's keys x the queries
+                    bias = bias_smem[slot, pl.ds(wg * bk, bk)]
+                st, t = _logits2(_product(k_smem, q_smem.at[slot], (bk, bq)), s, bias)  # S^T: keys x queries
                 lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:  # the query length needs no mask here: its rows' P is 0 (LSE +inf)
@@ -1291,6 +1388,9 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
                 if s.mask is not None:  # both warpgroups' keys x the block's queries
                     tiles = x.mask_tiles(s, bi, head).at[pl.ds(tile * (2 * bk), 2 * bk), pl.ds(i * bq, bq)]
                     plgpu.copy_gmem_to_smem(tiles, mask_smem.at[slot], mask_loaded.at[slot])
+                if s.bias is not None:
+                    tiles = x.bias_tiles(s, bi, head).at[pl.ds(tile * (2 * bk), 2 * bk), pl.ds(i * bq, bq)]
+                    plgpu.copy_gmem_to_smem(tiles, bias_smem.at[slot], bias_loaded.at[slot])
 
             _fill_ring(ring_steps, s_stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
@@ -1309,13 +1409,16 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             plgpu.SMEM((s_stages, bq), jnp.int32) if s.segments else None,
             plgpu.SMEM((s_stages, bq), jnp.uint32) if s.dropout_threshold is not None else None,
             plgpu.SMEM((s_stages, 2 * bk, bq), jnp.int8, transforms=_byte_tiles(bq)) if s.mask else None,
+            plgpu.SMEM((s_stages, 2 * bk, bq), dtype, transforms=tiled) if s.bias else None,
         ]
         ring = plgpu.Barrier(num_barriers=s_stages)
         pl.run_scoped(
             lambda *scoped: kernel(ins[:6], _ExtraRefs.of(ins[6:], s), *outs, scoped),
             scratch,
             (ring,) * 4
-            + tuple(ring if on else None for on in (s.segments, s.dropout_threshold is not None, s.mask)),
+            + tuple(
+                ring if on else None for on in (s.segments, s.dropout_threshold is not None, s.mask, s.bias)
+            ),
             plgpu.Barrier(num_barriers=(3 if s.segments else 2, 2)),
             plgpu.Barrier(num_arrivals=2, num_barriers=s_stages),
             collective_axes="wg",
@@ -1347,9 +1450,13 @@ def backward(
     *,
     config: Optional[BwdConfig] = None,
     interpret: bool = False,
+    need_dbias: bool = True,
 ):
-    """``(dq, dk, dv, None)`` of the forward kernel's ``(out, lse)`` for cotangents ``(d_out, d_lse)``
-    (``d_lse`` may be None), with the Mosaic GPU dQ and dK / dV kernels (head dims 64 and 128)."""
+    """``(dq, dk, dv, dbias)`` of the forward kernel's ``(out, lse)`` for cotangents ``(d_out, d_lse)``
+    (``d_lse`` may be None), with the Mosaic GPU dQ and dK / dV kernels (head dims 64 and 128).
+    ``dbias`` is None without a bias or when ``need_dbias`` is False; else the dQ kernel writes the
+    logits' gradient ``dS`` (``[B, N, T, S]`` float32) and XLA zeroes what no query sees (the tiles no
+    step reached) and sums it over the bias's broadcast dimensions."""
     if config is not None and not isinstance(config, BwdConfig):
         raise TypeError(f"`bwd_config` must be a mosaic_flash.BwdConfig or None; got {type(config).__name__}")
     cfg = config or BwdConfig()
@@ -1369,33 +1476,67 @@ def backward(
     pad_rows = ((0, 0), (0, s.Tp - T), (0, 0), (0, 0))
     pad_keys = ((0, 0), (0, s.Sp - S), (0, 0), (0, 0))
 
+    dbias = need_dbias and args.bias is not None
+
     def run(q, k, v, do, lse2, delta, *extras):
+        raw = extras
         q, do = jnp.pad(q, pad_rows), jnp.pad(do.astype(q.dtype), pad_rows)
         k, v = jnp.pad(k, pad_keys), jnp.pad(v, pad_keys)
         lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, s.Tp - T)), constant_values=jnp.inf)
         delta = jnp.pad(delta, ((0, 0), (0, 0), (0, s.Tp - T)))
         extras = _kernel_extras(extras, s, q.shape[2])
-        dq = _dq_call(
-            q, k, v, do, lse2, delta, _with_flags(extras, s, 64, cfg.block_kv_dq), s, cfg, interpret
-        )
+        dq_extras = _with_flags(extras, s, 64, cfg.block_kv_dq)
+        dq = _dq_call(q, k, v, do, lse2, delta, dq_extras, s, cfg, interpret, dbias=dbias)
         dkv_extras = _dkv_extras(extras, s, cfg.block_q_dkv)
         dk, dv = _dkv_call(q, k, v, do, lse2, delta, dkv_extras, s, cfg, interpret)
-        return dq[:, :T], dk[:, :S], dv[:, :S]
+        if not dbias:
+            return dq[:, :T], dk[:, :S], dv[:, :S]
+        dq, ds = dq
+        return dq[:, :T], dk[:, :S], dv[:, :S], _bias_grad(_with_extras(args, q, k, v, raw), ds[:, :, :T, :S])
 
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
     operands = (args.q, args.k, args.v, d_out, lse2, delta, *_extras(args), d_lse)
     if interpret:
-        dq, dk, dv = run(*operands[:-1])
+        grads = run(*operands[:-1])
     else:
 
         def on_cpu(q, k, v, do, lse2, delta, *rest):  # lowered in multi-platform exports, never run
             *extras, d_lse = rest
-            return tuple(base.reference_vjp(_with_extras(args, q, k, v, extras), do, d_lse)[:3])
+            grads = base.reference_vjp(_with_extras(args, q, k, v, extras), do, d_lse)
+            return tuple(grads[:4] if dbias else grads[:3])
 
         # The cotangents, segment ids and dropout seed are operands (a closure would make them
         # constants of the other branch).
-        dq, dk, dv = triton_common.gpu_call(lambda *a: run(*a[:-1]), on_cpu, operands)
-    return dq, dk, dv, None
+        grads = triton_common.gpu_call(lambda *a: run(*a[:-1]), on_cpu, operands)
+    dq, dk, dv, *rest = grads
+    return dq, dk, dv, (rest[0] if dbias else None)
+
+
+def _bias_grad(args: base.AttentionArgs, ds):
+    """The bias's gradient from the dQ kernel's ``dS [B, N, T, S]``: zero where no query sees the key
+    (the causal / window band, lengths, segment ids, the mask: tiles there were never written),
+    summed over the bias's broadcast dimensions, in its dtype."""
+    T, S = ds.shape[2:]
+    i = jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1)
+    j = jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S)
+    per_batch = lambda x, shape: None if x is None else x.reshape(shape)  # noqa: E731
+    seen = base.index_mask(
+        i,
+        j,
+        causal=args.causal,
+        diag_offset=args.diag_offset,
+        window=args.window,
+        q_len=per_batch(args.q_seq_lengths, (-1, 1, 1, 1)),
+        kv_len=per_batch(args.kv_seq_lengths, (-1, 1, 1, 1)),
+        q_seg=per_batch(args.q_segment_ids, (-1, 1, T, 1)),
+        kv_seg=per_batch(args.kv_segment_ids, (-1, 1, 1, S)),
+    )
+    if args.mask is not None:
+        seen = args.mask if seen is None else seen & args.mask
+    if seen is not None:
+        ds = jnp.where(seen, ds, 0.0)
+    axes = tuple(a for a in range(4) if args.bias.shape[a] == 1 and ds.shape[a] != 1)
+    return ds.sum(axis=axes, keepdims=True).astype(args.bias.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1472,10 +1613,20 @@ def unsupported(
     tiles = max(-(-args.q_len // 128), -(-args.kv_len // 128))
     if args.batch > 65535 or tiles > 65535:
         reasons.append(f"batch={args.batch} / 128-row tiles={tiles} exceed the CUDA grid limit 65535")
-    if args.bias is not None:
+    if args.bias is not None and jnp.dtype(args.bias.dtype) != jnp.dtype(args.dtype):
         reasons.append(
-            "an additive `bias` is not in the Mosaic GPU kernel (the Triton flash kernel takes one)"
+            f"the Mosaic GPU kernel streams an additive `bias` in the inputs' dtype "
+            f"({jnp.dtype(args.dtype).name}); this one is {jnp.dtype(args.bias.dtype).name} (rounding it "
+            f"would change the logits; the Triton flash kernel takes it as it is)"
         )
+    if not reasons:
+        fwd_cfg = Config.heuristics(args.head_dim, bias=args.bias is not None)
+        configs = [fwd_cfg] + ([BwdConfig()] if args.head_dim in _BWD_HEAD_DIMS else [])
+        for cfg in configs:
+            try:
+                _check_smem(cfg, args)
+            except ValueError as e:
+                reasons.append(f"{e} (the Triton flash kernel has room)")
     if not args.scale > 0:
         reasons.append(f"the Mosaic GPU kernel needs a positive softmax scale (got {args.scale})")
     return reasons
@@ -1503,6 +1654,7 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
         kv_lengths=args.kv_seq_lengths is not None,
         window=None if args.window is None else tuple(int(w) for w in args.window),
         mask=None if args.mask is None else (args.mask.shape[0] > 1, args.mask.shape[1] > 1),
+        bias=None if args.bias is None else (args.bias.shape[0] > 1, args.bias.shape[1] > 1),
     )
 
 
@@ -1514,6 +1666,7 @@ def _check_smem(cfg, args: base.AttentionArgs):
         segments=args.q_segment_ids is not None,
         dropout=args.has_dropout,
         mask=args.mask is not None,
+        bias=args.bias is not None,
     )
     if need > _SMEM_BYTES:
         raise ValueError(
@@ -1535,6 +1688,8 @@ def _extras(args: base.AttentionArgs) -> tuple:
             extras += (lengths.astype(jnp.int32),)
     if args.mask is not None:
         extras += (args.mask,)
+    if args.bias is not None:
+        extras += (args.bias,)
     return extras
 
 
@@ -1542,7 +1697,8 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
     """:func:`_extras` as the kernels read them: the segment ids padded to ``(Tp, Sp)`` (the padded
     rows and keys are masked otherwise); for the seed every query row's dropout hash
     (:func:`base.dropout_row_hash`, ``[B, heads, Tp]`` uint32: loaded like the LSE); the lengths as
-    they are; a boolean mask as int8 ``[1 or B, 1 or N, Tp, Sp]`` (0 on the padding)."""
+    they are; a boolean mask as int8 ``[1 or B, 1 or N, Tp, Sp]`` (0 on the padding), a bias the same
+    way in its dtype."""
     out = []
     rest = list(extras)
     if s.segments:
@@ -1558,12 +1714,18 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
         n = jnp.arange(heads, dtype=u32)[None, :, None]
         i = jnp.arange(s.Tp, dtype=u32)[None, None, :]
         out.append(base.dropout_row_hash(seed[0], seed[1], b, n, i))
+
+    def planes(x, dtype):  # broadcast rows / keys made full (rows to Tp: the padded ones)
+        B_, N_, T, _ = x.shape
+        x = jnp.broadcast_to(x, (B_, N_, T if T > 1 else s.Tp, s.S)).astype(dtype)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, s.Tp - x.shape[2]), (0, s.Sp - s.S)))
+
+    bias = rest.pop() if s.bias is not None else None
     if s.mask is not None:
-        mask = rest.pop()
-        Bm, Nm, T, _ = mask.shape  # broadcast rows / keys made full (rows to Tp: the padded ones)
-        mask = jnp.broadcast_to(mask, (Bm, Nm, T if T > 1 else s.Tp, s.S)).astype(jnp.int8)
-        rest.append(jnp.pad(mask, ((0, 0), (0, 0), (0, s.Tp - mask.shape[2]), (0, s.Sp - s.S))))
-    return (*out, *rest)  # the lengths, the mask
+        rest.append(planes(rest.pop(), jnp.int8))
+    if bias is not None:
+        rest.append(planes(bias, bias.dtype))
+    return (*out, *rest)  # the lengths, the mask, the bias
 
 
 def _block_flags(extras: tuple, s: _Shape, rows: int, keys: int):
@@ -1580,7 +1742,7 @@ def _block_flags(extras: tuple, s: _Shape, rows: int, keys: int):
         k_lo, k_hi = k.min(-1)[:, None, :], k.max(-1)[:, None, :]
         flags = ((q_lo <= k_hi) & (k_lo <= q_hi))[:, None]
     if s.mask is not None:
-        mask = extras[-1]
+        mask = extras[-2 if s.bias is not None else -1]
         Bm, Nm = mask.shape[:2]
         any_kept = (mask.reshape(Bm, Nm, nr, rows, nk, keys) != 0).any(axis=(3, 5))
         flags = any_kept if flags is None else flags & any_kept
@@ -1593,14 +1755,16 @@ def _with_flags(extras: tuple, s: _Shape, rows: int, keys: int) -> tuple:
 
 
 def _dkv_extras(extras: tuple, s: _Shape, rows: int) -> tuple:
-    """:func:`_kernel_extras` for the dK / dV kernel (query blocks of ``rows``): the mask ``[.., Sp,
-    Tp]`` (its tiles are keys x queries there), the block flags of 64-key tiles x query blocks."""
-    if not s.every_block_masked:
-        return extras
-    flags = jnp.swapaxes(_block_flags(extras, s, rows, 64), 2, 3)
-    if s.mask is not None:
-        extras = (*extras[:-1], jnp.swapaxes(extras[-1], 2, 3))
-    return (*extras, flags)
+    """:func:`_kernel_extras` for the dK / dV kernel (query blocks of ``rows``): the mask and the bias
+    ``[.., Sp, Tp]`` (their tiles are keys x queries there), the block flags of 64-key tiles x query
+    blocks."""
+    flags = None
+    if s.every_block_masked:
+        flags = jnp.swapaxes(_block_flags(extras, s, rows, 64), 2, 3)
+    planes = (s.mask is not None) + (s.bias is not None)
+    if planes:
+        extras = (*extras[:-planes], *(jnp.swapaxes(x, 2, 3) for x in extras[-planes:]))
+    return extras if flags is None else (*extras, flags)
 
 
 def _with_extras(args: base.AttentionArgs, q, k, v, extras):
@@ -1618,6 +1782,8 @@ def _with_extras(args: base.AttentionArgs, q, k, v, extras):
         args = args.replace(kv_seq_lengths=extras.pop(0))
     if args.mask is not None:
         args = args.replace(mask=extras.pop(0))
+    if args.bias is not None:
+        args = args.replace(bias=extras.pop(0))
     return args
 
 
@@ -1628,7 +1794,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
     """
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"`config` must be a mosaic_flash.Config or None; got {type(config).__name__}")
-    cfg = config or Config.heuristics(args.head_dim)
+    cfg = config or Config.heuristics(args.head_dim, bias=args.bias is not None)
     _check_smem(cfg, args)
     s = _shape(args, cfg)
     T, S = args.q_len, args.kv_len
@@ -1700,7 +1866,7 @@ def attention(
         )
     if interpret:
         return _interpreted_vjp(args, fwd, bwd)
-    return sharded.attention_vjp(args, fwd, bwd, name="Pallas Mosaic GPU flash")
+    return sharded.attention_vjp(args, fwd, bwd, name="Pallas Mosaic GPU flash", skips_dbias=True)
 
 
 def _interpreted_vjp(args: base.AttentionArgs, fwd, bwd):
@@ -1710,18 +1876,17 @@ def _interpreted_vjp(args: base.AttentionArgs, fwd, bwd):
     ``custom_partitioning``), which cannot lower the GPU interpreter's ordered host callbacks."""
 
     @jax.custom_vjp
-    def run(q, k, v):
-        return fwd(args.replace(q=q, k=k, v=v))
+    def run(q, k, v, bias):
+        return fwd(args.replace(q=q, k=k, v=v, bias=bias))
 
-    def run_fwd(q, k, v):
-        out, lse = run(q, k, v)
-        return (out, lse), (q, k, v, out, lse)
+    def run_fwd(q, k, v, bias):
+        out, lse = run(q, k, v, bias)
+        return (out, lse), (q, k, v, bias, out, lse)
 
     def run_bwd(res, g):
-        q, k, v, out, lse = res
+        q, k, v, bias, out, lse = res
         d_out, d_lse = g
-        dq, dk, dv, _ = bwd(args.replace(q=q, k=k, v=v), out, lse, d_out, d_lse)
-        return dq, dk, dv
+        return bwd(args.replace(q=q, k=k, v=v, bias=bias), out, lse, d_out, d_lse)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(args.q, args.k, args.v)
+    return run(args.q, args.k, args.v, args.bias)

@@ -112,7 +112,8 @@ class TestCudnnCompiled(_Compiled):
 # lengths (padded keys masked in the last block), several query tiles and a ring refilled many times,
 # rows a bottom-right diagonal leaves without a key, the logits soft cap, segment ids (every block
 # masked; rows whose segment has no key when T != S), dropout (the keep bits of every other backend),
-# per-batch query / key lengths (read as scalars in the kernels; blocks past them skipped), boolean masks.
+# per-batch query / key lengths (read as scalars in the kernels; blocks past them skipped), boolean masks,
+# an additive bias.
 MOSAIC_GRID = [
     Case(dt, causal, T, S, H, g, K=K, B=B, jit=jit, extra=extra)
     for dt, causal, T, S, H, g, K, B, jit, extra in (
@@ -140,6 +141,9 @@ MOSAIC_GRID = [
     Case("bfloat16", "none", 1024, 1024, 128, 2, K=2, B=2, mask="bool"),
     Case("float16", "lower_right", 300, 1000, 64, 2, K=1, B=1, mask="bool", extra="segments"),
     Case("bfloat16", "top_left", 512, 512, 256, 1, K=1, B=2, mask="bool", dropout=0.25),
+    # an additive bias in the inputs' dtype (and its gradient)
+    Case("bfloat16", "top_left", 1024, 1024, 128, 2, K=2, B=1, mask="additive"),
+    Case("float16", "none", 300, 1000, 64, 2, K=1, B=2, mask="additive", dropout=0.25, extra="softcap"),
 ]
 
 # Local windows (left, right): rings that start past block 0, bands with masked blocks on both sides
@@ -162,7 +166,6 @@ MOSAIC_WINDOWS = [
 class TestMosaicFlashCompiled(_Compiled):
     impl = staticmethod(mosaic_flash.attention)
     dtypes = ("bfloat16", "float16")
-    supports_bias = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda")

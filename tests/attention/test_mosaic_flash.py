@@ -41,7 +41,9 @@ needs_interpret = pytest.mark.skipif(
 # output 0 and LSE -inf); the logits soft cap, forward and backward (at head dim 256 Triton's backward),
 # with rows that see no key too; causal at head dim 256 (64-key forward blocks); boolean masks (a ring of
 # int8 tiles, transposed for dK / dV; every block masked) with causal, GQA, ragged lengths, segment ids,
-# dropout and lengths. Local windows are in WINDOW_GRID.
+# dropout and lengths; an additive bias (a ring of tiles in the inputs' dtype, transposed for dK / dV;
+# its gradient from the dQ kernel's dS) with causal, GQA, soft cap, dropout, lengths and a mask, head dim
+# 256 (the Triton backward's dbias). Local windows are in WINDOW_GRID.
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
@@ -67,6 +69,10 @@ MOSAIC_GRID = [
     Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=2, mask="bool"),
     Case("bfloat16", "top_left", 300, 300, 256, 1, K=1, B=2, mask="bool", extra="segments"),
     Case("float16", "none", 130, 200, 64, 2, K=2, B=2, mask="bool", dropout=0.25, extra="lengths"),
+    Case("bfloat16", "none", 256, 256, 64, 1, K=1, B=1, mask="additive"),
+    Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=2, mask="additive", extra="softcap"),
+    Case("bfloat16", "top_left", 300, 300, 64, 2, K=1, B=2, mask="additive", dropout=0.25, extra="lengths"),
+    Case("float16", "none", 130, 200, 128, 1, K=1, B=1, mask="additive", extra="segments"),
 ]
 
 # Local windows (left, right): the ring starts past block 0, the second warpgroup releases the blocks
@@ -89,7 +95,6 @@ WINDOW_GRID = [
 class TestMosaicFlashInterpret(AttentionTestBase):
     impl = staticmethod(functools.partial(mosaic_flash.attention, interpret=True))
     dtypes = ("bfloat16", "float16")
-    supports_bias = False
 
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
@@ -147,6 +152,21 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         for rows, keys in ((64, cfg.block_kv), (64, bwd.block_kv_dq), (bwd.block_q_dkv, 64)):
             flags = mosaic_flash._block_flags(extras, s, rows, keys)
             assert 0 < int((flags == 0).sum()) < flags.size, (rows, keys)
+        self.check(args)
+
+    def test_bias_broadcasts_with_a_mask_and_minus_inf(self):
+        """A bias per batch over the keys ``[B, 1, 1, S]`` (ALiBi-like, broadcast over heads and rows)
+        with a boolean mask and ``-inf`` entries (whole rows of them: output 0, LSE -inf), causal with a
+        window: forward and gradients (dbias summed over the broadcast dimensions) against the
+        reference."""
+        args = make_case(Case("float16", "top_left", 256, 300, 64, 2, K=1, B=2, mask="bool"), seed=5)
+        rng = np.random.default_rng(6)
+        bias = rng.normal(size=(2, 1, 1, 300)).astype(np.float32)
+        bias[0, ..., 10:40] = -np.inf
+        mask = np.asarray(args.mask).copy()
+        mask[1, :, 100:120] = False  # rows with no key in batch 1
+        args = args.replace(bias=jnp.asarray(bias, jnp.float16), mask=jnp.asarray(mask), window=(150, 0))
+        assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
     def test_fully_masked_rows_give_zero_output_and_grads(self):
@@ -231,7 +251,8 @@ def _args(dtype=jnp.bfloat16, T=128, S=128, H=64, Hv=None, **kw):
         (dict(dtype=jnp.float32), "float16 / bfloat16"),
         (dict(H=80), "head dims of 64, 128 or 256"),
         (dict(Hv=128), "head dims of 64, 128 or 256"),
-        (dict(bias=jnp.zeros((1, 1, 128, 128))), "bias"),
+        (dict(bias=jnp.zeros((1, 1, 128, 128))), "bias` in the inputs' dtype"),
+        (dict(H=256, bias=jnp.zeros((1, 1, 128, 128), jnp.bfloat16)), "shared memory"),
         (dict(scale=-1.0), "positive softmax scale"),
     ],
 )
@@ -322,6 +343,9 @@ def _export(f, platforms, *args):
         (200, 333, 64, 2, False, jnp.bfloat16, None, "mask", 0.0),
         (256, 300, 128, 1, True, jnp.float16, 30.0, "mask", 0.1),
         (128, 192, 256, 2, True, jnp.bfloat16, None, "mask", 0.0),
+        (200, 333, 64, 2, True, jnp.bfloat16, 30.0, "bias", 0.1),
+        (256, 256, 128, 1, False, jnp.float16, None, "bias", 0.0),
+        (128, 192, 128, 1, False, jnp.bfloat16, None, "bias", 0.0),
     ],
 )
 def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, index_mask, dropout):
@@ -339,6 +363,8 @@ def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, ind
         masks = dict(window=(100, 30))
     elif index_mask == "mask":  # per batch and head
         masks = dict(mask=jnp.ones((2, 2 * G, T, S), bool))
+    elif index_mask == "bias":  # per head, broadcast over the batch
+        masks = dict(bias=jnp.zeros((1, 2 * G, T, S), dtype))
     if dropout:
         masks.update(dropout_rate=dropout, dropout_rng=jax.random.key(0))
     args = base.make_args(
@@ -356,6 +382,24 @@ def test_forward_and_gradient_lower_for_cuda(T, S, H, G, causal, dtype, cap, ind
         assert kernels == 3 and "__gpu$xla.gpu.triton" not in text
     else:  # head dim 256: the Triton backward
         assert kernels == 1 and "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 256, 320), (1, 1, 1, 320)])
+def test_bias_gradient_lowers_for_cuda(bias_shape):
+    """The gradient w.r.t. a bias (full, and broadcast over batch, heads and rows): the dQ kernel's dS
+    output (``[B, N, Tp, Sp]`` float32), then XLA's sum; without the bias's gradient, no dS."""
+    q = jnp.zeros((2, 256, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 320, 2, 64), jnp.bfloat16)
+    bias = jnp.zeros(bias_shape, jnp.bfloat16)
+
+    def loss(q, k, bias):
+        args = base.make_args(q, k, k, bias=bias, is_causal=True, diag_offset=64)
+        return mosaic_flash.attention(args)[0].astype(jnp.float32).sum()
+
+    text = _export(jax.grad(loss, (0, 1, 2)), ["cuda"], q, k, bias).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 3 and "2x4x256x384xf32" in text
+    text = _export(jax.grad(loss, (0, 1)), ["cuda"], q, k, bias).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 3 and "2x4x256x384xf32" not in text
 
 
 def test_vmap_lowers_for_cuda():
@@ -435,7 +479,7 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "mosaic_flash"
             assert "flash_cuda_kernel='mosaic'" in e.kernel
-            # Segment ids, dropout, lengths, a local window and a boolean mask run in it too.
+            # Segment ids, dropout, lengths, a local window, a boolean mask and a bias run in it too.
             seg = jnp.zeros((1, 256), jnp.int32)
             e = jb.explain(
                 q,
@@ -447,12 +491,13 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
                 key_value_seq_lengths=jnp.asarray([100]),
                 local_window_size=(8, 0),
                 mask=jnp.ones((1, 1, 256, 256), bool),
+                bias=jnp.zeros((1, 2, 256, 256), q.dtype),
                 **kw,
             )
             assert e.implementation == "mosaic_flash", e
             # A call it cannot run: FLASH is unavailable, and the reason is the kernel's.
-            e = jb.explain(q, q, q, bias=jnp.zeros((1, 1, 256, 256), q.dtype), **kw)
-            assert e.chosen is None and "bias" in e.reasons[SDPBackend.FLASH_ATTENTION]
+            e = jb.explain(q, q, q, bias=jnp.zeros((1, 1, 256, 256), jnp.float32), **kw)
+            assert e.chosen is None and "float32" in e.reasons[SDPBackend.FLASH_ATTENTION]
         with jb.with_backends(flash_cuda_kernel="triton"):
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "triton_flash" and "flash_cuda_kernel='triton'" in e.kernel
