@@ -312,6 +312,14 @@ def _fill_ring(ring_steps, stages: int, load, wait_free):
         wait_free(lax.rem(j, jnp.int32(stages)))
 
 
+def _wait_all(barriers, slot):
+    """Waits on each of ``barriers`` (None where absent) at ``slot``: a ring slot's "loaded" barriers,
+    each of which a compute warpgroup must pass once per block, used or not."""
+    for bar in barriers:
+        if bar is not None:
+            _plgpu().barrier_wait(bar.at[slot])
+
+
 def _keep(
     s: _Shape,
     q_start,
@@ -597,11 +605,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 # is waited for first: an early arrival would count toward the slot's previous use,
                 # which the other warpgroup may still be reading.
                 slot = slot_of(j)
-                plgpu.barrier_wait(k_loaded.at[slot])
-                plgpu.barrier_wait(v_loaded.at[slot])
-                for bar in (kvseg_loaded, mask_loaded, bias_loaded):
-                    if bar is not None:
-                        plgpu.barrier_wait(bar.at[slot])
+                _wait_all((k_loaded, v_loaded, kvseg_loaded, mask_loaded, bias_loaded), slot)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 schedule_turn()
@@ -698,9 +702,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 # for at the previous step): released as the other warpgroup's are, then the next
                 # block's keys awaited as a step does.
                 slot = slot_of(j)
-                for bar in (v_loaded, kvseg_loaded, mask_loaded, bias_loaded):
-                    if bar is not None:
-                        plgpu.barrier_wait(bar.at[slot])
+                _wait_all((v_loaded, kvseg_loaded, mask_loaded, bias_loaded), slot)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 schedule_turn()
@@ -1018,11 +1020,7 @@ def _dq_call(
                 # the slot is refilled would count toward its previous use, which the other
                 # warpgroup may still be reading.
                 slot = slot_of(j)
-                plgpu.barrier_wait(k_loaded.at[slot])
-                plgpu.barrier_wait(v_loaded.at[slot])
-                for bar in (kvseg_loaded, mask_loaded, bias_loaded):
-                    if bar is not None:
-                        plgpu.barrier_wait(bar.at[slot])
+                _wait_all((k_loaded, v_loaded, kvseg_loaded, mask_loaded, bias_loaded), slot)
                 plgpu.barrier_arrive(consumed.at[slot])
 
             if s.window is not None:
@@ -1271,9 +1269,7 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
             dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
             def wait_slot(slot):
-                for bar in loaded:
-                    if bar is not None:
-                        plgpu.barrier_wait(bar.at[slot])
+                _wait_all(loaded, slot)
 
             def step(i, carry, g, masked: bool):
                 dk, dv = carry
