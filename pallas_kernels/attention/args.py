@@ -375,7 +375,12 @@ def make_args(
         raise ValueError(f"`scale` must be a finite float; got {scale=}")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
-    diag_offset = int(diag_offset)
+    # Only key - query distances in [-(T - 1), S - 1] occur, so a diagonal or a window edge past them
+    # means what it means at their end: both are clamped to [-T, S] (the window re-expressed around
+    # the clamped diagonal), so that the kernels' int32 index arithmetic cannot wrap (a diag_offset of
+    # 2**40, a window side of 2**31 - 1).
+    given_offset = int(diag_offset)
+    diag_offset = min(max(given_offset, -T), S)
     if window is not None:
         if (
             not isinstance(window, (tuple, list))
@@ -383,10 +388,9 @@ def make_args(
             or any(not isinstance(w, (int, np.integer)) or w < 0 for w in window)
         ):
             raise ValueError(f"`window` must be a (left, right) pair of ints >= 0; got {window=}")
-        # A side wider than every distance between a query and a key masks nothing more: clamped, so
-        # that the kernels' int32 index arithmetic cannot wrap (e.g. a right side of 2**31 - 1).
-        cap = T + S + abs(diag_offset)
-        window = (min(int(window[0]), cap), min(int(window[1]), cap))
+        lo = min(max(given_offset - int(window[0]), -T), S)
+        hi = min(max(given_offset + int(window[1]), -T), S)
+        window = (diag_offset - lo, hi - diag_offset)
     if q_seq_lengths is not None:
         q_seq_lengths = _check_lengths("q_seq_lengths", q_seq_lengths, B, T)
     if kv_seq_lengths is not None:

@@ -1512,23 +1512,7 @@ def _bias_grad(args: base.AttentionArgs, ds):
     """The bias's gradient from the dQ kernel's ``dS [B, N, T, S]``: zero where no query sees the key
     (the causal / window band, lengths, segment ids, the mask: tiles there were never written),
     summed over the bias's broadcast dimensions, in its dtype."""
-    T, S = ds.shape[2:]
-    i = jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1)
-    j = jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S)
-    per_batch = lambda x, shape: None if x is None else x.reshape(shape)  # noqa: E731
-    seen = base.index_mask(
-        i,
-        j,
-        causal=args.causal,
-        diag_offset=args.diag_offset,
-        window=args.window,
-        q_len=per_batch(args.q_seq_lengths, (-1, 1, 1, 1)),
-        kv_len=per_batch(args.kv_seq_lengths, (-1, 1, 1, 1)),
-        q_seg=per_batch(args.q_segment_ids, (-1, 1, T, 1)),
-        kv_seg=per_batch(args.kv_segment_ids, (-1, 1, 1, S)),
-    )
-    if args.mask is not None:
-        seen = args.mask if seen is None else seen & args.mask
+    seen = base.full_mask(args)
     if seen is not None:
         ds = jnp.where(seen, ds, 0.0)
     axes = tuple(a for a in range(4) if args.bias.shape[a] == 1 and ds.shape[a] != 1)

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels.attention import base
 from tests.attention.attention_base import AttentionTestBase, Case, assert_close, make_case
@@ -108,13 +109,37 @@ def test_top_left_causal_call_has_no_pass_over_the_output():
     assert fixed is not out
 
 
+@pytest.mark.parametrize(
+    "kw, same_as",
+    [
+        (dict(is_causal=True, diag_offset=2**40), dict()),  # every key on or below the diagonal
+        (dict(is_causal=True, diag_offset=-(2**40)), dict(is_causal=True, diag_offset=-6)),  # none
+        (dict(diag_offset=2**40, window=(2**40 + 2, 0)), dict(window=(2, 6))),  # j - i >= -2
+        (dict(is_causal=True, diag_offset=2**35, window=(2**35 + 1, 7)), dict(window=(1, 6))),  # j - i >= -1
+    ],
+)
+def test_a_diagonal_past_the_sequences_is_clamped_to_the_same_mask(kw, same_as):
+    """A diag_offset beyond every key - query distance (alone or with a window that brings the band
+    back) is clamped to one that masks the same: no int32 wrap in the kernels' index arithmetic."""
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 6, 2, 8)), jnp.float32) for _ in range(3))
+    args = base.make_args(q, k, v, **kw)
+    assert -6 <= args.diag_offset <= 6 and all(0 <= w <= 12 for w in args.window or ())
+
+    def dense(a):
+        m = base.full_mask(a)
+        return np.broadcast_to(np.asarray(True if m is None else m), (1, 1, 6, 6))
+
+    np.testing.assert_array_equal(dense(args), dense(base.make_args(q, k, v, **same_as)))
+
+
 def test_a_window_wider_than_the_sequences_is_clamped_and_masks_nothing_more():
     """A window side past every query-key distance is clamped (the kernels' int32 index arithmetic
     would wrap at 2**31 - 1 and empty rows), and the result equals no window at all."""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.normal(size=(1, 6, 2, 8)), jnp.float32) for _ in range(3))
     args = base.make_args(q, k, v, window=(2**31 - 1, 2**31 - 1), diag_offset=3)
-    assert args.window == (15, 15)
+    assert args.window == (9, 3)  # key - query distances from -6 to 6 around the diagonal at 3
     assert base.rows_without_keys(args) is None
     out, lse = base.reference(args)
     want, want_lse = base.reference(base.make_args(q, k, v))
