@@ -1475,7 +1475,7 @@ def backward(
     dbias = need_dbias and args.bias is not None
 
     def run(q, k, v, do, lse2, delta, *extras):
-        raw = extras
+        raw = (q, k, v, extras)  # the unpadded operands (the bias gradient's mask)
         q, do = jnp.pad(q, pad_rows), jnp.pad(do.astype(q.dtype), pad_rows)
         k, v = jnp.pad(k, pad_keys), jnp.pad(v, pad_keys)
         lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, s.Tp - T)), constant_values=jnp.inf)
@@ -1488,7 +1488,7 @@ def backward(
         if not dbias:
             return dq[:, :T], dk[:, :S], dv[:, :S]
         dq, ds = dq
-        return dq[:, :T], dk[:, :S], dv[:, :S], _bias_grad(_with_extras(args, q, k, v, raw), ds[:, :, :T, :S])
+        return dq[:, :T], dk[:, :S], dv[:, :S], _bias_grad(_with_extras(args, *raw), ds[:, :, :T, :S])
 
     d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
     operands = (args.q, args.k, args.v, d_out, lse2, delta, *_extras(args), d_lse)
