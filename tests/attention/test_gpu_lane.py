@@ -199,6 +199,23 @@ class TestMosaicFlashCompiled(_Compiled):
         assert not reasons, reasons
         self.check(args)
 
+    def test_config_the_interpreter_deadlocks_on(self, monkeypatch):
+        """A window past a diagonal offset, with dropout, under ``Config(block_kv=192, stages=2)``: on a
+        2-core CPU the GPU interpreter deadlocks on it (XLA runs each warpgroup's program on a thread
+        pool as wide as the cores; two compute warpgroups block on barriers there and the memory
+        warpgroup never starts: no barrier event of it is ever logged), so only the compiled kernel
+        can show that its barrier protocol completes here."""
+        case = Case("bfloat16", "none", 513, 257, 64, 2, K=1, B=1, dropout=0.25)
+        args = make_case(case, seed=3).replace(diag_offset=100, window=(300, 5))
+        reasons = mosaic_flash.unsupported(args, "cuda")
+        if reasons and all("ptxas" in r for r in reasons):
+            pytest.skip(reasons[0])  # windows on a CUDA 12.8 / 12.9 runtime
+        assert not reasons, reasons
+        config = mosaic_flash.Config(block_kv=192, stages=2)
+        impl = functools.partial(mosaic_flash.attention, config=config)
+        monkeypatch.setattr(type(self), "impl", staticmethod(impl))  # what self.run calls
+        self.check(args)
+
     def test_large_soft_cap_saturates_accurately(self):
         """A cap of 30 with logits of tens: tanh near +-1, where 1 - tanh^2 (the backward) loses
         precision first."""
