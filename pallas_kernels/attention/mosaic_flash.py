@@ -367,9 +367,10 @@ def _keep(
 
 def _byte_tiles(width: int):
     """Shared-memory transforms of an int8 tile ``width`` bytes wide (the boolean mask's): swizzled
-    rows of up to 128 bytes, as TMA writes them."""
+    rows of 128 bytes where the width is a multiple of 128, else of 64 (a 192-key block: the tiling
+    must divide the width), as TMA writes them."""
     plgpu = _plgpu()
-    swizzle = min(width, 128)
+    swizzle = 128 if width % 128 == 0 else 64
     return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -1546,7 +1547,11 @@ def unsupported(
       []
       >>> bias = jnp.zeros((1, 1, 128, 128), jnp.bfloat16)
       >>> mosaic_flash.unsupported(base.make_args(x, x, x, bias=bias), "cuda", compute_capability=9.0)
-      ['an additive `bias` is not in the Mosaic GPU kernel (the Triton flash kernel takes one)']
+      []
+      >>> mosaic_flash.unsupported(
+      ...     base.make_args(x, x, x, bias=bias.astype(jnp.float32)), "cuda", compute_capability=9.0
+      ... )  # doctest: +ELLIPSIS
+      ["the Mosaic GPU kernel streams an additive `bias` in the inputs' dtype (bfloat16); this one is float32 ..."]
     """
     reasons = []
     why = available()
@@ -1811,7 +1816,7 @@ def attention(
     bwd_config=None,
     **opts,
 ):
-    """Flash attention with the Mosaic GPU kernels; differentiable w.r.t. q, k, v.
+    """Flash attention with the Mosaic GPU kernels; differentiable w.r.t. q, k, v and the bias.
 
     Args:
       args: canonical arguments (:func:`base.make_args`); see :func:`unsupported`.

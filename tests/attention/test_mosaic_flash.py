@@ -42,8 +42,8 @@ needs_interpret = pytest.mark.skipif(
 # with rows that see no key too; causal at head dim 256 (64-key forward blocks); boolean masks (a ring of
 # int8 tiles, transposed for dK / dV; every block masked) with causal, GQA, ragged lengths, segment ids,
 # dropout and lengths; an additive bias (a ring of tiles in the inputs' dtype, transposed for dK / dV;
-# its gradient from the dQ kernel's dS) with causal, GQA, soft cap, dropout, lengths and a mask, head dim
-# 256 (the Triton backward's dbias). Local windows are in WINDOW_GRID.
+# its gradient from the dQ kernel's dS) with causal, GQA, soft cap, dropout, lengths and a mask (refused at
+# head dim 256: shared memory). Local windows are in WINDOW_GRID.
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
@@ -402,6 +402,31 @@ def test_bias_gradient_lowers_for_cuda(bias_shape):
     assert text.count("custom_call @mosaic_gpu") == 3 and "2x4x256x384xf32" not in text
 
 
+@pytest.mark.parametrize(
+    "config, bwd_config",
+    [
+        (mosaic_flash.Config(block_kv=192), None),
+        (None, mosaic_flash.BwdConfig(block_kv_dq=192)),
+        (None, mosaic_flash.BwdConfig(block_q_dkv=192)),
+    ],
+    ids=["fwd", "dq", "dkv"],
+)
+def test_mask_tiles_of_192_keys_lower_for_cuda(config, bwd_config):
+    """A boolean mask under 192-wide blocks (a multiple of 64, not of 128): each kernel's int8 mask ring
+    takes a 64-byte swizzle there (a 128-byte one cannot tile 192 bytes, and failed to trace)."""
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, 64), jnp.bfloat16)
+    mask = jnp.ones((1, 1, 128, 384), bool)
+
+    def loss(q, k):
+        args = base.make_args(q, k, k, mask=mask)
+        out, lse = mosaic_flash.attention(args, config=config, bwd_config=bwd_config)
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    text = _export(jax.value_and_grad(loss, (0, 1)), ["cuda"], q, k).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 3
+
+
 def test_vmap_lowers_for_cuda():
     """vmap over the kernels (forward and gradient) lowers: the GPU-call wrapper batches them."""
     q = jnp.zeros((3, 1, 128, 2, 64), jnp.bfloat16)
@@ -423,6 +448,24 @@ def test_other_tile_configs_match_the_reference():
         interpret=True,
         config=mosaic_flash.Config(block_kv=64, stages=3),
         bwd_config=mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=128, stages=3),
+    )
+
+    class Check(AttentionTestBase):
+        impl = staticmethod(run)
+
+    Check().check(args)
+
+
+@needs_interpret
+def test_masks_under_192_wide_blocks_match_the_reference():
+    """A boolean mask with 192-key forward and dQ blocks and 192-query dK / dV blocks (the mask rings'
+    64-byte swizzle): forward and gradients against the float32 reference."""
+    args = make_case(Case("bfloat16", "none", 200, 384, 64, 2, K=1, B=1, mask="bool"), seed=8)
+    run = functools.partial(
+        mosaic_flash.attention,
+        interpret=True,
+        config=mosaic_flash.Config(block_kv=192),
+        bwd_config=mosaic_flash.BwdConfig(block_kv_dq=192, block_q_dkv=192),
     )
 
     class Check(AttentionTestBase):

@@ -33,6 +33,7 @@ MODULES = [
     "jbackends._src.verbose",
     "jbackends._src.nn_attention",
     "jbackends.xeon.run_cpu",
+    "pallas_kernels.attention.mosaic_flash",
 ]
 
 
