@@ -216,6 +216,19 @@ class TestMosaicFlashCompiled(_Compiled):
         monkeypatch.setattr(type(self), "impl", staticmethod(impl))  # what self.run calls
         self.check(args)
 
+    def test_packed_sequences_with_a_bias_under_128_query_dkv_steps(self, monkeypatch):
+        """Three packed sequences (tiles skipped by their flags), a per-head bias and its gradient, with
+        ``BwdConfig(block_q_dkv=128)``, under jit: a case the GPU interpreter hung on twice on a 2-core
+        CPU while the same call passed without jit (stop 28's review), so it is checked compiled."""
+        args = make_case(Case("bfloat16", "none", 256, 320, 64, 2, K=1, B=1, mask="additive"), seed=3)
+        docs_q = jnp.arange(256, dtype=jnp.int32) * 3 // 256
+        docs_k = jnp.arange(320, dtype=jnp.int32) * 3 // 320
+        args = args.replace(q_segment_ids=docs_q[None], kv_segment_ids=docs_k[None])
+        assert not mosaic_flash.unsupported(args, "cuda"), mosaic_flash.unsupported(args, "cuda")
+        impl = functools.partial(mosaic_flash.attention, bwd_config=mosaic_flash.BwdConfig(block_q_dkv=128))
+        monkeypatch.setattr(type(self), "impl", staticmethod(impl))
+        self.check(args)
+
     def test_large_soft_cap_saturates_accurately(self):
         """A cap of 30 with logits of tens: tanh near +-1, where 1 - tanh^2 (the backward) loses
         precision first."""
