@@ -199,6 +199,12 @@ class TestMosaicFlashCompiled(_Compiled):
         assert not reasons, reasons
         self.check(args)
 
+    def _check_with(self, monkeypatch, args, **configs):
+        """``self.check`` with the kernels under ``configs`` (``config`` / ``bwd_config``)."""
+        impl = functools.partial(mosaic_flash.attention, **configs)
+        monkeypatch.setattr(type(self), "impl", staticmethod(impl))  # what self.run calls
+        self.check(args)
+
     def test_config_the_interpreter_deadlocks_on(self, monkeypatch):
         """A window past a diagonal offset, with dropout, under ``Config(block_kv=192, stages=2)``: on a
         2-core CPU the GPU interpreter deadlocks on it (XLA runs each warpgroup's program on a thread
@@ -211,10 +217,7 @@ class TestMosaicFlashCompiled(_Compiled):
         if reasons and all("ptxas" in r for r in reasons):
             pytest.skip(reasons[0])  # windows on a CUDA 12.8 / 12.9 runtime
         assert not reasons, reasons
-        config = mosaic_flash.Config(block_kv=192, stages=2)
-        impl = functools.partial(mosaic_flash.attention, config=config)
-        monkeypatch.setattr(type(self), "impl", staticmethod(impl))  # what self.run calls
-        self.check(args)
+        self._check_with(monkeypatch, args, config=mosaic_flash.Config(block_kv=192, stages=2))
 
     def test_packed_sequences_with_a_bias_under_128_query_dkv_steps(self, monkeypatch):
         """Three packed sequences (tiles skipped by their flags), a per-head bias and its gradient, with
@@ -225,9 +228,7 @@ class TestMosaicFlashCompiled(_Compiled):
         docs_k = jnp.arange(320, dtype=jnp.int32) * 3 // 320
         args = args.replace(q_segment_ids=docs_q[None], kv_segment_ids=docs_k[None])
         assert not mosaic_flash.unsupported(args, "cuda"), mosaic_flash.unsupported(args, "cuda")
-        impl = functools.partial(mosaic_flash.attention, bwd_config=mosaic_flash.BwdConfig(block_q_dkv=128))
-        monkeypatch.setattr(type(self), "impl", staticmethod(impl))
-        self.check(args)
+        self._check_with(monkeypatch, args, bwd_config=mosaic_flash.BwdConfig(block_q_dkv=128))
 
     def test_large_soft_cap_saturates_accurately(self):
         """A cap of 30 with logits of tens: tanh near +-1, where 1 - tanh^2 (the backward) loses

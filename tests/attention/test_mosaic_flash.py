@@ -438,40 +438,35 @@ def test_vmap_lowers_for_cuda():
 
 
 @needs_interpret
-def test_other_tile_configs_match_the_reference():
-    """Configs other than the defaults (64-key forward steps over a ring of three; 128-wide backward
-    steps over a ring of three): forward and gradients against the float32 reference."""
-    case = Case("float16", "top_left", 256, 384, 64, 2, K=1, B=1)
-    args = make_case(case, seed=5)
-    run = functools.partial(
-        mosaic_flash.attention,
-        interpret=True,
-        config=mosaic_flash.Config(block_kv=64, stages=3),
-        bwd_config=mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=128, stages=3),
-    )
+@pytest.mark.parametrize(
+    "case, seed, config, bwd_config",
+    [
+        # 64-key forward steps over a ring of three; 128-wide backward steps over a ring of three
+        (
+            Case("float16", "top_left", 256, 384, 64, 2, K=1, B=1),
+            5,
+            mosaic_flash.Config(block_kv=64, stages=3),
+            mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=128, stages=3),
+        ),
+        # a boolean mask under 192-key forward / dQ blocks and 192-query dK / dV blocks (the mask
+        # rings' 64-byte swizzle)
+        (
+            Case("bfloat16", "none", 200, 384, 64, 2, K=1, B=1, mask="bool"),
+            8,
+            mosaic_flash.Config(block_kv=192),
+            mosaic_flash.BwdConfig(block_kv_dq=192, block_q_dkv=192),
+        ),
+    ],
+    ids=["rings_of_three", "mask_192_wide"],
+)
+def test_other_tile_configs_match_the_reference(case, seed, config, bwd_config):
+    """Configs other than the defaults: forward and gradients against the float32 reference."""
+    run = functools.partial(mosaic_flash.attention, interpret=True, config=config, bwd_config=bwd_config)
 
     class Check(AttentionTestBase):
         impl = staticmethod(run)
 
-    Check().check(args)
-
-
-@needs_interpret
-def test_masks_under_192_wide_blocks_match_the_reference():
-    """A boolean mask with 192-key forward and dQ blocks and 192-query dK / dV blocks (the mask rings'
-    64-byte swizzle): forward and gradients against the float32 reference."""
-    args = make_case(Case("bfloat16", "none", 200, 384, 64, 2, K=1, B=1, mask="bool"), seed=8)
-    run = functools.partial(
-        mosaic_flash.attention,
-        interpret=True,
-        config=mosaic_flash.Config(block_kv=192),
-        bwd_config=mosaic_flash.BwdConfig(block_kv_dq=192, block_q_dkv=192),
-    )
-
-    class Check(AttentionTestBase):
-        impl = staticmethod(run)
-
-    Check().check(args)
+    Check().check(make_case(case, seed=seed))
 
 
 def test_public_api_selects_it_by_flag_and_exports_for_cpu_and_cuda():
