@@ -184,7 +184,7 @@ void PackKeys(const Problem& p, const float* k, int64_t D, int64_t Dp, float* kt
 // --------------------------------------------------------------- forward
 
 struct FwdScratch {
-  std::vector<float> qs, s, acc, m, l;
+  jb::AlignedVector<float> qs, s, acc, m, l;
   std::vector<int64_t> lo, hi;
 };
 
@@ -196,7 +196,7 @@ struct FwdCtx {
 };
 
 struct BwdScratch {
-  std::vector<float> pm, ds, dka, dva, gb, dcap;
+  jb::AlignedVector<float> pm, ds, dka, dva, gb, dcap;
   std::vector<int64_t> lo, hi;
 };
 

@@ -152,7 +152,7 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
 void Forward(const Problem& p, const float* q, const float* k, const float* v, float* out,
              float* lse) {
   const int64_t nq = (p.T + p.bq - 1) / p.bq;
-  std::vector<float> kt(p.B * p.K * p.H * p.Sp), vp(p.B * p.K * p.Sp * p.Hvp);
+  jb::AlignedVector<float> kt(p.B * p.K * p.H * p.Sp), vp(p.B * p.K * p.Sp * p.Hvp);
   const int threads = ThreadsFor(2.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
   ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
     PackKeys(p, k, p.H, p.Hp, kt.data(), nullptr, bkh);
@@ -262,7 +262,7 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
               const float* dout, const float* lse, const float* delta, float* dq, float* dk,
               float* dv) {
   const int64_t nk = (p.S + p.bk - 1) / p.bk;
-  std::vector<float> kt(p.B * p.K * p.H * p.Sp), kp(p.B * p.K * p.Sp * p.Hp),
+  jb::AlignedVector<float> kt(p.B * p.K * p.H * p.Sp), kp(p.B * p.K * p.Sp * p.Hp),
       vt(p.B * p.K * p.Hv * p.Sp);
   const int threads = ThreadsFor(5.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
   ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
@@ -270,7 +270,7 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
     PackKeys(p, v, p.Hv, p.Hvp, vt.data(), nullptr, bkh);
   });
   const int64_t heads = p.B * p.N;
-  std::vector<float> qs(heads * p.T * p.Hp), dos(heads * p.T * p.Hvp), lse2(heads * p.T),
+  jb::AlignedVector<float> qs(heads * p.T * p.Hp), dos(heads * p.T * p.Hvp), lse2(heads * p.T),
       dl(heads * p.T);
   ParallelTasks(heads, threads, [&](int64_t bn, int) {
     PackQueries(p, q, dout, lse, delta, qs.data(), dos.data(), lse2.data(), dl.data(), bn);
@@ -282,7 +282,7 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   const bool whole = threads == 1 || groups >= 4 * threads || groups % threads == 0;
   const int nbuf = whole ? 1 : threads;
   const int64_t qsize = p.B * p.T * p.N * p.Hp;
-  std::vector<float> dqbuf(nbuf * qsize, 0.f);
+  jb::AlignedVector<float> dqbuf(nbuf * qsize, 0.f);
   std::vector<BwdScratch> scratch(threads);
   for (auto& sc : scratch) {
     sc.pm.resize(p.bq * p.bk);
