@@ -152,11 +152,14 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
 void Forward(const Problem& p, const float* q, const float* k, const float* v, float* out,
              float* lse) {
   const int64_t nq = (p.T + p.bq - 1) / p.bq;
-  jb::AlignedVector<float> kt(p.B * p.K * p.H * p.Sp), vp(p.B * p.K * p.Sp * p.Hvp);
+  // Uninitialised: the packing writes every element (its zero padding included), and the pages
+  // are first touched by the threads that pack them.
+  const auto kt = jb::NewAligned<float>(p.B * p.K * p.H * p.Sp);
+  const auto vp = jb::NewAligned<float>(p.B * p.K * p.Sp * p.Hvp);
   const int threads = ThreadsFor(2.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
   ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
-    PackKeys(p, k, p.H, p.Hp, kt.data(), nullptr, bkh);
-    PackKeys(p, v, p.Hv, p.Hvp, nullptr, vp.data(), bkh);
+    PackKeys(p, k, p.H, p.Hp, kt.get(), nullptr, bkh);
+    PackKeys(p, v, p.Hv, p.Hvp, nullptr, vp.get(), bkh);
   });
   std::vector<FwdScratch> scratch(threads);
   for (auto& sc : scratch) {
@@ -168,7 +171,7 @@ void Forward(const Problem& p, const float* q, const float* k, const float* v, f
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }
-  const FwdCtx x{p, q, kt.data(), vp.data(), out, lse, nq};
+  const FwdCtx x{p, q, kt.get(), vp.get(), out, lse, nq};
   ParallelTasks(p.B * p.N * nq, threads,
                 [&](int64_t task, int id) { FwdTask(x, scratch[id], task); });
 }
@@ -262,18 +265,21 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
               const float* dout, const float* lse, const float* delta, float* dq, float* dk,
               float* dv) {
   const int64_t nk = (p.S + p.bk - 1) / p.bk;
-  jb::AlignedVector<float> kt(p.B * p.K * p.H * p.Sp), kp(p.B * p.K * p.Sp * p.Hp),
-      vt(p.B * p.K * p.Hv * p.Sp);
+  // Uninitialised, as in Forward: the packing writes every element.
+  const auto kt = jb::NewAligned<float>(p.B * p.K * p.H * p.Sp);
+  const auto kp = jb::NewAligned<float>(p.B * p.K * p.Sp * p.Hp);
+  const auto vt = jb::NewAligned<float>(p.B * p.K * p.Hv * p.Sp);
   const int threads = ThreadsFor(5.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
   ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
-    PackKeys(p, k, p.H, p.Hp, kt.data(), kp.data(), bkh);
-    PackKeys(p, v, p.Hv, p.Hvp, vt.data(), nullptr, bkh);
+    PackKeys(p, k, p.H, p.Hp, kt.get(), kp.get(), bkh);
+    PackKeys(p, v, p.Hv, p.Hvp, vt.get(), nullptr, bkh);
   });
   const int64_t heads = p.B * p.N;
-  jb::AlignedVector<float> qs(heads * p.T * p.Hp), dos(heads * p.T * p.Hvp), lse2(heads * p.T),
-      dl(heads * p.T);
+  const auto qs = jb::NewAligned<float>(heads * p.T * p.Hp);
+  const auto dos = jb::NewAligned<float>(heads * p.T * p.Hvp);
+  const auto lse2 = jb::NewAligned<float>(heads * p.T), dl = jb::NewAligned<float>(heads * p.T);
   ParallelTasks(heads, threads, [&](int64_t bn, int) {
-    PackQueries(p, q, dout, lse, delta, qs.data(), dos.data(), lse2.data(), dl.data(), bn);
+    PackQueries(p, q, dout, lse, delta, qs.get(), dos.get(), lse2.get(), dl.get(), bn);
   });
   // Whole (batch, kv head) tasks own their dQ rows: one dQ buffer. With too
   // few of them to keep the threads busy, tasks are key blocks and every
@@ -282,7 +288,10 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   const bool whole = threads == 1 || groups >= 4 * threads || groups % threads == 0;
   const int nbuf = whole ? 1 : threads;
   const int64_t qsize = p.B * p.T * p.N * p.Hp;
-  jb::AlignedVector<float> dqbuf(nbuf * qsize, 0.f);
+  const auto dqbuf = jb::NewAligned<float>(nbuf * qsize);
+  jb::ParallelFor(nbuf * qsize, threads, 16, [&](int64_t lo, int64_t hi) {
+    std::memset(dqbuf.get() + lo, 0, (hi - lo) * sizeof(float));
+  });
   std::vector<BwdScratch> scratch(threads);
   for (auto& sc : scratch) {
     sc.pm.resize(p.bq * p.bk);
@@ -294,19 +303,19 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }
-  const BwdCtx x{p, qs.data(), dos.data(), lse2.data(), dl.data(), kt.data(), kp.data(),
-                 vt.data(), dk, dv};
+  const BwdCtx x{p, qs.get(), dos.get(), lse2.get(), dl.get(), kt.get(), kp.get(),
+                 vt.get(), dk, dv};
   if (whole) {
     ParallelTasks(groups, threads, [&](int64_t task, int id) {
       for (int64_t j = 0; j < nk; ++j)
-        BwdKeyBlock(x, scratch[id], dqbuf.data(), task / p.K, task % p.K, j);
+        BwdKeyBlock(x, scratch[id], dqbuf.get(), task / p.K, task % p.K, j);
     });
   } else {
     // Heaviest key blocks (the first ones under a causal mask) first. Static assignment: each
     // thread's dQ buffer always sums the same blocks in the same order, so dQ is reproducible.
     StaticTasks(groups * nk, threads, [&](int64_t task, int id) {
       const int64_t j = task / groups, bkh = task % groups;
-      BwdKeyBlock(x, scratch[id], dqbuf.data() + id * qsize, bkh / p.K, bkh % p.K, j);
+      BwdKeyBlock(x, scratch[id], dqbuf.get() + id * qsize, bkh / p.K, bkh % p.K, j);
     });
   }
   // dq = scale * the sum of the buffers (dS is in natural-log units).
