@@ -98,7 +98,11 @@ struct Problem {
   int64_t bias_B, bias_N;
   const bool* mask;
   int64_t mask_B, mask_N;
-  float* dbias;  // backward: dS [B, N, T, S] (natural-log units), null when not wanted
+  // Backward: dS (natural-log units) summed into [dbias_B, dbias_N, T, S], null when not wanted:
+  // [B, N, T, S] (every head its own), or the bias's own [bias_B, bias_N, T, S] (the heads and
+  // batches a broadcast bias shares summed in the kernel, each entry by one task in a fixed order).
+  float* dbias;
+  int64_t dbias_B, dbias_N;
 };
 
 // Keys [lo, hi) that query row t of batch b may see (structure and lengths);
@@ -625,6 +629,7 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   p->bias = nullptr;
   p->mask = nullptr;
   p->dbias = nullptr;
+  p->dbias_B = p->dbias_N = 1;
   p->bias_B = p->bias_N = p->mask_B = p->mask_N = 1;
   auto dims_ok = [&](auto d, int64_t* Bx, int64_t* Nx) {
     if (d.size() != 4 || (d[0] != 1 && d[0] != p->B) || (d[1] != 1 && d[1] != p->N) ||
@@ -691,12 +696,24 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   std::memset(dk->typed_data(), 0, dk->element_count() * 4);
   std::memset(dv->typed_data(), 0, dv->element_count() * 4);
   if (need_dbias) {
-    if (!has_bias || dbias->element_count() != static_cast<size_t>(p.B * p.N * p.T * p.S))
-      return ffi::Error::InvalidArgument("flash attention: dbias must be [B, N, T, S]");
-    std::memset(dbias->typed_data(), 0, dbias->element_count() * 4);
-    p.dbias = dbias->typed_data();
+    // dbias: [B, N, T, S], or the bias's [bias_B, bias_N, T, S] (summed over what it broadcasts).
+    const size_t n = dbias->element_count(), ts = static_cast<size_t>(p.T * p.S);
+    if (has_bias && n == static_cast<size_t>(p.B * p.N) * ts) {
+      p.dbias_B = p.B;
+      p.dbias_N = p.N;
+    } else if (has_bias && n == static_cast<size_t>(p.bias_B * p.bias_N) * ts) {
+      p.dbias_B = p.bias_B;
+      p.dbias_N = p.bias_N;
+    } else {
+      return ffi::Error::InvalidArgument(
+          "flash attention: dbias must be [B, N, T, S] or the bias's [1|B, 1|N, T, S]");
+    }
+    p.dbias = dbias->typed_data();  // zeroed by Backward's threads
   }
-  if (p.B * p.T * p.N == 0 || p.S == 0) return ffi::Error::Success();
+  if (p.B * p.T * p.N == 0 || p.S == 0) {
+    if (p.dbias) std::memset(p.dbias, 0, dbias->element_count() * 4);
+    return ffi::Error::Success();
+  }
   return jb::CatchErrors("flash attention", [&] {
     CurrentIsa().backward(p, q.typed_data(), k.typed_data(), v.typed_data(), dout.typed_data(),
              lse.typed_data(), delta.typed_data(), dq->typed_data(), dk->typed_data(),

@@ -222,7 +222,9 @@ JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, 
         if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, pr);
         if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
           MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, pr);
-        float* db = p.dbias ? p.dbias + ((b * p.N + n) * p.T + t0 + r) * p.S + c0 : nullptr;
+        float* db = p.dbias ? p.dbias + (((p.dbias_B == 1 ? 0 : b) * p.dbias_N +
+                                          (p.dbias_N == 1 ? 0 : n)) * p.T + t0 + r) * p.S + c0
+                            : nullptr;
         const Vf l2 = Set1(lse2[r]);
         const Vf dlv = Set1(dl[r]);
         if (p.cap2 > 0.f) {
@@ -242,7 +244,12 @@ JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, 
             Store(dr + c, Mul(e, Sub(Load(dr + c), dlv)));
           }
         }
-        if (db) std::memcpy(db, p.cap2 > 0.f ? sc.gb.data() : dr, std::min(nc, p.S - c0) * 4);
+        if (db) {  // dbias += dS (the bias's gradient, before the cap's factor)
+          const float* g = p.cap2 > 0.f ? sc.gb.data() : dr;
+          int64_t c = 0;
+          for (; c + kW <= cv; c += kW) Store(db + c, Add(Load(db + c), Load(g + c)));
+          for (; c < cv; ++c) db[c] += g[c];
+        }
       }
       // dV += P^T dO, dK += dS^T (q * scale * log2 e), dQ += dS K.
       Gemm<true>(nc, p.Hvp, R, pm, 1, ldS, dos, p.Hvp, 16, sc.dva.data(), p.Hvp);
@@ -281,11 +288,26 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   ParallelTasks(heads, threads, [&](int64_t bn, int) {
     PackQueries(p, q, dout, lse, delta, qs.get(), dos.get(), lse2.get(), dl.get(), bn);
   });
-  // Whole (batch, kv head) tasks own their dQ rows: one dQ buffer. With too
-  // few of them to keep the threads busy, tasks are key blocks and every
-  // thread accumulates dQ in a buffer of its own (summed at the end).
-  const int64_t groups = p.B * p.K;
-  const bool whole = threads == 1 || groups >= 4 * threads || groups % threads == 0;
+  // Work goes by owners: sets of (batch, kv head) groups of which one task writes every dK / dV
+  // row, dQ row and dbias entry (of a key block). Each group is its own owner, unless the bias's
+  // gradient is summed over the batches and / or heads it broadcasts over: then the groups that
+  // share dbias entries form one owner and add into them one after another, in a fixed order.
+  const bool shared = p.dbias && p.dbias_B * p.dbias_N < p.B * p.N;
+  const int64_t ob = shared ? p.dbias_B : p.B;             // owners along the batch
+  const int64_t ok = shared && p.dbias_N == 1 ? 1 : p.K;  // owners along the kv heads
+  const int64_t owners = ob * ok;
+  const BwdCtx x{p, qs.get(), dos.get(), lse2.get(), dl.get(), kt.get(), kp.get(),
+                 vt.get(), dk, dv};
+  const auto key_block = [&](BwdScratch& sc, float* dqb, int64_t o, int64_t j) {
+    const int64_t b0 = ob == p.B ? o / ok : 0, b1 = ob == p.B ? b0 + 1 : p.B;
+    const int64_t k0 = ok == p.K ? o % ok : 0, k1 = ok == p.K ? k0 + 1 : p.K;
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t kh = k0; kh < k1; ++kh) BwdKeyBlock(x, sc, dqb, b, kh, j);
+  };
+  // Whole owners per task own their dQ rows: one dQ buffer. With too few of
+  // them to keep the threads busy, tasks are key blocks and every thread
+  // accumulates dQ in a buffer of its own (summed at the end).
+  const bool whole = threads == 1 || owners >= 4 * threads || owners % threads == 0;
   const int nbuf = whole ? 1 : threads;
   const int64_t qsize = p.B * p.T * p.N * p.Hp;
   const auto dqbuf = jb::NewAligned<float>(nbuf * qsize);
@@ -303,19 +325,20 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }
-  const BwdCtx x{p, qs.get(), dos.get(), lse2.get(), dl.get(), kt.get(), kp.get(),
-                 vt.get(), dk, dv};
+  if (p.dbias) {
+    jb::ParallelFor(p.dbias_B * p.dbias_N * p.T * p.S, threads, 16, [&](int64_t lo, int64_t hi) {
+      std::memset(p.dbias + lo, 0, (hi - lo) * sizeof(float));
+    });
+  }
   if (whole) {
-    ParallelTasks(groups, threads, [&](int64_t task, int id) {
-      for (int64_t j = 0; j < nk; ++j)
-        BwdKeyBlock(x, scratch[id], dqbuf.get(), task / p.K, task % p.K, j);
+    ParallelTasks(owners, threads, [&](int64_t task, int id) {
+      for (int64_t j = 0; j < nk; ++j) key_block(scratch[id], dqbuf.get(), task, j);
     });
   } else {
     // Heaviest key blocks (the first ones under a causal mask) first. Static assignment: each
     // thread's dQ buffer always sums the same blocks in the same order, so dQ is reproducible.
-    StaticTasks(groups * nk, threads, [&](int64_t task, int id) {
-      const int64_t j = task / groups, bkh = task % groups;
-      BwdKeyBlock(x, scratch[id], dqbuf.get() + id * qsize, bkh / p.K, bkh % p.K, j);
+    StaticTasks(owners * nk, threads, [&](int64_t task, int id) {
+      key_block(scratch[id], dqbuf.get() + id * qsize, task % owners, task / owners);
     });
   }
   // dq = scale * the sum of the buffers (dS is in natural-log units).

@@ -18,9 +18,10 @@ float32 (cast once) and cast back.
 Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
 thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``
 without a bias or mask; :func:`workspace_bytes` gives it (``memory_analysis`` of an executable cannot
-see it). With a bias or mask it is not: one broadcast over T or S is materialised at ``[.., T, S]``,
-and the bias gradient is written as a full ``[B, N, T, S]`` float32 buffer before it is summed to the
-bias's shape (reading broadcasts in place and reducing dbias in the kernel is the known fix).
+see it). With a bias or mask it is not: one broadcast over T or S is materialised at ``[.., T, S]``.
+The bias gradient is summed in the kernel over the batches and heads the bias broadcasts over, so it
+takes the bias's ``[1|B, 1|N, T, S]`` float32 (see :func:`dbias_dims`; where that split would leave
+threads idle, every head writes its own dS, ``[B, N, T, S]``, and XLA sums them).
 
 Limits: ``jax.vmap`` runs the kernel once per batch element (``vmap_method="sequential"``); under
 ``shard_map`` each shard runs it on its own block; under plain ``jit`` with sharded inputs XLA cannot
@@ -190,12 +191,14 @@ def workspace_bytes(
     backward: bool,
     config: Optional[Config] = None,
     num_threads: Optional[int] = None,
+    dbias_of: Optional[tuple] = None,
 ) -> int:
     """Bytes the kernel allocates outside XLA's buffers during one call (``memory_analysis`` of the
     executable cannot see them): packed copies of k and v (backward: of q and dO too), the per-thread
     tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``
     for ``num_threads`` threads (default: all, as a large call uses) and the unshrunk tiles, so it is
-    exact for long sequences and an upper bound for short ones.
+    exact for long sequences and an upper bound for short ones. ``dbias_of``: the shape of a bias
+    whose gradient the backward computes (it changes how the work is split), else None.
     """
     B, T, N, H = q_shape
     S, K, Hv = k_shape[1], k_shape[2], v_shape[3]
@@ -210,11 +213,39 @@ def workspace_bytes(
         return 4 * (packs + tiles)
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     packs = B * K * (H * Sp + Sp * Hp + Hv * Sp) + B * N * T * (Hp + Hvp + 2)
-    groups = B * K
-    whole = nt == 1 or groups >= 4 * nt or groups % nt == 0
+    owners = B * K
+    if dbias_of is not None:
+        Bd, Nd = dbias_dims(q_shape, k_shape, dbias_of, config=cfg, num_threads=nt)
+        if Bd * Nd < B * N:  # owners: the (batch, kv head) groups that share dbias entries
+            owners = Bd * (1 if Nd == 1 else K)
+    whole = nt == 1 or owners >= 4 * nt or owners % nt == 0
     dq = (1 if whole else nt) * B * T * N * Hp
     tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq + 2 * bk)
     return 4 * (packs + dq + tiles)
+
+
+def dbias_dims(
+    q_shape, k_shape, bias_shape, *, config: Optional[Config] = None, num_threads: Optional[int] = None
+) -> tuple:
+    """(batch, heads) of the bias gradient the backward kernel writes: the bias's own where it
+    broadcasts over batches or heads and the kernel can sum their dS itself, else ``(B, N)``.
+
+    Summed in the kernel, dbias takes the bias's memory, not ``B * N * T * S`` floats (for a
+    ``[1, 1, T, S]`` bias at B=8, N=32, T=S=4096: 64 MiB instead of 16 GiB). The groups of heads that
+    share a dbias entry then run in one task, one after another in a fixed order (the sums are
+    reproducible), so this is chosen only where such tasks, one per key block and group, keep every
+    thread busy (``num_threads``: default all); otherwise each head writes its own dS and XLA sums.
+    """
+    B, N = q_shape[0], q_shape[2]
+    S, K = k_shape[1], k_shape[2]
+    Bb, Nb = bias_shape[0], bias_shape[1]
+    if Bb * Nb == B * N:
+        return B, N
+    cfg = config or Config()
+    nt = num_threads or max(threads(), 1)
+    owners = Bb * (1 if Nb == 1 else K)
+    key_blocks = -(-S // cfg.block_k_bwd)
+    return (Bb, Nb) if owners * key_blocks >= nt else (B, N)
 
 
 def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
@@ -373,7 +404,12 @@ def _kernel_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     B, T, N, _ = q.shape
     S = k.shape[1]
     structs = tuple(_struct(x.shape) for x in (q, k, v))
-    structs += (_struct((B, N, T, S) if bias is not None else (0,)),)
+    if bias is not None:
+        kb = aux[4]  # the kernel's bias: [1|B, 1|N, T, S]
+        Bd, Nd = dbias_dims(q.shape, k.shape, kb.shape, config=st.cfg)
+        structs += (_struct((Bd, Nd, T, S)),)
+    else:
+        structs += (_struct((0,)),)
     with jax.named_scope(EXPORT_HINT):
         dq, dk, dv, ds = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
             _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True, bias is not None)

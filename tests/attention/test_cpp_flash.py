@@ -123,6 +123,61 @@ def test_bias_and_mask_broadcasts(bias_shape, mask_shape):
     assert_close(got, want, 5e-5 * float(jnp.abs(want).max() + 1), "dbias")
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 1, 200, 190), (2, 1, 200, 190), (1, 4, 200, 190), (1, 1, 1, 190)])
+@pytest.mark.usefixtures("isa")
+def test_broadcast_bias_gradient_is_summed_in_the_kernel(bias_shape, two_threads):
+    """A bias broadcast over batches and / or heads: the kernel writes its gradient in the bias's
+    own [1|B, 1|N, T, S] (not B * N copies of dS for XLA to sum), as the HLO's custom call shows,
+    on both task splits (one owner of every dbias entry: key-block tasks with a dQ buffer per
+    thread; two: whole owners). dq, dk, dv and dbias match the reference, with GQA, a causal mask,
+    a soft cap and -inf bias entries, and are the same bits run after run."""
+    del two_threads
+    key = jax.random.split(jax.random.key(17), 5)
+    q = jax.random.normal(key[0], (2, 200, 4, 32))
+    k = jax.random.normal(key[1], (2, 190, 2, 32))
+    v = jax.random.normal(key[2], (2, 190, 2, 24))
+    bias = 2 * jax.random.normal(key[3], bias_shape)
+    bias = jnp.where(jax.random.uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
+    args = base.make_args(q, k, v, bias=bias, is_causal=True, diag_offset=40, logits_soft_cap=6.0)
+    cfg = cpp_flash.Config(block_q_bwd=16, block_k_bwd=32)
+    kernel_bias = bias_shape[:2] + (200, 190)
+    assert cpp_flash.dbias_dims(q.shape, k.shape, kernel_bias, config=cfg) == bias_shape[:2]
+    impl = functools.partial(cpp_flash.attention, config=cfg)
+
+    def loss(f, q, k, v, b):
+        out = f(args.replace(q=q, k=k, v=v, bias=b))[0]
+        return (out * jnp.cos(jnp.arange(24.0))[None, None, None]).sum()
+
+    grad = jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3)))
+    hlo = grad.lower(q, k, v, bias).as_text()
+    assert "f32[2,4,200,190]" not in hlo and "jb_flash_attention" in hlo
+    got = grad(q, k, v, bias)
+    want = jax.jit(jax.grad(functools.partial(loss, base.reference), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert a.shape == b.shape
+        assert_close(a, b, 5e-5 * float(jnp.abs(b).max() + 1), name)
+    for _ in range(2):
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, grad(q, k, v, bias)), got)
+
+
+def test_dbias_dims_keeps_every_thread_busy():
+    """The kernel sums a broadcast bias's dS itself only where its tasks (one per key block and
+    owner of dbias entries) are at least the threads; a full-size bias always gets [B, N]."""
+    q, k = (2, 4096, 8, 64), (2, 4096, 2, 64)
+    cfg = cpp_flash.Config()  # 256-key backward blocks: 16 of them
+    assert cpp_flash.dbias_dims(q, k, (1, 1, 4096, 4096), config=cfg, num_threads=16) == (1, 1)
+    assert cpp_flash.dbias_dims(q, k, (1, 1, 4096, 4096), config=cfg, num_threads=17) == (2, 8)
+    assert cpp_flash.dbias_dims(q, k, (1, 8, 4096, 4096), config=cfg, num_threads=32) == (1, 8)
+    assert cpp_flash.dbias_dims(q, k, (2, 1, 4096, 4096), config=cfg, num_threads=33) == (2, 8)
+    assert cpp_flash.dbias_dims(q, k, (2, 8, 4096, 4096), config=cfg, num_threads=1) == (2, 8)
+    # The dQ buffers of the workspace follow the split: one per thread with a single owner.
+    one = cpp_flash.workspace_bytes(q, k, k, backward=True, config=cfg, num_threads=2)
+    shared = cpp_flash.workspace_bytes(
+        q, k, k, backward=True, config=cfg, num_threads=2, dbias_of=(1, 1, 4096, 4096)
+    )
+    assert shared - one == 4 * 2 * 4096 * 8 * 64
+
+
 @pytest.mark.parametrize("kv_heads, batch", [(1, 1), (2, 2)])
 @pytest.mark.usefixtures("isa")
 def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
