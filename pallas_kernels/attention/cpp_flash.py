@@ -235,6 +235,8 @@ def dbias_dims(
     share a dbias entry then run in one task, one after another in a fixed order (the sums are
     reproducible), so this is chosen only where such tasks, one per key block and group, keep every
     thread busy (``num_threads``: default all); otherwise each head writes its own dS and XLA sums.
+    With fewer owners of dbias entries than threads, the tasks are key blocks and each thread keeps
+    a dQ buffer of its own (``B * T * N * H`` floats; :func:`workspace_bytes` with ``dbias_of``).
     """
     B, N = q_shape[0], q_shape[2]
     S, K = k_shape[1], k_shape[2]
