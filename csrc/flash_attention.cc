@@ -76,6 +76,13 @@ int HwThreads() {
 // Threads for `flops` of work: one below ~8 MFLOP (thread start-up dominates).
 int ThreadsFor(double flops) { return flops < 8e6 ? 1 : HwThreads(); }
 
+// Zeroes x[0, n) on `threads` threads (each touches its own pages first).
+inline void ZeroOn(int threads, float* x, int64_t n) {
+  jb::ParallelFor(n, threads, 16, [&](int64_t lo, int64_t hi) {
+    std::memset(x + lo, 0, (hi - lo) * sizeof(float));
+  });
+}
+
 // ------------------------------------------------------------------ problem
 
 struct Problem {

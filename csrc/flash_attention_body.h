@@ -311,9 +311,7 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   const int nbuf = whole ? 1 : threads;
   const int64_t qsize = p.B * p.T * p.N * p.Hp;
   const auto dqbuf = jb::NewAligned<float>(nbuf * qsize);
-  jb::ParallelFor(nbuf * qsize, threads, 16, [&](int64_t lo, int64_t hi) {
-    std::memset(dqbuf.get() + lo, 0, (hi - lo) * sizeof(float));
-  });
+  ZeroOn(threads, dqbuf.get(), nbuf * qsize);
   std::vector<BwdScratch> scratch(threads);
   for (auto& sc : scratch) {
     sc.pm.resize(p.bq * p.bk);
@@ -325,11 +323,7 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }
-  if (p.dbias) {
-    jb::ParallelFor(p.dbias_B * p.dbias_N * p.T * p.S, threads, 16, [&](int64_t lo, int64_t hi) {
-      std::memset(p.dbias + lo, 0, (hi - lo) * sizeof(float));
-    });
-  }
+  if (p.dbias) ZeroOn(threads, p.dbias, p.dbias_B * p.dbias_N * p.T * p.S);
   if (whole) {
     ParallelTasks(owners, threads, [&](int64_t task, int id) {
       for (int64_t j = 0; j < nk; ++j) key_block(scratch[id], dqbuf.get(), task, j);

@@ -215,13 +215,18 @@ def workspace_bytes(
     packs = B * K * (H * Sp + Sp * Hp + Hv * Sp) + B * N * T * (Hp + Hvp + 2)
     owners = B * K
     if dbias_of is not None:
-        Bd, Nd = dbias_dims(q_shape, k_shape, dbias_of, config=cfg, num_threads=nt)
-        if Bd * Nd < B * N:  # owners: the (batch, kv head) groups that share dbias entries
-            owners = Bd * (1 if Nd == 1 else K)
+        dims = dbias_dims(q_shape, k_shape, dbias_of, config=cfg, num_threads=nt)
+        owners = _owners(B, N, K, *dims)
     whole = nt == 1 or owners >= 4 * nt or owners % nt == 0
     dq = (1 if whole else nt) * B * T * N * Hp
     tiles = nt * (2 * bq * bk + bk * Hp + bk * Hvp + 4 * bq + 2 * bk)
     return 4 * (packs + dq + tiles)
+
+
+def _owners(B, N, K, Bd, Nd) -> int:
+    """Task owners of the backward (``Backward`` in csrc/flash_attention_body.h) for a dbias of
+    [Bd, Nd, T, S]: every (batch, kv head) group, or the sets of groups that share dbias entries."""
+    return B * K if Bd * Nd == B * N else Bd * (1 if Nd == 1 else K)
 
 
 def dbias_dims(
@@ -245,7 +250,7 @@ def dbias_dims(
         return B, N
     cfg = config or Config()
     nt = num_threads or max(threads(), 1)
-    owners = Bb * (1 if Nb == 1 else K)
+    owners = _owners(B, N, K, Bb, Nb)
     key_blocks = -(-S // cfg.block_k_bwd)
     return (Bb, Nb) if owners * key_blocks >= nt else (B, N)
 
@@ -406,12 +411,8 @@ def _kernel_backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     B, T, N, _ = q.shape
     S = k.shape[1]
     structs = tuple(_struct(x.shape) for x in (q, k, v))
-    if bias is not None:
-        kb = aux[4]  # the kernel's bias: [1|B, 1|N, T, S]
-        Bd, Nd = dbias_dims(q.shape, k.shape, kb.shape, config=st.cfg)
-        structs += (_struct((Bd, Nd, T, S)),)
-    else:
-        structs += (_struct((0,)),)
+    dbias_shape = (0,) if bias is None else dbias_dims(q.shape, k.shape, bias.shape, config=st.cfg) + (T, S)
+    structs += (_struct(dbias_shape),)
     with jax.named_scope(EXPORT_HINT):
         dq, dk, dv, ds = jax.ffi.ffi_call(_BWD, structs, vmap_method="sequential")(
             _f32(q), _f32(k), _f32(v), _f32(g_out), lse, delta, *aux, **st.attrs(True, bias is not None)
