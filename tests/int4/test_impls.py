@@ -256,6 +256,74 @@ def test_cpp_weight_only_float32_blocked(isa, M, K, N, g):
         assert (np.abs(got[finite] - want[finite]) <= 2e-6 * scale[finite] + 1e-30).all()
 
 
+# One float32 row on AVX512-VNNI: the integer-dot path (the row as 24-bit block fixed point per 128 k),
+# and the rows it hands to the float32 kernel. (K, N, groupsize): one group per chunk, 2 and 8 chunks
+# per group, channel-wise, an odd number of chunks, a bias.
+_LIMB_CASES = [(4096, 300, 128), (384, 50, 128), (512, 33, 256), (1024, 17, 1024), (1152, 40, 128)]
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+@pytest.mark.parametrize("K,N,g", _LIMB_CASES)
+def test_cpp_weight_only_one_row_integer_dots(K, N, g):
+    """M=1 float32 x: within 1e-6 of sum |x w| of float64 math (the float32 kernel's tolerance is the
+    same order) for ordinary rows, moderate outlier channels, tiny values and zero chunks; rows the
+    integer path must refuse (NaN, inf, a chunk max outside [2^-96, 2^96], a few values dominating their
+    chunks) give the float32 kernel's bits (the AVX512BW path runs only that kernel)."""
+    import numpy as np
+
+    from pallas_kernels.int4_matmul import base
+    from tests.int4.int4_base import make_case
+
+    x0, p = make_case(1, K, N, g, K % 3 == 0, seed=K + N)
+    x0 = np.array(x0)
+    rng = np.random.default_rng(K)
+    w = np.asarray(base.dequantize(p.weight, p.scales, g), np.float64)
+    bias = 0 if p.bias is None else np.asarray(p.bias, np.float64)
+    run = jax.jit(cpp.weight_only_matmul)
+
+    def both(x):
+        with _cpp_isa("avx512vnni"):
+            vnni = np.asarray(run(jnp.asarray(x), p))
+        with _cpp_isa("avx512bw"):
+            f32 = np.asarray(run(jnp.asarray(x), p))
+        return vnni, f32
+
+    outliers = x0.copy()
+    outliers[0, rng.choice(K, 4, replace=False)] *= 100.0
+    zero_chunks = np.zeros_like(x0)
+    zero_chunks[0, 128:256] = x0[0, 128:256]
+    integer_rows = {
+        "ordinary": x0,
+        "100x outliers": outliers,
+        "1e-20 scale": x0 * 1e-20,
+        "zero chunks": zero_chunks,
+    }
+    for name, x in integer_rows.items():
+        vnni, f32 = both(x)
+        want = x.astype(np.float64) @ w.T + bias
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w.T) + np.abs(bias)
+        err = np.abs(vnni.astype(np.float64) - want)
+        assert (err <= 1e-6 * scale + 1e-37).all(), (name, float((err / np.maximum(scale, 1e-300)).max()))
+        if name == "ordinary":  # the integer path ran: its rounding is not the float32 kernel's
+            assert not np.array_equal(vnni, f32)
+
+    spread = x0.copy()
+    spread[0, 5] = 1e6  # one value dominates its chunk: the rest would round to 2^-24 of it
+    inf, nan = x0.copy(), x0.copy()
+    inf[0, K - 1] = np.inf
+    nan[0, 3] = np.nan
+    float_rows = {
+        "spread": spread,
+        "inf": inf,
+        "nan": nan,
+        "1e-33 scale": x0 * 1e-33,
+        "1e33 scale": x0 * 1e33,
+    }
+    for name, x in float_rows.items():
+        vnni, f32 = both(x)
+        np.testing.assert_array_equal(vnni, f32, err_msg=name)
+
+
 # bfloat16 activations. The row kernel (up to 15 rows): chunks of 128 k with 1 to 4 groups per chunk
 # (groupsize 32, 64), groups that straddle chunks (96), an odd number of chunks (K = 2176),
 # channel-wise, K not a multiple of 128 (widened to float32). The blocked path (from 16 rows): slices
