@@ -2035,6 +2035,18 @@ void RowTiles(int64_t M, int64_t N, int64_t K, int64_t units, int64_t slice, con
 // Rows from which the AVX-512 weight-only kernel takes the blocked path.
 constexpr int64_t kWoRows16MinRows = 16;
 
+// Whether M float32 rows take the integer-dot path (LimbRow; one row, on the
+// AVX512-VNNI code path; MakeLimbRow may still hand the row back).
+bool UseLimbs(int64_t M, int64_t groupsize) {
+#if JB_X86
+  return M == 1 && groupsize % 128 == 0 && g_wo_row.load() == &WeightOnlyRowAvx512 &&
+         g_group_sums.load() == &GroupSumsVnniN;
+#else
+  (void)M, (void)groupsize;
+  return false;
+#endif
+}
+
 void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
                       const float* bias, float* out, int64_t M, int64_t N,
                       int64_t K, int64_t groupsize) {
@@ -2049,8 +2061,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
 #if JB_X86
   // One row (decode) on AVX512-VNNI: the integer-dot path (LimbRow), unless
   // the row must take the float32 kernel.
-  if (M == 1 && groupsize % 128 == 0 && g_wo_row.load() == &WeightOnlyRowAvx512 &&
-      g_group_sums.load() == &GroupSumsVnniN) {
+  if (UseLimbs(M, groupsize)) {
     LimbRow r;
     if (MakeLimbRow(x, K, groupsize, &r)) {
       const int64_t chunks = K / 128;
@@ -2113,14 +2124,35 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
 // rows, the blocked path 1.8x / 1.03x faster at 32.
 constexpr int64_t kWoBf16MaxRows = 15;
 
-// Whether weight-only calls with bfloat16 activations of M rows and K take
-// the AVX512-BF16 kernel.
-bool UseBf16Dots(int64_t M, int64_t K) {
+// Whether a bfloat16 row that can take the integer dots goes there (widened
+// to float32, exactly) instead of to the AVX512-BF16 row kernel: on Intel.
+// Measured on a 2-core Emerald Rapids (K = 4096, N = 4096 / 11008, groupsize
+// 128, `benchmarks/int4.py`): the bf16 row kernel 0.60 / 1.69 ms, the integer
+// dots 0.44 / 1.08 ms (vdpbf16ps costs about two FMAs there). On a Zen 4 EPYC
+// the bf16 row kernel read 78-84 GB/s of packed weight, ahead of everything
+// else measured there; the integer dots were not measured on it, so AMD CPUs
+// keep the bf16 kernel.
+bool PreferLimbsToBf16Dots() {
+#if JB_X86
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}
+
+// Whether weight-only calls with bfloat16 activations of M rows, K and the
+// groupsize take the AVX512-BF16 kernel.
+bool UseBf16Dots(int64_t M, int64_t K, int64_t groupsize) {
 #if JB_X86
   return M <= kWoBf16MaxRows && K % kChunk == 0 && jb::HasAvx512Bf16() &&
-         g_wo_row.load() == &WeightOnlyRowAvx512;
+         g_wo_row.load() == &WeightOnlyRowAvx512 &&
+         !(UseLimbs(M, groupsize) && PreferLimbsToBf16Dots());
 #else
-  (void)M, (void)K;
+  (void)M, (void)K, (void)groupsize;
   return false;
 #endif
 }
@@ -2166,7 +2198,7 @@ void WeightOnlyMatmulBf16(const uint16_t* x, const uint8_t* w, const float* scal
                           uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   if (M == 0 || N == 0) return;
   std::vector<float> acc(M * N);
-  if (UseBf16Dots(M, K)) {
+  if (UseBf16Dots(M, K, groupsize)) {
     WeightOnlyMatmulBf16Into(x, w, scales, bias, acc.data(), M, N, K, groupsize);
 #if JB_X86
   } else if (UseBf16Blocked(M)) {
@@ -2179,7 +2211,7 @@ void WeightOnlyMatmulBf16(const uint16_t* x, const uint8_t* w, const float* scal
   for (int64_t i = 0; i < M * N; ++i) out[i] = RoundToBf16(acc[i]);
 }
 
-// The AVX512-BF16 kernel over all rows (UseBf16Dots(M, K)) into float32 out.
+// The AVX512-BF16 kernel over all rows (UseBf16Dots) into float32 out.
 void WeightOnlyMatmulBf16Into(const uint16_t* x, const uint8_t* w, const float* scales,
                               const float* bias, float* out, int64_t M, int64_t N, int64_t K,
                               int64_t groupsize) {
@@ -2317,10 +2349,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulBf16, DynQuantBf16Impl, Int4Bi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulBf16, WeightOnlyBf16Impl, Int4Binding<ffi::BF16>());
 
 // The path of weight-only calls with bfloat16 activations of `rows` rows and
-// K = k here (this CPU, the selected code path, the shape): 1 the AVX512-BF16
+// K = k and the groupsize here (this CPU, the selected code path, the shape): 1 the AVX512-BF16
 // row kernel, 2 the AVX512-BF16 blocked path, 0 widened to float32.
-extern "C" int JbInt4WeightOnlyBf16Path(int64_t rows, int64_t k) {
-  if (UseBf16Dots(rows, k)) return 1;
+extern "C" int JbInt4WeightOnlyBf16Path(int64_t rows, int64_t k, int64_t groupsize) {
+  if (UseBf16Dots(rows, k, groupsize)) return 1;
   return UseBf16Blocked(rows) ? 2 : 0;
 }
 

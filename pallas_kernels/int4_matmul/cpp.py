@@ -84,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
         argtypes={
             "JbInt4SetIsa": [ctypes.c_char_p],
             "JbInt4SetXlaPool": [ctypes.c_int],
-            "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64],
+            "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64],
         },
     )
 
@@ -130,13 +130,15 @@ def weight_only_max_rows() -> int:
     return WEIGHT_ONLY_MAX_ROWS_AVX512 if isa().startswith("avx512") else WEIGHT_ONLY_MAX_ROWS
 
 
-def weight_only_bf16_path(rows: int, in_features: int) -> str:
-    """The kernel `weight_only_matmul` runs here for bfloat16 ``x`` of ``rows`` rows and
-    ``in_features``:
+def weight_only_bf16_path(rows: int, in_features: int, groupsize: int) -> str:
+    """The kernel `weight_only_matmul` runs here for bfloat16 ``x`` of ``rows`` rows, ``in_features``
+    and ``groupsize``:
 
     * ``"bf16 row"``: up to 15 rows, ``in_features`` a multiple of 128: the AVX512-BF16 row kernel
       (weights turned into bf16 integers in registers, exact bf16 x int4 products by ``vdpbf16ps``,
-      float32 sums, scales applied per group in float32);
+      float32 sums, scales applied per group in float32); except one row with a groupsize that is a
+      multiple of 128 on an Intel CPU with AVX512-VNNI, which is widened to float32 for the integer
+      dots (measured faster there, ``"float32"``);
     * ``"bf16 blocked"``: from 16 rows: the AVX512-BF16 blocked GEMM (16 rows per vector, one dot
       multiplies a broadcast pair of weights by 16 rows);
     * ``"float32"``: ``x`` widened to float32 in the kernel (a CPU without AVX512-BF16, or a non
@@ -146,7 +148,7 @@ def weight_only_bf16_path(rows: int, in_features: int) -> str:
     lib = _library()
     if lib is None:
         return "unavailable"
-    return ("float32", "bf16 row", "bf16 blocked")[lib.JbInt4WeightOnlyBf16Path(rows, in_features)]
+    return ("float32", "bf16 row", "bf16 blocked")[lib.JbInt4WeightOnlyBf16Path(rows, in_features, groupsize)]
 
 
 def unavailable_reason() -> str | None:
@@ -170,7 +172,7 @@ def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
         why.append(f"in_features={call.packed.in_features} is not a multiple of 32")
     bf16_blocked = (
         call.x_dtype == jnp.bfloat16
-        and weight_only_bf16_path(call.rows, call.packed.in_features) == "bf16 blocked"
+        and weight_only_bf16_path(call.rows, call.packed.in_features, call.packed.groupsize) == "bf16 blocked"
     )
     if call.op == "weight_only" and not bf16_blocked and call.rows > (limit := weight_only_max_rows()):
         why.append(

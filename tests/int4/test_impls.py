@@ -371,7 +371,7 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
     with _cpp_isa(isa):
         x, p = make_case(M, K, N, g, True, seed=M + K)
         xb = x.astype(jnp.bfloat16)
-        path = cpp.weight_only_bf16_path(M, K)
+        path = cpp.weight_only_bf16_path(M, K, g)
         if isa in ("avx2", "scalar"):
             assert path == "float32"
         elif path != "float32":  # a CPU with AVX512-BF16
@@ -391,6 +391,27 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
         assert np.all(np.abs(got - want_bf16) <= ulp + 2e-5 * np.abs(want).max()), np.abs(
             got - want_bf16
         ).max()
+
+
+@pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
+def test_cpp_weight_only_bfloat16_one_row_route():
+    """One bfloat16 row, groupsize a multiple of 128, on the AVX512-VNNI path: widened to float32 for
+    the integer dots on an Intel CPU (measured faster there), the AVX512-BF16 row kernel on others;
+    other groupsizes, two rows and the AVX512BW path keep the bf16 kernel."""
+    import pathlib
+
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to tell the CPU's vendor")
+    intel = "GenuineIntel" in cpuinfo.read_text()
+    with _cpp_isa("avx512vnni"):
+        if cpp.weight_only_bf16_path(2, 256, 128) != "bf16 row":
+            pytest.skip("this CPU has no AVX512-BF16")
+        assert cpp.weight_only_bf16_path(1, 256, 128) == ("float32" if intel else "bf16 row")
+        assert cpp.weight_only_bf16_path(1, 256, 256) == ("float32" if intel else "bf16 row")
+        assert cpp.weight_only_bf16_path(1, 256, 64) == "bf16 row"
+    with _cpp_isa("avx512bw"):
+        assert cpp.weight_only_bf16_path(1, 256, 128) == "bf16 row"
 
 
 @pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
@@ -431,7 +452,7 @@ def test_cpp_weight_only_bfloat16_row_limit_is_explained():
     rows = cpp.weight_only_max_rows() + 1
     with jb.with_backends(quantized_engine="auto"):
         got = jb.quantized.explain(jax.ShapeDtypeStruct((rows, 128), jnp.bfloat16), p, platform="cpu")
-    if cpp.weight_only_bf16_path(rows, 128) == "bf16 blocked":
+    if cpp.weight_only_bf16_path(rows, 128, 32) == "bf16 blocked":
         assert got.implementation == "cpp", str(got)
     else:
         assert got.implementation == "xla" and "crossover" in got.reasons["cpp"], str(got)
