@@ -1253,14 +1253,15 @@ void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t h
 // + 256 a1 + a0 (the bytes of A + 128 * 65793, each minus 128). A chunk's dot
 // with the nibbles u = q + 8 is six vpdpbusd (low / high nibbles x three
 // digits, Horner-combined by two 8-bit shifts; a lane sums 8 products, so it
-// stays below 8 * 15 * 128 * 65793 < 2^31: exact), converted to float once
-// and scaled by s_g * max_c / R; the zero-point term 8 sum_k A_k max_c / R
-// is subtracted once per output. The only rounding before the float sums is
-// that of x to 24 bits relative to its chunk's largest |x| (<= 2^-24 max_c
+// stays below 8 * 15 * 128 * 65793 < 2^31: exact), minus the lane's
+// zero-point term 8 sum A (exact: sum (u - 8) A = sum q A, so nothing cancels
+// in float), converted to float once, multiplied by max_c / R and then by
+// s_g (in that order: the product stays normal where x w is). The only
+// rounding before the float sums is that of x to 24 bits relative to its chunk's largest |x| (<= 2^-24 max_c
 // per element, the order of float32's own rounding of that element): float
 // tolerance, as the float32 kernel, on rows whose chunks are not dominated
-// by a few large values (the spread test in MakeLimbRow). Measured on a 2-core Emerald Rapids
-// (K = 4096, groupsize 128 and 256, weights in L2): 16-19 GB/s of packed
+// by a few large values (the spread test in MakeLimbRow). Measured on a
+// 2-core Emerald Rapids (K = 4096, groupsize 128 and 256, weights in L2): 16-19 GB/s of packed
 // weight per core against 12.6 for the float32 row kernel. A row with a
 // non-finite value, a chunk whose largest |x| is nonzero and outside
 // [2^-96, 2^96] (where max_c / R would leave float32's normal range), or a
@@ -1268,15 +1269,15 @@ void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t h
 constexpr int32_t kLimbR = 127 * 65793;
 constexpr int32_t kLimbBias = 128 * 65793;
 constexpr double kLimbSpread = 64.0;
-constexpr int64_t kLimbChunkBytes = 384;  // per 128-k chunk: 3 digits x (even, odd) x 64
+constexpr int64_t kLimbChunkBytes = 448;  // per 128-k chunk: 3 digits x (even, odd) x 64, 16 int32
 
-// One input row as digits: d [chunks][a2, a1, a0][even, odd][64] int8, the
-// dequantization scale max_c / R of every chunk and the zero-point term of
-// every group (8 sum over its chunks of max_c / R sum_k A_k).
+// One input row as digits: d [chunks][a2, a1, a0][even, odd][64] int8, then
+// the chunk's 16 zero-point terms int32 (lane j: 8 sum of A over k = 8j ..
+// 8j + 7 of the chunk, the k its vpdpbusd lane j sums), and the
+// dequantization scale max_c / R of every chunk.
 struct LimbRow {
   jb::AlignedBuffer<int8_t> d;
   std::vector<float> scale;  // [chunks]
-  std::vector<float> zterm;  // [G]
 };
 
 // Fills `r` for the row x (K = 128 * chunks floats; groupsize a multiple of
@@ -1284,15 +1285,13 @@ struct LimbRow {
 // kernel (a non-finite value, a chunk's largest |x| out of range).
 __attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int64_t K,
                                                               int64_t groupsize, LimbRow* r) {
-  const int64_t chunks = K / 128, cpg = groupsize / 128;
+  const int64_t chunks = K / 128;
   r->d = jb::NewAligned<int8_t>(chunks * kLimbChunkBytes);
   r->scale.assign(chunks, 0.0f);
-  r->zterm.assign(K / groupsize, 0.0f);
   const __m512i even_idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd_idx = _mm512_add_epi32(even_idx, _mm512_set1_epi32(1));
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-  std::vector<double> zsum(K / groupsize, 0.0);
   double peak = 0.0, rest = 0.0;  // sum_c 128 max_c; sum_c (sum_k |x_k| - max_c)
   for (int64_t c = 0; c < chunks; ++c) {
     const float* xc = x + 128 * c;
@@ -1314,10 +1313,11 @@ __attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int
     rest += static_cast<double>(_mm512_reduce_add_ps(l1)) - m;
     const __m512 mul = _mm512_set1_ps(m == 0.0f ? 0.0f : static_cast<float>(kLimbR / static_cast<double>(m)));
     r->scale[c] = static_cast<float>(static_cast<double>(m) / kLimbR);
-    __m512i asum = _mm512_setzero_si512();
     int8_t* dc = r->d.get() + c * kLimbChunkBytes;
+    int32_t* zc = reinterpret_cast<int32_t*>(dc + 384);
     for (int h = 0; h < 4; ++h) {  // 32 k: 16 even, 16 odd
       const __m512 a = _mm512_loadu_ps(xc + 32 * h), b = _mm512_loadu_ps(xc + 32 * h + 16);
+      __m512i asum = _mm512_setzero_si512();  // lane i: A at k = 32 h + 2 i, 2 i + 1
       for (int plane = 0; plane < 2; ++plane) {
         const __m512 v = _mm512_permutex2var_ps(a, plane == 0 ? even_idx : odd_idx, b);
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, mul));  // round to nearest even
@@ -1329,20 +1329,20 @@ __attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int
           _mm_storeu_si128(reinterpret_cast<__m128i*>(dc + 128 * l + 64 * plane + 16 * h), digit);
         }
       }
+      alignas(64) int32_t t[16];
+      _mm512_store_si512(t, asum);
+      for (int j = 0; j < 4; ++j) zc[4 * h + j] = 8 * (t[4 * j] + t[4 * j + 1] + t[4 * j + 2] + t[4 * j + 3]);
     }
-    zsum[c / cpg] += 8.0 * static_cast<double>(r->scale[c]) * _mm512_reduce_add_epi32(asum);
   }
   // A chunk's rounding error scales with its largest |x|: where a few large
   // values dominate their chunks (peak / rest above kLimbSpread; about 3.4
   // for Gaussian rows, 26 for a 4096-row with six 100x outlier channels),
   // the error relative to sum |x w| would exceed float32's by far.
-  if (peak > kLimbSpread * rest) return false;
-  for (size_t g = 0; g < zsum.size(); ++g) r->zterm[g] = static_cast<float>(zsum[g]);
-  return true;
+  return peak <= kLimbSpread * rest;
 }
 
-// The 16 lanes of chunk c's exact integer dot sum_k A_k u_k (lanes summed
-// later) for one weight row's 64 bytes wc.
+// The 16 lanes of chunk c's exact integer dot sum_k A_k q_k (lanes summed
+// later) for one weight row's 64 bytes wc and the chunk's digits dc.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i LimbChunkDot(const uint8_t* wc,
                                                                                    const int8_t* dc) {
   const __m512i mask4 = _mm512_set1_epi8(0x0F);
@@ -1356,14 +1356,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i LimbChunkD
   a = _mm512_dpbusd_epi32(a, hi, _mm512_load_si512(dc + 192));
   a = _mm512_slli_epi32(a, 8);
   a = _mm512_dpbusd_epi32(a, lo, _mm512_load_si512(dc + 256));
-  return _mm512_dpbusd_epi32(a, hi, _mm512_load_si512(dc + 320));
+  a = _mm512_dpbusd_epi32(a, hi, _mm512_load_si512(dc + 320));
+  return _mm512_sub_epi32(a, _mm512_load_si512(dc + 384));
+}
+
+// Chunk c's (sum q A) * (max_c / R), 16 lanes: the s_g factor comes after.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512 LimbChunkScaled(const uint8_t* w,
+                                                                                     const int8_t* d,
+                                                                                     const float* sc, int64_t c) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(LimbChunkDot(w + 64 * c, d + kLimbChunkBytes * c)), _mm512_set1_ps(sc[c]));
 }
 
 // out = sum_k x_k q_k s_g(k) for one weight row w (K / 2 bytes, scales s) and
 // the digits of r; gofc[c]: chunk c's group.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) float WoLimbRow(const uint8_t* w, const LimbRow& r,
                                                                        const int32_t* gofc, int64_t chunks,
-                                                                       int64_t G, const float* s) {
+                                                                       const float* s) {
   const int8_t* d = r.d.get();
   const float* sc = r.scale.data();
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -1371,24 +1379,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) float WoLimbRow(const uin
   for (; c + 2 <= chunks; c += 2) {  // two chunks per step: independent dot chains
     _mm_prefetch(reinterpret_cast<const char*>(w + 64 * c + kPrefetchBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + 64 * c + 64 + kPrefetchBytes), _MM_HINT_T0);
-    const __m512i a0 = LimbChunkDot(w + 64 * c, d + kLimbChunkBytes * c);
-    const __m512i a1 = LimbChunkDot(w + 64 * (c + 1), d + kLimbChunkBytes * (c + 1));
-    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(_mm512_set1_ps(s[gofc[c]]), _mm512_set1_ps(sc[c])), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
-                           _mm512_mul_ps(_mm512_set1_ps(s[gofc[c + 1]]), _mm512_set1_ps(sc[c + 1])), acc1);
+    acc0 = _mm512_fmadd_ps(LimbChunkScaled(w, d, sc, c), _mm512_set1_ps(s[gofc[c]]), acc0);
+    acc1 = _mm512_fmadd_ps(LimbChunkScaled(w, d, sc, c + 1), _mm512_set1_ps(s[gofc[c + 1]]), acc1);
   }
-  if (c < chunks)
-    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(LimbChunkDot(w + 64 * c, d + kLimbChunkBytes * c)),
-                           _mm512_mul_ps(_mm512_set1_ps(s[gofc[c]]), _mm512_set1_ps(sc[c])), acc0);
-  __m512 zacc = _mm512_setzero_ps();
-  int64_t g = 0;
-  for (; g + 16 <= G; g += 16)
-    zacc = _mm512_fmadd_ps(_mm512_loadu_ps(s + g), _mm512_loadu_ps(r.zterm.data() + g), zacc);
-  if (g < G) {
-    const __mmask16 gm = static_cast<__mmask16>((1u << (G - g)) - 1);
-    zacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, s + g), _mm512_maskz_loadu_ps(gm, r.zterm.data() + g), zacc);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - _mm512_reduce_add_ps(zacc);
+  if (c < chunks) acc0 = _mm512_fmadd_ps(LimbChunkScaled(w, d, sc, c), _mm512_set1_ps(s[gofc[c]]), acc0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 // bfloat16 activations (AVX512-BF16). A bf16 x times an integer q - 8 in
@@ -2070,7 +2065,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
       const int threads = static_cast<int>(std::min<int64_t>(NumThreads(N * K), (N + kTileN - 1) / kTileN));
       ForTiles(N, threads, [&](int64_t n0, int64_t n1, int) {
         for (int64_t n = n0; n < n1; ++n) {
-          const float v = WoLimbRow(w + n * (K / 2), r, gofc.data(), chunks, G, scales + n * G);
+          const float v = WoLimbRow(w + n * (K / 2), r, gofc.data(), chunks, scales + n * G);
           out[n] = bias ? v + bias[n] : v;
         }
       });
