@@ -2119,35 +2119,40 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
 // rows, the blocked path 1.8x / 1.03x faster at 32.
 constexpr int64_t kWoBf16MaxRows = 15;
 
-// Whether a bfloat16 row that can take the integer dots goes there (widened
-// to float32, exactly) instead of to the AVX512-BF16 row kernel: on Intel.
-// Measured on a 2-core Emerald Rapids (K = 4096, N = 4096 / 11008, groupsize
-// 128, `benchmarks/int4.py`): the bf16 row kernel 0.60 / 1.69 ms, the integer
-// dots 0.44 / 1.08 ms (vdpbf16ps costs about two FMAs there). On a Zen 4 EPYC
-// the bf16 row kernel read 78-84 GB/s of packed weight, ahead of everything
-// else measured there; the integer dots were not measured on it, so AMD CPUs
-// keep the bf16 kernel.
-bool PreferLimbsToBf16Dots() {
+// Which kernels bfloat16 activations take: 0 (auto) the AVX512-BF16 kernels
+// where the CPU has AVX512-BF16, except on Intel, where they are widened to
+// float32 (exactly) for the float32 kernels; 1 the AVX512-BF16 kernels
+// wherever the CPU has them (tests reach them on Intel too). Measured on a
+// 2-core Emerald Rapids (K = 4096, N = 4096 / 11008, groupsize 128,
+// `benchmarks/int4.py`), AVX512-BF16 kernels against widened float32: M = 1
+// 0.60 / 1.69 against 0.36 / 0.96 ms (the integer dots), M = 16 4.75 /
+// 12.84 against 3.23 / 9.97 ms, M = 256 53.1 / 200.6 against 32.9 / 104.6 ms
+// (vdpbf16ps costs about two FMAs there); M = 4 to 15 a tie within 10% either
+// way, M = 64 15.8 / 38.4 against 10.4 / 23.8 ms. On a Zen 4 EPYC the
+// AVX512-BF16 kernels were the fastest at every M measured, so AMD keeps them.
+std::atomic<int> g_bf16_kernels{0};
+
+bool WidenBf16ToFloat32() {
 #if JB_X86
+  if (g_bf16_kernels.load() == 1) return false;
   static const bool intel = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") != 0;
   }();
   return intel;
 #else
-  return false;
+  return true;
 #endif
 }
 
-// Whether weight-only calls with bfloat16 activations of M rows, K and the
-// groupsize take the AVX512-BF16 kernel.
-bool UseBf16Dots(int64_t M, int64_t K, int64_t groupsize) {
+// Whether weight-only calls with bfloat16 activations of M rows and K take
+// the AVX512-BF16 kernel.
+bool UseBf16Dots(int64_t M, int64_t K) {
 #if JB_X86
   return M <= kWoBf16MaxRows && K % kChunk == 0 && jb::HasAvx512Bf16() &&
-         g_wo_row.load() == &WeightOnlyRowAvx512 &&
-         !(UseLimbs(M, groupsize) && PreferLimbsToBf16Dots());
+         g_wo_row.load() == &WeightOnlyRowAvx512 && !WidenBf16ToFloat32();
 #else
-  (void)M, (void)K, (void)groupsize;
+  (void)M, (void)K;
   return false;
 #endif
 }
@@ -2156,7 +2161,8 @@ bool UseBf16Dots(int64_t M, int64_t K, int64_t groupsize) {
 // blocked AVX512-BF16 path.
 bool UseBf16Blocked(int64_t M) {
 #if JB_X86
-  return M > kWoBf16MaxRows && jb::HasAvx512Bf16() && g_wo_row.load() == &WeightOnlyRowAvx512;
+  return M > kWoBf16MaxRows && jb::HasAvx512Bf16() && g_wo_row.load() == &WeightOnlyRowAvx512 &&
+         !WidenBf16ToFloat32();
 #else
   (void)M;
   return false;
@@ -2193,7 +2199,7 @@ void WeightOnlyMatmulBf16(const uint16_t* x, const uint8_t* w, const float* scal
                           uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t groupsize) {
   if (M == 0 || N == 0) return;
   std::vector<float> acc(M * N);
-  if (UseBf16Dots(M, K, groupsize)) {
+  if (UseBf16Dots(M, K)) {
     WeightOnlyMatmulBf16Into(x, w, scales, bias, acc.data(), M, N, K, groupsize);
 #if JB_X86
   } else if (UseBf16Blocked(M)) {
@@ -2344,16 +2350,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4DynQuantMatmulBf16, DynQuantBf16Impl, Int4Bi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbInt4MatmulBf16, WeightOnlyBf16Impl, Int4Binding<ffi::BF16>());
 
 // The path of weight-only calls with bfloat16 activations of `rows` rows and
-// K = k and the groupsize here (this CPU, the selected code path, the shape): 1 the AVX512-BF16
+// K = k here (this CPU, the selected code path, the shape): 1 the AVX512-BF16
 // row kernel, 2 the AVX512-BF16 blocked path, 0 widened to float32.
-extern "C" int JbInt4WeightOnlyBf16Path(int64_t rows, int64_t k, int64_t groupsize) {
-  if (UseBf16Dots(rows, k, groupsize)) return 1;
+extern "C" int JbInt4WeightOnlyBf16Path(int64_t rows, int64_t k) {
+  if (UseBf16Dots(rows, k)) return 1;
   return UseBf16Blocked(rows) ? 2 : 0;
 }
 
 // 1: the kernels' threads run on XLA's intra-op pool (the default); 0: each
 // call starts threads of its own (tests, benchmarks).
 extern "C" void JbInt4SetXlaPool(int on) { jb::SetUseXlaPool(on != 0); }
+
+// "auto": bfloat16 activations take the AVX512-BF16 kernels except on Intel
+// (g_bf16_kernels); "always": wherever the CPU has AVX512-BF16 (tests).
+// Returns 0, or -1 for an unknown name.
+extern "C" int JbInt4SetBf16Kernels(const char* mode) {
+  const std::string m(mode);
+  if (m != "auto" && m != "always") return -1;
+  g_bf16_kernels = m == "always" ? 1 : 0;
+  return 0;
+}
 
 // The instruction set the dyn-quant kernel uses ("avx512vnni", "avx512bw",
 // "avx2", "scalar").

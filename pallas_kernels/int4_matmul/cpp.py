@@ -25,7 +25,8 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
   128-k chunks in the order a chunk's weight dwords hold their nibbles, so that a chunk dequantizes
   with one shift and one permute per 16 weights); above
   `weight_only_max_rows()` XLA's GEMM on the dequantized weight is faster and runs instead.
-* weight-only with bfloat16 activations on a CPU with AVX512-BF16 (`weight_only_bf16_path`): the
+* weight-only with bfloat16 activations on a CPU with AVX512-BF16, except Intel ones, where they are
+  widened to float32 (`weight_only_bf16_path`, `set_bf16_kernels`): the
   same two forms with ``vdpbf16ps`` (exact bf16 x int4 products, float32 sums, the scales applied per
   group in float32), at any number of rows (ahead of XLA at every size measured, up to 2048 rows);
   the result rounded to bfloat16 in the kernel.
@@ -57,6 +58,7 @@ __all__ = [
     "WEIGHT_ONLY_MAX_ROWS_AVX512",
     "weight_only_max_rows",
     "weight_only_bf16_path",
+    "set_bf16_kernels",
 ]
 
 _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
@@ -79,12 +81,14 @@ def _library() -> ctypes.CDLL | None:
         restypes={
             "JbInt4Isa": ctypes.c_char_p,
             "JbInt4SetIsa": ctypes.c_int,
+            "JbInt4SetBf16Kernels": ctypes.c_int,
             "JbInt4WeightOnlyBf16Path": ctypes.c_int,
         },
         argtypes={
             "JbInt4SetIsa": [ctypes.c_char_p],
+            "JbInt4SetBf16Kernels": [ctypes.c_char_p],
             "JbInt4SetXlaPool": [ctypes.c_int],
-            "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64],
+            "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64],
         },
     )
 
@@ -115,6 +119,23 @@ def set_isa(name: str) -> bool:
 set_xla_pool = xla_pool_setter(_library, "JbInt4SetXlaPool")
 
 
+def set_bf16_kernels(mode: str) -> None:
+    """Which kernels bfloat16 activations take (see `weight_only_bf16_path`): ``"auto"`` (the
+    default) the AVX512-BF16 kernels where the CPU has AVX512-BF16, except on an Intel CPU, where
+    ``x`` is widened to float32 for the float32 kernels (measured 1.4-1.6x faster there at M = 1
+    and from 16 rows, a tie at 4-15); ``"always"`` the AVX512-BF16 kernels wherever the CPU has them (tests, benchmarks).
+
+    Raises:
+      ValueError: ``mode`` is neither ``"auto"`` nor ``"always"``.
+      RuntimeError: the compiled kernels are not available here."""
+    if mode not in ("auto", "always"):
+        raise ValueError(f"mode must be 'auto' or 'always', got {mode!r}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("C++ int4 kernels: " + (unavailable_reason() or "not available"))
+    lib.JbInt4SetBf16Kernels(mode.encode())
+
+
 #: Weight-only rows above which these kernels lose to XLA's GEMM on the dequantized weight: the AVX2 and
 #: scalar kernels (K=4096, N=4096 and 11008, groupsize 128).
 WEIGHT_ONLY_MAX_ROWS = 16
@@ -130,25 +151,25 @@ def weight_only_max_rows() -> int:
     return WEIGHT_ONLY_MAX_ROWS_AVX512 if isa().startswith("avx512") else WEIGHT_ONLY_MAX_ROWS
 
 
-def weight_only_bf16_path(rows: int, in_features: int, groupsize: int) -> str:
-    """The kernel `weight_only_matmul` runs here for bfloat16 ``x`` of ``rows`` rows, ``in_features``
-    and ``groupsize``:
+def weight_only_bf16_path(rows: int, in_features: int) -> str:
+    """The kernel `weight_only_matmul` runs here for bfloat16 ``x`` of ``rows`` rows and
+    ``in_features``:
 
     * ``"bf16 row"``: up to 15 rows, ``in_features`` a multiple of 128: the AVX512-BF16 row kernel
       (weights turned into bf16 integers in registers, exact bf16 x int4 products by ``vdpbf16ps``,
-      float32 sums, scales applied per group in float32); except one row with a groupsize that is a
-      multiple of 128 on an Intel CPU with AVX512-VNNI, which is widened to float32 for the integer
-      dots (measured faster there, ``"float32"``);
+      float32 sums, scales applied per group in float32);
     * ``"bf16 blocked"``: from 16 rows: the AVX512-BF16 blocked GEMM (16 rows per vector, one dot
       multiplies a broadcast pair of weights by 16 rows);
-    * ``"float32"``: ``x`` widened to float32 in the kernel (a CPU without AVX512-BF16, or a non
-      AVX-512 code path selected with `set_isa`); the same results within float32 rounding.
+    * ``"float32"``: ``x`` widened to float32 in the kernel (exactly) for the float32 kernels: a CPU
+      without AVX512-BF16, a non AVX-512 code path selected with `set_isa`, or an Intel CPU, where
+      ``vdpbf16ps`` is slow: the float32 kernels measured 1.4-1.6x faster at M = 1 and from 16 rows,
+      a tie at 4-15 (see `set_bf16_kernels`); the same results within float32 rounding.
 
     Every path rounds the float32 sums to bfloat16 in the kernel, as ``.astype`` rounds."""
     lib = _library()
     if lib is None:
         return "unavailable"
-    return ("float32", "bf16 row", "bf16 blocked")[lib.JbInt4WeightOnlyBf16Path(rows, in_features, groupsize)]
+    return ("float32", "bf16 row", "bf16 blocked")[lib.JbInt4WeightOnlyBf16Path(rows, in_features)]
 
 
 def unavailable_reason() -> str | None:
@@ -172,7 +193,7 @@ def unsupported(call: base.Int4Call, platform: str = "cpu") -> list[str]:
         why.append(f"in_features={call.packed.in_features} is not a multiple of 32")
     bf16_blocked = (
         call.x_dtype == jnp.bfloat16
-        and weight_only_bf16_path(call.rows, call.packed.in_features, call.packed.groupsize) == "bf16 blocked"
+        and weight_only_bf16_path(call.rows, call.packed.in_features) == "bf16 blocked"
     )
     if call.op == "weight_only" and not bf16_blocked and call.rows > (limit := weight_only_max_rows()):
         why.append(

@@ -24,6 +24,16 @@ def _cpp_isa(isa):
         cpp.set_isa(default)
 
 
+@contextlib.contextmanager
+def _bf16_kernels(mode):
+    """Runs the block with `cpp.set_bf16_kernels(mode)`, then restores "auto"."""
+    cpp.set_bf16_kernels(mode)
+    try:
+        yield
+    finally:
+        cpp.set_bf16_kernels("auto")
+
+
 class TestXla(Int4Suite):
     impl = staticmethod(xla.dyn_quant_matmul)
     weight_only = staticmethod(xla.weight_only_matmul)
@@ -378,23 +388,27 @@ _BF16_CASES = [
 
 
 @pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
-@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+@pytest.mark.parametrize(
+    "isa,bf16_kernels",
+    [("avx512vnni", "auto"), ("avx512vnni", "always"), ("avx2", "auto"), ("scalar", "auto")],
+)
 @pytest.mark.parametrize("M,K,N,g", _BF16_CASES)
-def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
-    """bfloat16 x: the AVX512-BF16 kernel (exact bf16 x int4 products) where the CPU and shape allow,
-    else widened to float32 in the kernel; the float32 sums within float tolerance of the float64
-    reference, rounded to bfloat16 in the kernel as XLA rounds (at most one bf16 ulp from the
-    reference's own rounding, which may sit on the other side of a tie)."""
+def test_cpp_weight_only_bfloat16(isa, bf16_kernels, M, K, N, g):
+    """bfloat16 x: the AVX512-BF16 kernel (exact bf16 x int4 products) where the CPU, the shape and
+    `set_bf16_kernels` allow ("always" reaches it on Intel too), else widened to float32 in the kernel;
+    the float32 sums within float tolerance of the float64 reference, rounded to bfloat16 in the kernel
+    as XLA rounds (at most one bf16 ulp from the reference's own rounding, which may sit on the other
+    side of a tie)."""
     import ml_dtypes
     import numpy as np
 
     from pallas_kernels.int4_matmul import base
     from tests.int4.int4_base import make_case
 
-    with _cpp_isa(isa):
+    with _cpp_isa(isa), _bf16_kernels(bf16_kernels):
         x, p = make_case(M, K, N, g, True, seed=M + K)
         xb = x.astype(jnp.bfloat16)
-        path = cpp.weight_only_bf16_path(M, K, g)
+        path = cpp.weight_only_bf16_path(M, K)
         if isa in ("avx2", "scalar"):
             assert path == "float32"
         elif path != "float32":  # a CPU with AVX512-BF16
@@ -417,30 +431,36 @@ def test_cpp_weight_only_bfloat16(isa, M, K, N, g):
 
 
 @pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
-def test_cpp_weight_only_bfloat16_one_row_route():
-    """One bfloat16 row, groupsize a multiple of 128, on the AVX512-VNNI path: widened to float32 for
-    the integer dots on an Intel CPU (measured faster there), the AVX512-BF16 row kernel on others;
-    other groupsizes, two rows and the AVX512BW path keep the bf16 kernel."""
+def test_cpp_bfloat16_kernels_route():
+    """bfloat16 activations on a CPU with AVX512-BF16: widened to float32 on an Intel CPU (its float32
+    kernels measured faster there), the AVX512-BF16 kernels on others; "always" takes them on
+    every such CPU; a bad mode is refused."""
     import pathlib
 
     cpuinfo = pathlib.Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo to tell the CPU's vendor")
     intel = "GenuineIntel" in cpuinfo.read_text()
-    with _cpp_isa("avx512vnni"):
-        if cpp.weight_only_bf16_path(2, 256, 128) != "bf16 row":
+    with _cpp_isa("avx512vnni"), _bf16_kernels("always"):
+        if cpp.weight_only_bf16_path(2, 256) != "bf16 row":
             pytest.skip("this CPU has no AVX512-BF16")
-        assert cpp.weight_only_bf16_path(1, 256, 128) == ("float32" if intel else "bf16 row")
-        assert cpp.weight_only_bf16_path(1, 256, 256) == ("float32" if intel else "bf16 row")
-        assert cpp.weight_only_bf16_path(1, 256, 64) == "bf16 row"
-    with _cpp_isa("avx512bw"):
-        assert cpp.weight_only_bf16_path(1, 256, 128) == "bf16 row"
+        assert [cpp.weight_only_bf16_path(m, 256) for m in (1, 15, 16)] == [
+            "bf16 row",
+            "bf16 row",
+            "bf16 blocked",
+        ]
+    with _cpp_isa("avx512vnni"), _bf16_kernels("auto"):
+        want = ["float32"] * 3 if intel else ["bf16 row", "bf16 row", "bf16 blocked"]
+        assert [cpp.weight_only_bf16_path(m, 256) for m in (1, 15, 16)] == want
+    with pytest.raises(ValueError, match="'auto' or 'always'"):
+        cpp.set_bf16_kernels("never")
 
 
 @pytest.mark.skipif(not cpp.available(), reason="C++ extension not built (pip install -e . with a compiler)")
-def test_cpp_weight_only_bfloat16_nonfinite():
+@pytest.mark.parametrize("bf16_kernels", ["auto", "always"])
+def test_cpp_weight_only_bfloat16_nonfinite(bf16_kernels):
     """NaN and Inf activations come out as in the float64 reference: NaN where it is NaN, the same
-    infinities; rows of large finite activations stay finite."""
+    infinities; rows of large finite activations stay finite (on every bf16 route)."""
     import numpy as np
 
     from pallas_kernels.int4_matmul import base
@@ -456,7 +476,8 @@ def test_cpp_weight_only_bfloat16_nonfinite():
     w = np.asarray(base.dequantize(p.weight, p.scales, 64), np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         want = (np.asarray(xb, np.float64) @ w.T + np.asarray(p.bias, np.float64)).astype(np.float32)
-    got = np.asarray(jax.jit(cpp.weight_only_matmul)(xb, p), np.float32)
+    with _bf16_kernels(bf16_kernels):
+        got = np.asarray(jax.jit(cpp.weight_only_matmul)(xb, p), np.float32)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
@@ -475,7 +496,7 @@ def test_cpp_weight_only_bfloat16_row_limit_is_explained():
     rows = cpp.weight_only_max_rows() + 1
     with jb.with_backends(quantized_engine="auto"):
         got = jb.quantized.explain(jax.ShapeDtypeStruct((rows, 128), jnp.bfloat16), p, platform="cpu")
-    if cpp.weight_only_bf16_path(rows, 128, 32) == "bf16 blocked":
+    if cpp.weight_only_bf16_path(rows, 128) == "bf16 blocked":
         assert got.implementation == "cpp", str(got)
     else:
         assert got.implementation == "xla" and "crossover" in got.reasons["cpp"], str(got)
