@@ -1280,11 +1280,10 @@ struct LimbRow {
   std::vector<float> scale;  // [chunks]
 };
 
-// Fills `r` for the row x (K = 128 * chunks floats; groupsize a multiple of
-// 128). Returns false, with r unspecified, where the row must take the float32
-// kernel (a non-finite value, a chunk's largest |x| out of range).
-__attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int64_t K,
-                                                              int64_t groupsize, LimbRow* r) {
+// Fills `r` for the row x (K = 128 * chunks floats). Returns false, with r
+// unspecified, where the row must take the float32 kernel (a non-finite value,
+// a chunk's largest |x| out of range, a spread above kLimbSpread).
+__attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int64_t K, LimbRow* r) {
   const int64_t chunks = K / 128;
   r->d = jb::NewAligned<int8_t>(chunks * kLimbChunkBytes);
   r->scale.assign(chunks, 0.0f);
@@ -1317,7 +1316,7 @@ __attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int
     int32_t* zc = reinterpret_cast<int32_t*>(dc + 384);
     for (int h = 0; h < 4; ++h) {  // 32 k: 16 even, 16 odd
       const __m512 a = _mm512_loadu_ps(xc + 32 * h), b = _mm512_loadu_ps(xc + 32 * h + 16);
-      __m512i asum = _mm512_setzero_si512();  // lane i: A at k = 32 h + 2 i, 2 i + 1
+      __m512i asum = _mm512_setzero_si512();  // lane i: A at k = 32 h + 2 i and 32 h + 2 i + 1
       for (int plane = 0; plane < 2; ++plane) {
         const __m512 v = _mm512_permutex2var_ps(a, plane == 0 ? even_idx : odd_idx, b);
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, mul));  // round to nearest even
@@ -2058,7 +2057,7 @@ void WeightOnlyMatmul(const float* x, const uint8_t* w, const float* scales,
   // the row must take the float32 kernel.
   if (UseLimbs(M, groupsize)) {
     LimbRow r;
-    if (MakeLimbRow(x, K, groupsize, &r)) {
+    if (MakeLimbRow(x, K, &r)) {
       const int64_t chunks = K / 128;
       std::vector<int32_t> gofc(chunks);
       for (int64_t c = 0; c < chunks; ++c) gofc[c] = static_cast<int32_t>(c / (groupsize / 128));
@@ -2123,13 +2122,15 @@ constexpr int64_t kWoBf16MaxRows = 15;
 // where the CPU has AVX512-BF16, except on Intel, where they are widened to
 // float32 (exactly) for the float32 kernels; 1 the AVX512-BF16 kernels
 // wherever the CPU has them (tests reach them on Intel too). Measured on a
-// 2-core Emerald Rapids (K = 4096, N = 4096 / 11008, groupsize 128,
-// `benchmarks/int4.py`), AVX512-BF16 kernels against widened float32: M = 1
-// 0.60 / 1.69 against 0.36 / 0.96 ms (the integer dots), M = 16 4.75 /
-// 12.84 against 3.23 / 9.97 ms, M = 256 53.1 / 200.6 against 32.9 / 104.6 ms
-// (vdpbf16ps costs about two FMAs there); M = 4 to 15 a tie within 10% either
-// way, M = 64 15.8 / 38.4 against 10.4 / 23.8 ms. On a Zen 4 EPYC the
-// AVX512-BF16 kernels were the fastest at every M measured, so AMD keeps them.
+// 2-core Emerald Rapids in one interleaved run (K = 4096, N = 4096 / 11008,
+// groupsize 128, medians of 3 rounds), the AVX512-BF16 kernels against
+// widened float32: M = 1 0.55 / 1.14 against 0.39 / 0.73 ms (the integer
+// dots), M = 16 5.2 / 11.8 against 3.8 / 10.0, M = 64 15.8 / 38.4 against
+// 10.4 / 23.8 (1.2-1.6x; vdpbf16ps costs about two FMAs there), M = 4 to 15
+// a tie within 10% either way; M = 256 (separate runs) 53.1 / 200.6 against
+// 38.8 / 99.1. Above 512 rows widened calls follow the float32 row limit
+// (XLA's GEMM; cpp.unsupported). On a Zen 4 EPYC the AVX512-BF16 kernels
+// were the fastest at every M measured, so AMD keeps them.
 std::atomic<int> g_bf16_kernels{0};
 
 bool WidenBf16ToFloat32() {
@@ -2365,6 +2366,7 @@ extern "C" void JbInt4SetXlaPool(int on) { jb::SetUseXlaPool(on != 0); }
 // (g_bf16_kernels); "always": wherever the CPU has AVX512-BF16 (tests).
 // Returns 0, or -1 for an unknown name.
 extern "C" int JbInt4SetBf16Kernels(const char* mode) {
+  if (mode == nullptr) return -1;
   const std::string m(mode);
   if (m != "auto" && m != "always") return -1;
   g_bf16_kernels = m == "always" ? 1 : 0;

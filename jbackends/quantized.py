@@ -336,7 +336,8 @@ def int4_matmul(
 
     No int8 activation quantization: more accurate than `dyn_quant_matmul_4bit`.
     Float32 accumulation everywhere. (One float32 row on a CPU with
-    AVX512-VNNI runs on integer dots, the row held to 24 bits relative to the
+    AVX512-VNNI, or one bfloat16 row there on Intel, widened to float32,
+    runs on integer dots, the row held to 24 bits relative to the
     largest ``|x|`` of each 128 inputs: within about 3e-7 of ``sum |x w|``,
     float32's order of error; rows that would round worse than that, or hold
     a NaN or inf, take the float32 kernel.) Differentiable in ``x`` and in the

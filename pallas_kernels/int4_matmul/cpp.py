@@ -28,8 +28,9 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
 * weight-only with bfloat16 activations on a CPU with AVX512-BF16, except Intel ones, where they are
   widened to float32 (`weight_only_bf16_path`, `set_bf16_kernels`): the
   same two forms with ``vdpbf16ps`` (exact bf16 x int4 products, float32 sums, the scales applied per
-  group in float32), at any number of rows (ahead of XLA at every size measured, up to 2048 rows);
-  the result rounded to bfloat16 in the kernel.
+  group in float32), at any number of rows (ahead of XLA at every size measured on the EPYC, up to
+  2048 rows; widened on Intel, they follow the float32 row limit); the result rounded to bfloat16 in
+  the kernel.
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ set_xla_pool = xla_pool_setter(_library, "JbInt4SetXlaPool")
 def set_bf16_kernels(mode: str) -> None:
     """Which kernels bfloat16 activations take (see `weight_only_bf16_path`): ``"auto"`` (the
     default) the AVX512-BF16 kernels where the CPU has AVX512-BF16, except on an Intel CPU, where
-    ``x`` is widened to float32 for the float32 kernels (measured 1.4-1.6x faster there at M = 1
-    and from 16 rows, a tie at 4-15); ``"always"`` the AVX512-BF16 kernels wherever the CPU has them (tests, benchmarks).
+    ``x`` is widened to float32 for the float32 kernels (measured 1.2-1.6x faster there at M = 1, 16
+    and 64, a tie at 4-15); ``"always"`` the AVX512-BF16 kernels wherever the CPU has them (tests,
+    benchmarks). A process-wide switch: set it before tracing, since the dispatcher's row limit is
+    decided when a function is traced and the kernel's route when it runs.
 
     Raises:
       ValueError: ``mode`` is neither ``"auto"`` nor ``"always"``.
@@ -162,8 +165,9 @@ def weight_only_bf16_path(rows: int, in_features: int) -> str:
       multiplies a broadcast pair of weights by 16 rows);
     * ``"float32"``: ``x`` widened to float32 in the kernel (exactly) for the float32 kernels: a CPU
       without AVX512-BF16, a non AVX-512 code path selected with `set_isa`, or an Intel CPU, where
-      ``vdpbf16ps`` is slow: the float32 kernels measured 1.4-1.6x faster at M = 1 and from 16 rows,
-      a tie at 4-15 (see `set_bf16_kernels`); the same results within float32 rounding.
+      ``vdpbf16ps`` is slow: the float32 kernels measured 1.2-1.6x faster at M = 1, 16 and 64, a tie
+      at 4-15 (see `set_bf16_kernels`); above `weight_only_max_rows()` such calls follow the float32
+      rule (XLA's GEMM); the same results within float32 rounding.
 
     Every path rounds the float32 sums to bfloat16 in the kernel, as ``.astype`` rounds."""
     lib = _library()

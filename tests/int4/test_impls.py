@@ -26,7 +26,7 @@ def _cpp_isa(isa):
 
 @contextlib.contextmanager
 def _bf16_kernels(mode):
-    """Runs the block with `cpp.set_bf16_kernels(mode)`, then restores "auto"."""
+    """Runs the block with `cpp.set_bf16_kernels(mode)`, then restores the default, "auto"."""
     cpp.set_bf16_kernels(mode)
     try:
         yield
