@@ -114,6 +114,19 @@ inline bool HasAvx512Vnni() {
 #endif
 }
 
+// An Intel CPU (kernel choices measured per vendor).
+inline bool IsIntelCpu() {
+#if JB_X86
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // HasAvx512() and AVX512-BF16 (vdpbf16ps).
 inline bool HasAvx512Bf16() {
 #if JB_X86

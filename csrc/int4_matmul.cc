@@ -1269,7 +1269,8 @@ void WoRowsAvx512N(const uint8_t* w, const float* xe, const float* xo, int64_t h
 constexpr int32_t kLimbR = 127 * 65793;
 constexpr int32_t kLimbBias = 128 * 65793;
 constexpr double kLimbSpread = 64.0;
-constexpr int64_t kLimbChunkBytes = 448;  // per 128-k chunk: 3 digits x (even, odd) x 64, 16 int32
+constexpr int64_t kLimbZeroOffset = 384;  // per 128-k chunk: 3 digits x (even, odd) x 64 int8, then
+constexpr int64_t kLimbChunkBytes = 448;  // the 16 int32 zero-point terms
 
 // One input row as digits: d [chunks][a2, a1, a0][even, odd][64] int8, then
 // the chunk's 16 zero-point terms int32 (lane j: 8 sum of A over k = 8j ..
@@ -1313,7 +1314,7 @@ __attribute__((target("avx512f,avx512bw"))) bool MakeLimbRow(const float* x, int
     const __m512 mul = _mm512_set1_ps(m == 0.0f ? 0.0f : static_cast<float>(kLimbR / static_cast<double>(m)));
     r->scale[c] = static_cast<float>(static_cast<double>(m) / kLimbR);
     int8_t* dc = r->d.get() + c * kLimbChunkBytes;
-    int32_t* zc = reinterpret_cast<int32_t*>(dc + 384);
+    int32_t* zc = reinterpret_cast<int32_t*>(dc + kLimbZeroOffset);
     for (int h = 0; h < 4; ++h) {  // 32 k: 16 even, 16 odd
       const __m512 a = _mm512_loadu_ps(xc + 32 * h), b = _mm512_loadu_ps(xc + 32 * h + 16);
       __m512i asum = _mm512_setzero_si512();  // lane i: A at k = 32 h + 2 i and 32 h + 2 i + 1
@@ -1356,7 +1357,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i LimbChunkD
   a = _mm512_slli_epi32(a, 8);
   a = _mm512_dpbusd_epi32(a, lo, _mm512_load_si512(dc + 256));
   a = _mm512_dpbusd_epi32(a, hi, _mm512_load_si512(dc + 320));
-  return _mm512_sub_epi32(a, _mm512_load_si512(dc + 384));
+  return _mm512_sub_epi32(a, _mm512_load_si512(dc + kLimbZeroOffset));
 }
 
 // Chunk c's (sum q A) * (max_c / R), 16 lanes: the s_g factor comes after.
@@ -2135,18 +2136,7 @@ constexpr int64_t kWoBf16MaxRows = 15;
 // were the fastest at every M measured, so AMD keeps them.
 std::atomic<int> g_bf16_kernels{0};
 
-bool WidenBf16ToFloat32() {
-#if JB_X86
-  if (g_bf16_kernels.load() == 1) return false;
-  static const bool intel = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return intel;
-#else
-  return true;
-#endif
-}
+bool WidenBf16ToFloat32() { return g_bf16_kernels.load() != 1 && jb::IsIntelCpu(); }
 
 // Whether weight-only calls with bfloat16 activations of M rows and K take
 // the AVX512-BF16 kernel.
