@@ -151,7 +151,7 @@ def bench_jax(
         # The C++ kernel's own allocations (packed k / v, tiles, dQ buffers) are not XLA buffers.
         from pallas_kernels.attention import cpp_flash  # noqa: PLC0415
 
-        mem += cpp_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd")
+        mem += cpp_flash.workspace_bytes(x.shape, x.shape, x.shape, backward=mode != "fwd", dtype=dtype)
     row = dict(impl=name, mem=mem, time=None, spread=None)
     if mem > max_run_bytes:
         return row

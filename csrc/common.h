@@ -19,6 +19,8 @@
 
 #if defined(__linux__)
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -26,6 +28,15 @@
 #define JB_X86 1
 #else
 #define JB_X86 0
+#endif
+
+// AMX tiles: x86-64 Linux (the kernel grants the tile state per process) with a compiler whose
+// assembler takes the AMX instructions (written as inline asm, no -m flags).
+#if JB_X86 && defined(__linux__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11)
+#include <cpuid.h>
+#define JB_AMX 1
+#else
+#define JB_AMX 0
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -133,6 +144,23 @@ inline bool HasAvx512Bf16() {
   static const bool ok = [] {
     __builtin_cpu_init();
     return HasAvx512() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// HasAvx512Bf16(), AMX-TILE and AMX-BF16, and the kernel's leave to use the tile state (asked for
+// once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+inline bool HasAmxBf16() {
+#if JB_AMX
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!HasAvx512Bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
 #else

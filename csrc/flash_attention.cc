@@ -32,7 +32,10 @@
 // (12 x 32 tiles, 16-lane softmax), AVX2 + FMA (6 x 16 tiles, 8 lanes), and
 // plain C++. The tasks are written once (flash_attention_body.h) and compiled
 // for each; the shared object still loads on a CPU without AVX-512 (per-function
-// target attributes, no -m flags).
+// target attributes, no -m flags). bf16 q / k / v have a forward of their own
+// (JbFlashFwdBf16): on AMX tiles where the CPU has AMX-BF16 (ForwardAmx; the
+// AVX-512 path's softmax between the two tile matmuls), else widened to float32
+// for the current path. The backward takes float32.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -194,8 +197,14 @@ void PackKeys(const Problem& p, const float* k, int64_t D, int64_t Dp, float* kt
 
 // --------------------------------------------------------------- forward
 
+// The row stride of the forward's score tile: a block's keys and 16 floats more, so that the
+// rows of a 16-row matmul tile do not all fall in a few L1 sets (a power-of-two stride of 1 KiB
+// maps 16 rows to 4 of the 64).
+inline int64_t ScoreLd(int64_t bk) { return bk + 16; }
+
 struct FwdScratch {
   jb::AlignedVector<float> qs, s, acc, m, l;
+  jb::AlignedVector<uint16_t> qb, pb;  // the AMX forward's bf16 query rows and probabilities
   std::vector<int64_t> lo, hi;
 };
 
@@ -204,6 +213,8 @@ struct FwdCtx {
   const float *q, *kt, *vp;
   float *out, *lse;
   int64_t nq;
+  // The AMX forward: bf16 q [B, T, N, H] and the tiles of k and v (PackTilesAmx).
+  const uint16_t *qh = nullptr, *kb = nullptr, *vb = nullptr;
 };
 
 struct BwdScratch {
@@ -238,6 +249,32 @@ void PackQueries(const Problem& p, const float* q, const float* dout, const floa
   }
 }
 
+// bf16 -> float32 (exact: the bf16 bits are the float's upper half).
+void WidenBf16(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, 4);
+  }
+}
+
+// The bf16 forward of a path without bf16 tiles: q, k, v widened to float32 (exactly), then
+// that path's float32 forward.
+template <void (*Fwd)(const Problem&, const float*, const float*, const float*, float*, float*)>
+void ForwardWidened(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                    float* out, float* lse) {
+  const int64_t nq = p.B * p.T * p.N * p.H, nk = p.B * p.S * p.K * p.H, nv = p.B * p.S * p.K * p.Hv;
+  const auto qf = jb::NewAligned<float>(nq), kf = jb::NewAligned<float>(nk),
+             vf = jb::NewAligned<float>(nv);
+  const int threads = ThreadsFor(2.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
+  const auto widen = [&](const uint16_t* src, int64_t n, float* dst) {
+    jb::ParallelFor(n, threads, 16, [&](int64_t lo, int64_t hi) { WidenBf16(src + lo, hi - lo, dst + lo); });
+  };
+  widen(q, nq, qf.get());
+  widen(k, nk, kf.get());
+  widen(v, nv, vf.get());
+  Fwd(p, qf.get(), kf.get(), vf.get(), out, lse);
+}
+
 // ------------------------------------------------------ per-ISA kernels
 //
 // Each namespace defines the vector interface and the matmul, then includes
@@ -261,6 +298,8 @@ inline void Store(float* p, Vf v) { *p = v; }
 inline Vf Add(Vf a, Vf b) { return a + b; }
 inline Vf Sub(Vf a, Vf b) { return a - b; }
 inline Vf Mul(Vf a, Vf b) { return a * b; }
+inline Vf MulSub(Vf a, Vf b, Vf c) { return std::fma(a, b, -c); }
+inline bool AllLe(Vf a, Vf b) { return a <= b; }
 inline Vf Max(Vf a, Vf b) { return a > b ? a : b; }  // maxps: b when either is NaN
 inline Vf Min(Vf a, Vf b) { return a < b ? a : b; }
 inline Vf Div(Vf a, Vf b) { return a / b; }
@@ -317,6 +356,8 @@ JB_TGT inline void Store(float* p, Vf v) { _mm256_storeu_ps(p, v); }
 JB_TGT inline Vf Add(Vf a, Vf b) { return _mm256_add_ps(a, b); }
 JB_TGT inline Vf Sub(Vf a, Vf b) { return _mm256_sub_ps(a, b); }
 JB_TGT inline Vf Mul(Vf a, Vf b) { return _mm256_mul_ps(a, b); }
+JB_TGT inline Vf MulSub(Vf a, Vf b, Vf c) { return _mm256_fmsub_ps(a, b, c); }
+JB_TGT inline bool AllLe(Vf a, Vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LE_OQ)) == 0xff; }
 JB_TGT inline Vf Max(Vf a, Vf b) { return _mm256_max_ps(a, b); }
 JB_TGT inline Vf Min(Vf a, Vf b) { return _mm256_min_ps(a, b); }
 JB_TGT inline Vf Div(Vf a, Vf b) { return _mm256_div_ps(a, b); }
@@ -437,6 +478,8 @@ JB_TGT inline void Store(float* p, Vf v) { _mm512_storeu_ps(p, v); }
 JB_TGT inline Vf Add(Vf a, Vf b) { return _mm512_add_ps(a, b); }
 JB_TGT inline Vf Sub(Vf a, Vf b) { return _mm512_sub_ps(a, b); }
 JB_TGT inline Vf Mul(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
+JB_TGT inline Vf MulSub(Vf a, Vf b, Vf c) { return _mm512_fmsub_ps(a, b, c); }
+JB_TGT inline bool AllLe(Vf a, Vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ) == 0xffff; }
 JB_TGT inline Vf Max(Vf a, Vf b) { return _mm512_max_ps(a, b); }
 JB_TGT inline Vf Min(Vf a, Vf b) { return _mm512_min_ps(a, b); }
 JB_TGT inline Vf Div(Vf a, Vf b) { return _mm512_div_ps(a, b); }
@@ -461,11 +504,14 @@ JB_TGT inline float HMax(Vf v) {
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   return avx2_isa::HMax(h);
 }
-// The AVX2 polynomial and exponent trick on 16 lanes (bit-identical per lane).
+// The AVX2 polynomial on 16 lanes, its power of two applied by vscalefps (one instruction for the
+// AVX2 path's convert, add, shift and multiply): 2^x = 2^f * 2^n, n = round(x), f = x - n. -inf
+// gives n = -inf and f = NaN, which max(f, -0.5) turns into -0.5 (maxps returns its second operand
+// for a NaN first one), so that vscalefps(2^f, -inf) = +0 exactly; a NaN x keeps n = NaN and gives
+// NaN; x < -126 underflows to 0 or a denormal (the AVX2 path gives 0 below -126.5), never more.
 JB_TGT inline Vf Exp2(Vf x) {
-  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(xc, n);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_max_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(-0.5f));
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
@@ -473,9 +519,21 @@ JB_TGT inline Vf Exp2(Vf x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Exp2 with a degree-4 polynomial (a near-minimax fit of 2^f on [-0.5, 0.5]): relative error
+// < 3e-6 (Exp2: ~1e-7), two FMAs fewer. For the bf16 forward, whose probabilities are rounded to
+// bf16 (2^-9) for p v; torch's CPU flash kernel uses an exp of 20 ulp (2.4e-6) the same way.
+JB_TGT inline Vf Exp2Bf16(Vf x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_max_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(-0.5f));
+  __m512 p = _mm512_set1_ps(0.00957005f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591775f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024744f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312185f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999993f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // C[m, 0:16 * NP] (+)= sum_k A[m * sam + k * sak] * B[k, 0:16 * NP], m < MR,
@@ -551,6 +609,291 @@ JB_TGT void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, i
   if (n < N) Panels<1, ACC>(M, K, A, sam, sak, B + (n / 16) * bps, ldb, bps, C + n, ldc);
 }
 #include "flash_attention_body.h"
+
+#if JB_AMX
+// ------------------------------------------------ AMX bf16 forward
+//
+// On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) the forward of bf16 inputs runs its two
+// matmuls on tiles: q k^T and p v as bf16 products summed in float32 (tdpbf16ps), the softmax
+// between them in float32 on AVX-512 exactly as above (FwdTask). p is rounded to bf16 for p v, as
+// torch's and cuDNN's bf16 kernels do. Eight tiles of 16 rows x 64 bytes: four float32 16 x 16
+// accumulators (a 32 x 32 block), two A tiles (32 rows of q or p), two B tiles (k or v, laid out
+// by PackTilesAmx). Rows go in 32s and keys in 32s (the tasks' tiles are rounded up to them).
+#define JB_AMX_TGT \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+// Inline asm (with the memory clobber the loads need: they read what plain stores just wrote).
+#define JB_TLOAD(t, base, stride)                                         \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base),              \
+               "r"(static_cast<int64_t>(stride)) : "memory")
+#define JB_TSTORE(t, base, stride)                                        \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base),          \
+               "r"(static_cast<int64_t>(stride)) : "memory")
+#define JB_TZERO(t) asm volatile("tilezero %%tmm" #t ::)
+// C += A B: tdpbf16ps (AT&T operand order: B, A, C).
+#define JB_TDP(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+// The tile shapes on this thread for the scope's life (ldtilecfg), released after (tilerelease:
+// the thread's context switches stop saving the 8 KiB of tile data).
+struct TileScope {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  TileScope() {
+    Config c;
+    for (int i = 0; i < 8; ++i) {
+      c.colsb[i] = 64;
+      c.rows[i] = 16;
+    }
+    asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
+  }
+  ~TileScope() { asm volatile("tilerelease" ::: "memory"); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// For key/value head bkh = b * K + kh, zero padded to Hq = H rounded up to 32 features and
+// Sq = S rounded up to 32 keys:
+//   kb: the B tiles of q k^T, one per 16 keys and 32 features, pairs of features interleaved:
+//       kb[bkh][s / 16][d / 32][(d % 32) / 2][s % 16][d % 2];
+//   vb: the B tiles of p v, one per 32 keys and 16 features, pairs of keys interleaved:
+//       vb[bkh][s / 32][d / 16][(s % 32) / 2][d % 16][s % 2].
+JB_TGT void PackTilesAmx(const Problem& p, const uint16_t* k, const uint16_t* v, int64_t Hq,
+                         int64_t Sq, uint16_t* kb, uint16_t* vb, int64_t bkh) {
+  const int64_t b = bkh / p.K, kh = bkh % p.K;
+  // k: 32-bit feature pairs, each tile a 16 x 16 transpose of them (a lone last feature is paired
+  // with a zero).
+  uint32_t* kd = reinterpret_cast<uint32_t*>(kb + bkh * Sq * Hq);
+  std::memset(kd, 0, Sq * Hq * 2);
+  const int64_t pairs = p.H / 2;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const uint16_t* src = k + ((b * p.S + s) * p.K + kh) * p.H;
+    uint32_t* base = kd + (s / 16) * 8 * Hq + s % 16;
+    for (int64_t dp = 0; dp < pairs; ++dp) {
+      uint32_t pair;
+      std::memcpy(&pair, src + 2 * dp, 4);
+      base[(dp / 16) * 256 + (dp % 16) * 16] = pair;
+    }
+    if (p.H % 2) base[(pairs / 16) * 256 + (pairs % 16) * 16] = src[p.H - 1];
+  }
+  // v: rows s and s + 1 interleaved, 16 features at a time (the second row's in the high halves).
+  uint16_t* vd = vb + bkh * Sq * p.Hvp;
+  std::memset(vd, 0, Sq * p.Hvp * 2);
+  for (int64_t s = 0; s < p.S; s += 2) {
+    const uint16_t* r0 = v + ((b * p.S + s) * p.K + kh) * p.Hv;
+    const uint16_t* r1 = s + 1 < p.S ? r0 + p.K * p.Hv : nullptr;
+    uint16_t* base = vd + (s / 32) * 32 * p.Hvp + ((s % 32) / 2) * 32;
+    for (int64_t f = 0; f < p.Hv; f += 16) {
+      const __mmask16 m = p.Hv - f >= 16 ? 0xffff : static_cast<__mmask16>((1u << (p.Hv - f)) - 1);
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + f));
+      const __m512i c = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + f))
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(base + (f / 16) * 512, _mm512_or_si512(a, _mm512_slli_epi32(c, 16)));
+    }
+  }
+}
+
+// FwdTask's matmuls on tiles (see F32Mats for the interface). qb holds the task's rows in bf16
+// ([32-rounded rows, Hq], zeros past R and H), pb the probabilities in bf16 ([rows, bk]).
+//
+// The scores stay raw q k^T (post = scale * log2(e): FwdTask's softmax scales them in its own
+// passes), unless a soft cap, bias or mask must see the logits (then Scores scales them, post = 1).
+struct AmxMats {
+  static constexpr int64_t kKeys = 32;
+  const Problem& p;
+  FwdScratch& sc;
+  const int64_t Hq, Sq;
+  const uint16_t* kb;
+  const uint16_t* vb;
+  const float post;
+  JB_AMX_TGT AmxMats(const FwdCtx& x, FwdScratch& s, int64_t b, int64_t kh)
+      : p(x.p), sc(s), Hq(RoundUp(p.H, 32)), Sq(RoundUp(p.S, 32)),
+        kb(x.kb + (b * p.K + kh) * Sq * Hq), vb(x.vb + (b * p.K + kh) * Sq * p.Hvp),
+        post(p.cap2 > 0.f || p.bias || p.mask || !(p.scale2 > 0.f) ? 1.f : p.scale2) {}
+
+  JB_AMX_TGT void Queries(const FwdCtx& x, int64_t b, int64_t n, int64_t t0, int64_t R) {
+    const int64_t Rp = RoundUp(R, 32);
+    for (int64_t r = 0; r < R; ++r) {
+      std::memcpy(sc.qb.data() + r * Hq, x.qh + ((b * p.T + t0 + r) * p.N + n) * p.H, p.H * 2);
+      std::fill(sc.qb.data() + r * Hq + p.H, sc.qb.data() + (r + 1) * Hq, uint16_t{0});
+    }
+    std::fill(sc.qb.data() + R * Hq, sc.qb.data() + Rp * Hq, uint16_t{0});
+    std::fill(sc.pb.data() + R * p.bk, sc.pb.data() + Rp * p.bk, uint16_t{0});
+  }
+
+  // q k^T of 32-row x 32-key blocks (rows past R are padding), times scale * log2(e) unless post
+  // does it.
+  JB_AMX_TGT void Scores(int64_t R, int64_t c0, int64_t nc, float* s, int64_t ld) {
+    const int64_t Rp = RoundUp(R, 32), ldq = Hq * 2, lds = ld * 4;
+    for (int64_t j = 0; j < nc; j += 32) {  // a block of keys stays in L1 for all the rows
+      const uint16_t* k0 = kb + (c0 + j) * Hq;  // 16 keys take 16 * Hq elements
+      const uint16_t* k1 = k0 + 16 * Hq;
+      for (int64_t i = 0; i < Rp; i += 32) {
+        const uint16_t* q0 = sc.qb.data() + i * Hq;
+        const uint16_t* q1 = q0 + 16 * Hq;
+        JB_TZERO(0);
+        JB_TZERO(1);
+        JB_TZERO(2);
+        JB_TZERO(3);
+        for (int64_t dc = 0; dc < Hq / 32; ++dc) {
+          JB_TLOAD(4, q0 + dc * 32, ldq);
+          JB_TLOAD(5, q1 + dc * 32, ldq);
+          JB_TLOAD(6, k0 + dc * 512, 64);
+          JB_TLOAD(7, k1 + dc * 512, 64);
+          JB_TDP(0, 4, 6);
+          JB_TDP(1, 4, 7);
+          JB_TDP(2, 5, 6);
+          JB_TDP(3, 5, 7);
+        }
+        float* c = s + i * ld + j;
+        JB_TSTORE(0, c, lds);
+        JB_TSTORE(1, c + 16, lds);
+        JB_TSTORE(2, c + 16 * ld, lds);
+        JB_TSTORE(3, c + 16 * ld + 16, lds);
+      }
+    }
+    if (post != 1.f) return;
+    const __m512 sc2 = _mm512_set1_ps(p.scale2);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < nc; c += 16)
+        _mm512_storeu_ps(s + r * ld + c, _mm512_mul_ps(sc2, _mm512_loadu_ps(s + r * ld + c)));
+  }
+
+  // Row r alone on AVX512-BF16 (vdpbf16ps: the same bf16 products, float32 sums).
+  JB_AMX_TGT void ScoresRow(int64_t r, int64_t c0, int64_t nc, float* sr) {
+    const uint16_t* qr = sc.qb.data() + r * Hq;
+    for (int64_t j = 0; j < nc; j += 16) {
+      const uint16_t* panel = kb + (c0 + j) * Hq;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < Hq; d += 2) {
+        uint32_t pair;
+        std::memcpy(&pair, qr + d, 4);
+        const __m512i kv = _mm512_loadu_si512(panel + (d / 32) * 512 + (d % 32) * 16);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
+                               (__m512bh)kv);
+      }
+      _mm512_storeu_ps(sr + j, post != 1.f ? acc : _mm512_mul_ps(_mm512_set1_ps(p.scale2), acc));
+    }
+  }
+
+  JB_TGT static __m512 Exp(__m512 x) { return Exp2Bf16(x); }
+
+  // The probabilities rounded to bf16 (to nearest even; vcvtneps2bf16 as inline asm, so that it
+  // inlines into FwdTask, compiled for AVX-512 without the BF16 extension) into pb.
+  JB_TGT uint16_t* Row(int64_t r, float*) { return sc.pb.data() + r * p.bk; }
+  JB_TGT static void Emit(uint16_t* pr, int64_t c, __m512 e) {
+    __m256i h;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), h);
+  }
+
+  // acc += p v (p from Emit, rows past R zero): 32 x 32 blocks of acc loaded into the four
+  // accumulator tiles, summed over the block's keys, stored back.
+  JB_AMX_TGT void AddValues(int64_t R, int64_t c0, int64_t nc, const float*, int64_t,
+                            float* acc) {
+    const int64_t Rp = RoundUp(R, 32), ldp = p.bk, Hvp = p.Hvp, lda = Hvp * 4;
+    const uint16_t* pb = sc.pb.data();
+    const uint16_t* vblk = vb + c0 * Hvp;  // 32 keys take 32 * Hvp elements
+    for (int64_t i = 0; i < Rp; i += 32) {
+      float* a0 = acc + i * Hvp;
+      float* a1 = a0 + 16 * Hvp;
+      const uint16_t* p0 = pb + i * ldp;
+      const uint16_t* p1 = p0 + 16 * ldp;
+      int64_t f = 0;
+      for (; f + 32 <= Hvp; f += 32) {
+        JB_TLOAD(0, a0 + f, lda);
+        JB_TLOAD(1, a0 + f + 16, lda);
+        JB_TLOAD(2, a1 + f, lda);
+        JB_TLOAD(3, a1 + f + 16, lda);
+        for (int64_t kc = 0; kc < nc / 32; ++kc) {
+          const uint16_t* v0 = vblk + kc * 32 * Hvp + (f / 16) * 512;
+          JB_TLOAD(4, p0 + kc * 32, ldp * 2);
+          JB_TLOAD(5, p1 + kc * 32, ldp * 2);
+          JB_TLOAD(6, v0, 64);
+          JB_TLOAD(7, v0 + 512, 64);
+          JB_TDP(0, 4, 6);
+          JB_TDP(1, 4, 7);
+          JB_TDP(2, 5, 6);
+          JB_TDP(3, 5, 7);
+        }
+        JB_TSTORE(0, a0 + f, lda);
+        JB_TSTORE(1, a0 + f + 16, lda);
+        JB_TSTORE(2, a1 + f, lda);
+        JB_TSTORE(3, a1 + f + 16, lda);
+      }
+      if (f < Hvp) {  // the last 16 features
+        JB_TLOAD(0, a0 + f, lda);
+        JB_TLOAD(2, a1 + f, lda);
+        for (int64_t kc = 0; kc < nc / 32; ++kc) {
+          JB_TLOAD(4, p0 + kc * 32, ldp * 2);
+          JB_TLOAD(5, p1 + kc * 32, ldp * 2);
+          JB_TLOAD(6, vblk + kc * 32 * Hvp + (f / 16) * 512, 64);
+          JB_TDP(0, 4, 6);
+          JB_TDP(2, 5, 6);
+        }
+        JB_TSTORE(0, a0 + f, lda);
+        JB_TSTORE(2, a1 + f, lda);
+      }
+    }
+  }
+};
+
+// The bf16 forward on tiles (the caller checked jb::HasAmxBf16()). Tiles rounded up to 32 rows
+// and 32 keys.
+void ForwardAmx(const Problem& p0, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                float* out, float* lse) {
+  Problem p = p0;
+  p.bq = RoundUp(p.bq, 32);
+  p.bk = RoundUp(p.bk, 32);
+  const int64_t nq = (p.T + p.bq - 1) / p.bq;
+  const int64_t Hq = RoundUp(p.H, 32), Sq = RoundUp(p.S, 32);
+  const auto kb = jb::NewAligned<uint16_t>(p.B * p.K * Sq * Hq);
+  const auto vb = jb::NewAligned<uint16_t>(p.B * p.K * Sq * p.Hvp);
+  const int threads = ThreadsFor(2.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
+  ParallelTasks(p.B * p.K, threads, [&](int64_t bkh, int) {
+    PackTilesAmx(p, k, v, Hq, Sq, kb.get(), vb.get(), bkh);
+  });
+  std::vector<FwdScratch> scratch(threads);
+  for (auto& sc : scratch) {
+    sc.qb.resize(p.bq * Hq);
+    sc.pb.resize(p.bq * p.bk);
+    sc.s.resize(p.bq * ScoreLd(p.bk));
+    sc.acc.resize(p.bq * p.Hvp);
+    sc.m.resize(p.bq);
+    sc.l.resize(p.bq * 16);
+    sc.lo.resize(p.bq);
+    sc.hi.resize(p.bq);
+  }
+  FwdCtx x{p, nullptr, nullptr, nullptr, out, lse, nq};
+  x.qh = q;
+  x.kb = kb.get();
+  x.vb = vb.get();
+  ParallelTasks(p.B * p.N * nq, threads, [&](int64_t task, int id) {
+    TileScope tiles;
+    FwdTask<AmxMats>(x, scratch[id], task);
+  });
+}
+#undef JB_TLOAD
+#undef JB_TSTORE
+#undef JB_TZERO
+#undef JB_TDP
+#undef JB_AMX_TGT
+#endif  // JB_AMX
+
+std::atomic<bool> g_amx{true};  // JbFlashSetAmx
+
+// Whether the bf16 forward of this path runs on AMX tiles.
+bool UseAmx() { return JB_AMX && g_amx.load(std::memory_order_relaxed) && jb::HasAmxBf16(); }
+
+void ForwardBf16(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                 float* out, float* lse) {
+#if JB_AMX
+  if (UseAmx()) return ForwardAmx(p, q, k, v, out, lse);
+#endif
+  ForwardWidened<&Forward>(p, q, k, v, out, lse);
+}
 #undef JB_TGT
 }  // namespace avx512_isa
 #endif  // JB_X86
@@ -561,11 +904,15 @@ struct Isa {
   const char* name;
   decltype(&scalar_isa::Forward) forward;
   decltype(&scalar_isa::Backward) backward;
+  decltype(&ForwardWidened<&scalar_isa::Forward>) forward_bf16;
 };
-constexpr Isa kScalar{"scalar", &scalar_isa::Forward, &scalar_isa::Backward};
+constexpr Isa kScalar{"scalar", &scalar_isa::Forward, &scalar_isa::Backward,
+                      &ForwardWidened<&scalar_isa::Forward>};
 #if JB_X86
-constexpr Isa kAvx2{"avx2", &avx2_isa::Forward, &avx2_isa::Backward};
-constexpr Isa kAvx512{"avx512", &avx512_isa::Forward, &avx512_isa::Backward};
+constexpr Isa kAvx2{"avx2", &avx2_isa::Forward, &avx2_isa::Backward,
+                    &ForwardWidened<&avx2_isa::Forward>};
+constexpr Isa kAvx512{"avx512", &avx512_isa::Forward, &avx512_isa::Backward,
+                      &avx512_isa::ForwardBf16};
 #endif
 
 // The best path this CPU runs: AVX-512 > AVX2 > scalar.
@@ -586,8 +933,8 @@ const Isa& CurrentIsa() {
 
 // ------------------------------------------------------------ FFI handlers
 
-ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-                       const ffi::Buffer<ffi::F32>& v, const ffi::Buffer<ffi::S32>& q_len,
+template <class In>  // ffi::Buffer<F32> or <BF16>: q, k, v
+ffi::Error MakeProblem(const In& q, const In& k, const In& v, const ffi::Buffer<ffi::S32>& q_len,
                        const ffi::Buffer<ffi::S32>& kv_len, const ffi::Buffer<ffi::S32>& q_seg,
                        const ffi::Buffer<ffi::S32>& kv_seg, float scale, bool causal,
                        int64_t diag_offset, bool window, int64_t left, int64_t right,
@@ -627,9 +974,9 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   p->kv_len = has_kv_len ? kv_len.typed_data() : nullptr;
   p->q_seg = has_seg ? q_seg.typed_data() : nullptr;
   p->kv_seg = has_seg ? kv_seg.typed_data() : nullptr;
-  if ((has_q_len && q_len.element_count() != p->B) ||
-      (has_kv_len && kv_len.element_count() != p->B) ||
-      (has_seg && (q_seg.element_count() != p->B * p->T || kv_seg.element_count() != p->B * p->S)))
+  const auto count = [](const auto& x) { return static_cast<int64_t>(x.element_count()); };
+  if ((has_q_len && count(q_len) != p->B) || (has_kv_len && count(kv_len) != p->B) ||
+      (has_seg && (count(q_seg) != p->B * p->T || count(kv_seg) != p->B * p->S)))
     return ffi::Error::InvalidArgument("flash attention: bad lengths / segment ids shapes");
   p->bq = block_q;
   p->bk = block_k;
@@ -659,7 +1006,10 @@ ffi::Error MakeProblem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+// The forward of float32 or bf16 q, k, v (float32 out and lse). bf16 runs on AMX tiles where the
+// CPU has them (see ForwardAmx), else widened to float32 for the current path.
+template <ffi::DataType DT>
+ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
                    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> mask,
@@ -676,8 +1026,15 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   if (e.failure()) return e;
   if (p.B * p.T * p.N == 0) return ffi::Error::Success();
   return jb::CatchErrors("flash attention", [&] {
-    CurrentIsa().forward(p, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
-            lse->typed_data());
+    if constexpr (DT == ffi::DataType::BF16) {
+      CurrentIsa().forward_bf16(p, static_cast<const uint16_t*>(q.untyped_data()),
+                                static_cast<const uint16_t*>(k.untyped_data()),
+                                static_cast<const uint16_t*>(v.untyped_data()), out->typed_data(),
+                                lse->typed_data());
+    } else {
+      CurrentIsa().forward(p, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
+                           lse->typed_data());
+    }
   });
 }
 
@@ -747,20 +1104,25 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
       .Attr<bool>("has_mask")              \
       .Attr<bool>("need_dbias")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdF32, FwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JB_FLASH_ATTRS);
+#define JB_FLASH_FWD_BINDING(QKV)              \
+  ffi::Ffi::Bind()                             \
+      .Ctx<ffi::ThreadPool>()                  \
+      .Arg<ffi::Buffer<QKV>>()                 \
+      .Arg<ffi::Buffer<QKV>>()                 \
+      .Arg<ffi::Buffer<QKV>>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>()            \
+      .Arg<ffi::Buffer<ffi::F32>>()            \
+      .Arg<ffi::Buffer<ffi::PRED>>()           \
+      .Ret<ffi::Buffer<ffi::F32>>()            \
+      .Ret<ffi::Buffer<ffi::F32>>() JB_FLASH_ATTRS
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdF32, FwdImpl<ffi::DataType::F32>,
+                              JB_FLASH_FWD_BINDING(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashFwdBf16, FwdImpl<ffi::DataType::BF16>,
+                              JB_FLASH_FWD_BINDING(ffi::BF16));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JbFlashBwdF32, BwdImpl,
                               ffi::Ffi::Bind()
@@ -801,6 +1163,24 @@ extern "C" void JbFlashSetThreads(int n) { g_threads_override.store(n < 0 ? 0 : 
 // 1: the kernels' threads run on XLA's intra-op pool (the default); 0: each
 // call starts threads of its own (tests, benchmarks).
 extern "C" void JbFlashSetXlaPool(int on) { jb::SetUseXlaPool(on != 0); }
+
+// 1 when the bf16 forward runs on AMX tiles: this CPU has AMX-BF16 (and the kernel granted the
+// tile state), the path is avx512, and JbFlashSetAmx has not turned them off.
+extern "C" int JbFlashAmx() {
+#if JB_X86
+  return &CurrentIsa() == &kAvx512 && avx512_isa::UseAmx() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// 0 turns the AMX bf16 forward off (bf16 inputs are then widened to float32 for the avx512
+// path: tests, benchmarks); 1 restores it where the CPU has it.
+extern "C" void JbFlashSetAmx(int on) {
+#if JB_X86
+  avx512_isa::g_amx.store(on != 0);
+#endif
+}
 
 // The code path the kernels use ("avx512", "avx2" or "scalar").
 extern "C" const char* JbFlashIsa() { return CurrentIsa().name; }

@@ -4,7 +4,8 @@
 // first defines
 //   JB_TGT                      the target attribute of that ISA's functions;
 //   kW, Vf                      lanes and the vector type (float for scalar);
-//   Zero, Set1, Load, Store, Add, Sub, Mul, Div, Min, Max (maxps semantics:
+//   Zero, Set1, Load, Store, Add, Sub, Mul, MulSub (a * b - c, one rounding), AllLe (a <= b in
+//   every lane), Div, Min, Max (maxps semantics:
 //   the second operand when either is NaN), Abs, CopySign, Exp2, HSum, HMax,
 //   KeepWhere (s where kW booleans are true, -inf elsewhere);
 //   Gemm<ACC>(M, N, K, A, sam, sak, B, ldb, bps, C, ldc), the register-blocked
@@ -51,14 +52,57 @@ JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t
   }
 }
 
+// The matmuls of the forward on float32 packs (PackKeys): q k^T from kt (16-key panels), p v
+// from vp (16-feature panels). A task's rows are copied pre-scaled into qs. FwdTask is written
+// over this interface (Queries, Scores, ScoresRow, AddValues; kKeys, the alignment of key blocks;
+// post, the factor FwdTask's softmax applies to the scores, 1 where Scores gave base-2 logits;
+// Row and Emit, which keep the probabilities for AddValues; Exp, the softmax's 2^x), which the AMX bf16 forward
+// (flash_attention.cc) implements on tiles.
+struct F32Mats {
+  static constexpr int64_t kKeys = 16;
+  static constexpr float post = 1.f;
+  const Problem& p;
+  FwdScratch& sc;
+  const float* ktb;
+  const float* vpb;
+  JB_TGT F32Mats(const FwdCtx& x, FwdScratch& s, int64_t b, int64_t kh)
+      : p(x.p), sc(s), ktb(x.kt + (b * p.K + kh) * p.H * p.Sp),
+        vpb(x.vp + (b * p.K + kh) * p.Sp * p.Hvp) {}
+  // Rows [t0, t0 + R) of query head n of batch b, times scale * log2(e).
+  JB_TGT void Queries(const FwdCtx& x, int64_t b, int64_t n, int64_t t0, int64_t R) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* src = x.q + ((b * p.T + t0 + r) * p.N + n) * p.H;
+      for (int64_t d = 0; d < p.H; ++d) sc.qs[r * p.H + d] = src[d] * p.scale2;
+    }
+  }
+  // s[r, 0:nc] = base-2 logits of rows [0, R) against keys [c0, c0 + nc).
+  JB_TGT void Scores(int64_t R, int64_t c0, int64_t nc, float* s, int64_t ld) {
+    Gemm<false>(R, nc, p.H, sc.qs.data(), p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, s, ld);
+  }
+  // The same for row r alone, into sr.
+  JB_TGT void ScoresRow(int64_t r, int64_t c0, int64_t nc, float* sr) {
+    Gemm<false>(1, nc, p.H, sc.qs.data() + r * p.H, p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, sr, nc);
+  }
+  JB_TGT static Vf Exp(Vf x) { return Exp2(x); }
+  // Where row r's probabilities go (Row), and Emit of those of columns [c, c + kW) there: in
+  // place of its scores.
+  JB_TGT float* Row(int64_t, float* sr) { return sr; }
+  JB_TGT static void Emit(float* pr, int64_t c, Vf e) { Store(pr + c, e); }
+  // acc[r, 0:Hvp] += sum_c s[r, c] v[c0 + c], r < R.
+  JB_TGT void AddValues(int64_t R, int64_t c0, int64_t nc, const float* s, int64_t ld, float* acc) {
+    Gemm<true>(R, p.Hvp, nc, s, ld, 1, vpb + c0 * 16, 16, 16 * p.Sp, acc, p.Hvp);
+  }
+};
+
 // One (batch, query head, query block) task. Tasks go head by head, so the
 // threads sweep the same head's k / v at the same time (it stays in L3 at long
 // lengths); within a head the heaviest blocks (the last ones under a causal
 // mask) come first. With a bias / mask broadcast over the heads, query block
 // by query block instead (heaviest first), all heads of a block together.
+template <class Mats>
 JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
   const Problem& p = x.p;
-  const int64_t ldS = p.bk;
+  const int64_t ldS = ScoreLd(p.bk);
   // A bias / mask shared by the heads: the heads of one query block run together instead, so
   // that its [bq, S] tile is read from memory once (k / v of every head then share the L3).
   const bool heads_inner = (p.bias && p.bias_N == 1) || (p.mask && p.mask_N == 1);
@@ -74,18 +118,20 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
       lo_all = std::min(lo_all, sc.lo[r]);
       hi_all = std::max(hi_all, sc.hi[r]);
     }
-    const float* src = x.q + ((b * p.T + t0 + r) * p.N + n) * p.H;
-    for (int64_t d = 0; d < p.H; ++d) sc.qs[r * p.H + d] = src[d] * p.scale2;
     sc.m[r] = -kInf;
-    sc.l[r] = 0.f;
+    Store(sc.l.data() + r * kW, Zero());  // the row's sum of exponentials, kept in kW lanes
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + R * p.Hvp, 0.f);
-  const float* ktb = x.kt + (b * p.K + kh) * p.H * p.Sp;
-  const float* vpb = x.vp + (b * p.K + kh) * p.Sp * p.Hvp;  // panels of 16 features
-  for (int64_t c0 = lo_all / 16 * 16; c0 < hi_all; c0 += p.bk) {
-    const int64_t nc = std::min(p.bk, RoundUp(hi_all, 16) - c0);
+  Mats mm(x, sc, b, kh);
+  mm.Queries(x, b, n, t0, R);
+  constexpr int64_t kA = Mats::kKeys;
+  // The logits are s * post (post > 0): the max is taken of s, the exponents are s * post - m.
+  const float post = mm.post;
+  const Vf pv = Set1(post);
+  for (int64_t c0 = lo_all / kA * kA; c0 < hi_all; c0 += p.bk) {
+    const int64_t nc = std::min(p.bk, RoundUp(hi_all, kA) - c0);
     float* s = sc.s.data();
-    Gemm<false>(R, nc, p.H, sc.qs.data(), p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, s, ldS);
+    mm.Scores(R, c0, nc, s, ldS);
     if (p.cap2 > 0.f) SoftCap(p.cap2, R, nc, s, ldS);
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * ldS;
@@ -99,19 +145,20 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
         constexpr float kSlack = 64.f;
         const Vf mv = Set1(sc.m[r]);
         Vf mx = Set1(-kInf), sum = Zero();
+        const auto pr = mm.Row(r, sr);
         for (int64_t c = 0; c < nc; c += kW) {
           const Vf sv = Load(sr + c);
           mx = Max(mx, sv);
-          const Vf e = Exp2(Min(Set1(kSlack), Sub(sv, mv)));
-          Store(sr + c, e);
+          const Vf e = Mats::Exp(Min(Set1(kSlack), MulSub(sv, pv, mv)));
+          Mats::Emit(pr, c, e);
           sum = Add(sum, e);
         }
-        if (HMax(mx) <= sc.m[r] + kSlack) {
-          sc.l[r] += HSum(sum);
+        if (AllLe(Mul(mx, pv), Set1(sc.m[r] + kSlack))) {
+          float* lr = sc.l.data() + r * kW;
+          Store(lr, Add(Load(lr), sum));
           continue;
         }
-        Gemm<false>(1, nc, p.H, sc.qs.data() + r * p.H, p.H, 1, ktb + c0 * p.H, 16, 16 * p.H, sr,
-                    ldS);
+        mm.ScoresRow(r, c0, nc, sr);
         if (p.cap2 > 0.f) SoftCap(p.cap2, 1, nc, sr, ldS);
         if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, sr);
         if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
@@ -119,17 +166,19 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
       }
       Vf mx = Set1(-kInf);
       for (int64_t c = 0; c < nc; c += kW) mx = Max(mx, Load(sr + c));
-      const float m_new = std::max(sc.m[r], HMax(mx));
+      const float m_new = std::max(sc.m[r], HMax(mx) * post);
       const float m_use = m_new == -kInf ? 0.f : m_new;
       const Vf mv = Set1(m_use);
       Vf sum = Zero();
+      const auto pr = mm.Row(r, sr);
       for (int64_t c = 0; c < nc; c += kW) {
-        const Vf e = Exp2(Sub(Load(sr + c), mv));
-        Store(sr + c, e);
+        const Vf e = Mats::Exp(MulSub(Load(sr + c), pv, mv));
+        Mats::Emit(pr, c, e);
         sum = Add(sum, e);
       }
       const float alpha = sc.m[r] == -kInf ? 0.f : std::exp2(sc.m[r] - m_use);
-      sc.l[r] = alpha * sc.l[r] + HSum(sum);
+      float* lr = sc.l.data() + r * kW;
+      Store(lr, Add(Mul(Set1(alpha), Load(lr)), sum));
       sc.m[r] = m_new;
       if (alpha != 1.f) {
         float* ar = sc.acc.data() + r * p.Hvp;
@@ -137,10 +186,10 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
         for (int64_t d = 0; d < p.Hvp; d += kW) Store(ar + d, Mul(av, Load(ar + d)));
       }
     }
-    Gemm<true>(R, p.Hvp, nc, s, ldS, 1, vpb + c0 * 16, 16, 16 * p.Sp, sc.acc.data(), p.Hvp);
+    mm.AddValues(R, c0, nc, s, ldS, sc.acc.data());
   }
   for (int64_t r = 0; r < R; ++r) {
-    const float l = sc.l[r];
+    const float l = HSum(Load(sc.l.data() + r * kW));
     float* dst = x.out + ((b * p.T + t0 + r) * p.N + n) * p.Hv;
     const float inv = l == 0.f ? 0.f : 1.f / l;
     const float* ar = sc.acc.data() + r * p.Hvp;
@@ -164,16 +213,16 @@ void Forward(const Problem& p, const float* q, const float* k, const float* v, f
   std::vector<FwdScratch> scratch(threads);
   for (auto& sc : scratch) {
     sc.qs.resize(p.bq * p.H);
-    sc.s.resize(p.bq * p.bk);
+    sc.s.resize(p.bq * ScoreLd(p.bk));
     sc.acc.resize(p.bq * p.Hvp);
     sc.m.resize(p.bq);
-    sc.l.resize(p.bq);
+    sc.l.resize(p.bq * kW);
     sc.lo.resize(p.bq);
     sc.hi.resize(p.bq);
   }
   const FwdCtx x{p, q, kt.get(), vp.get(), out, lse, nq};
   ParallelTasks(p.B * p.N * nq, threads,
-                [&](int64_t task, int id) { FwdTask(x, scratch[id], task); });
+                [&](int64_t task, int id) { FwdTask<F32Mats>(x, scratch[id], task); });
 }
 
 // Key block j of (batch b, kv head kh): dK / dV of its keys, dQ into dqb.

@@ -12,8 +12,14 @@ The kernels take causal masks (either alignment), local windows, query / key len
 ids, a logits soft cap, an additive ``bias`` (differentiable) and a boolean ``mask``, both broadcast
 over batch and heads (the kernel reads them in place; a T or S broadcast is materialised). They do
 not take dropout: those calls run the XLA implementation. A row that sees no key gives 0 and LSE
-``-inf`` (the kernels' contract; the API layer turns that into jax.nn's or torch's answer). Inputs of other float dtypes are computed in
-float32 (cast once) and cast back.
+``-inf`` (the kernels' contract; the API layer turns that into jax.nn's or torch's answer).
+
+bfloat16 q, k and v go to the kernel as they are. On a CPU with AMX-BF16 (Intel Sapphire Rapids
+and later) the forward runs both matmuls on AMX tiles: bf16 products summed in float32, the softmax
+in float32, its probabilities rounded to bf16 for ``p @ v`` (as torch's and cuDNN's bf16 kernels
+do; :func:`amx` says whether it runs, :func:`set_amx` turns it off). Elsewhere, and for the
+backward, they are widened to float32 (exactly). Other float dtypes are computed in float32 (cast
+once) and cast back.
 
 Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
 thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``
@@ -58,6 +64,7 @@ from pallas_kernels.ffi import load_library, unavailable_reason, xla_pool_setter
 __all__ = [
     "Config",
     "FORWARD_TARGET",
+    "FORWARD_BF16_TARGET",
     "BACKWARD_TARGET",
     "available",
     "threads",
@@ -65,6 +72,8 @@ __all__ = [
     "set_xla_pool",
     "isa",
     "set_isa",
+    "amx",
+    "set_amx",
     "unsupported",
     "attention",
     "workspace_bytes",
@@ -76,6 +85,8 @@ __all__ = [
 #: blockwise XLA implementation) gives a portable one instead.
 FORWARD_TARGET = _FWD = "jb_flash_attention_fwd_f32"
 BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
+#: The forward of bfloat16 q, k, v (float32 out and lse); exports of bf16 calls carry it too.
+FORWARD_BF16_TARGET = _FWD_BF16 = "jb_flash_attention_fwd_bf16"
 
 
 _MODULE = f"{__package__}._flash_cpu"
@@ -86,10 +97,11 @@ def _library() -> Optional[ctypes.CDLL]:
     return load_library(
         _MODULE,
         check="JbFlashAvailable",
-        targets={_FWD: "JbFlashFwdF32", _BWD: "JbFlashBwdF32"},
-        restypes={"JbFlashIsa": ctypes.c_char_p, "JbFlashSetIsa": ctypes.c_int},
+        targets={_FWD: "JbFlashFwdF32", _FWD_BF16: "JbFlashFwdBf16", _BWD: "JbFlashBwdF32"},
+        restypes={"JbFlashIsa": ctypes.c_char_p, "JbFlashSetIsa": ctypes.c_int, "JbFlashAmx": ctypes.c_int},
         argtypes={
             "JbFlashSetThreads": [ctypes.c_int],
+            "JbFlashSetAmx": [ctypes.c_int],
             "JbFlashSetIsa": [ctypes.c_char_p],
             "JbFlashSetXlaPool": [ctypes.c_int],
         },
@@ -134,6 +146,26 @@ def set_isa(name: str = "") -> bool:
         raise ValueError(f"set_isa: name must be one of {ISAS} or ''; got {name!r}")
     lib = _library()
     return lib is not None and lib.JbFlashSetIsa(name.encode()) == 0
+
+
+def amx() -> bool:
+    """Whether the forward of bfloat16 inputs runs on AMX tiles here: the CPU has AMX-BF16 (and the
+    OS grants the tile state), the code path is ``"avx512"`` and :func:`set_amx` left them on."""
+    lib = _library()
+    return lib is not None and bool(lib.JbFlashAmx())
+
+
+def set_amx(on: bool = True) -> bool:
+    """Turns the AMX bfloat16 forward off (``False``: bf16 inputs are widened to float32 for the
+    AVX-512 path) or back on, for this process; for tests and benchmarks. Read when a kernel runs,
+    like :func:`set_isa`. Returns :func:`amx` after the change. Raises ``TypeError`` unless ``on``
+    is a bool."""
+    if not isinstance(on, bool):
+        raise TypeError(f"set_amx: on must be a bool; got {on!r}")
+    lib = _library()
+    if lib is not None:
+        lib.JbFlashSetAmx(int(on))
+    return amx()
 
 
 def available() -> bool:
@@ -192,25 +224,35 @@ def workspace_bytes(
     config: Optional[Config] = None,
     num_threads: Optional[int] = None,
     dbias_of: Optional[tuple] = None,
+    dtype=jnp.float32,
 ) -> int:
     """Bytes the kernel allocates outside XLA's buffers during one call (``memory_analysis`` of the
     executable cannot see them): packed copies of k and v (backward: of q and dO too), the per-thread
     tiles and, backward, the dQ accumulators. Mirrors the allocations in ``csrc/flash_attention.cc``
     for ``num_threads`` threads (default: all, as a large call uses) and the unshrunk tiles, so it is
     exact for long sequences and an upper bound for short ones. ``dbias_of``: the shape of a bias
-    whose gradient the backward computes (it changes how the work is split), else None.
+    whose gradient the backward computes (it changes how the work is split), else None. ``dtype``:
+    the inputs' (a bfloat16 forward packs bf16 tiles where :func:`amx` holds, else widens q, k, v to
+    float32 first).
     """
     B, T, N, H = q_shape
     S, K, Hv = k_shape[1], k_shape[2], v_shape[3]
     cfg = config or Config()
-    r16 = lambda n: -(-n // 16) * 16  # noqa: E731
-    Hp, Hvp, Sp = r16(H), r16(Hv), r16(S)
+    rnd = lambda n, m=16: -(-n // m) * m  # noqa: E731
+    Hp, Hvp, Sp = rnd(H), rnd(Hv), rnd(S)
     nt = num_threads or max(threads(), 1)
     if not backward:
         bq, bk = cfg.block_q, cfg.block_k
+        if jnp.dtype(dtype) == jnp.bfloat16 and amx():  # ForwardAmx: tiles of 32 rows and keys
+            bq, bk, Hq, Sq = rnd(bq, 32), rnd(bk, 32), rnd(H, 32), rnd(S, 32)
+            packs = B * K * Sq * (Hq + Hvp) // 2  # bf16
+            # qb and pb (bf16), the score tile (rows of bk + 16), acc, m, l (16 lanes), lo / hi (int64)
+            tiles = nt * ((bq * Hq + bq * bk) // 2 + bq * (bk + 16) + bq * Hvp + bq * (1 + 16 + 4))
+            return 4 * (packs + tiles)
+        widened = B * (T * N * H + S * K * (H + Hv)) if jnp.dtype(dtype) == jnp.bfloat16 else 0
         packs = B * K * (H + Hvp) * Sp
-        tiles = nt * (bq * H + bq * bk + bq * Hvp + 2 * bq + 4 * bq)
-        return 4 * (packs + tiles)
+        tiles = nt * (bq * H + bq * (bk + 16) + bq * Hvp + bq * (1 + 16 + 4))
+        return 4 * (widened + packs + tiles)
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     packs = B * K * (H * Sp + Sp * Hp + Hv * Sp) + B * N * T * (Hp + Hvp + 2)
     owners = B * K
@@ -389,16 +431,20 @@ def _varying(outs, like):
 EXPORT_HINT = (
     "jbackends C++ flash kernel: for a portable jax.export trace under "
     "jb.with_backends(flash_cpu_kernel=xla), or opt in with disabled_checks="
-    "[DisabledSafetyCheck.custom_call(target)] for both jb_flash_attention targets"
+    "[DisabledSafetyCheck.custom_call(target)] for the jb_flash_attention targets"
 )
 
 
 def _forward(st, q, k, v, aux):
     B, T, N, _ = q.shape
+    bf16 = all(
+        x.dtype == jnp.bfloat16 for x in (q, k, v)
+    )  # the bf16 kernel (AMX tiles where the CPU has them)
+    target, qkv = (_FWD_BF16, (q, k, v)) if bf16 else (_FWD, (_f32(q), _f32(k), _f32(v)))
     with jax.named_scope(EXPORT_HINT):
         out, lse = jax.ffi.ffi_call(
-            _FWD, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))), vmap_method="sequential"
-        )(_f32(q), _f32(k), _f32(v), *aux, **st.attrs(False))
+            target, (_struct((B, T, N, v.shape[3])), _struct((B, N, T))), vmap_method="sequential"
+        )(*qkv, *aux, **st.attrs(False))
     out, lse = _varying((out, lse), (q, k, v, *aux))
     return out.astype(q.dtype), lse
 

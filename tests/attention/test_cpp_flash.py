@@ -412,3 +412,146 @@ def test_docstring_examples(name):
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+amx_only = pytest.mark.skipif(
+    not cpp_flash.amx(), reason="no AMX-BF16 here (or the OS refused the tile state)"
+)
+
+
+def _bf16_qkv(seed, B, T, S, N, K, H, Hv):
+    key = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(key[0], (B, T, N, H)).astype(jnp.bfloat16)
+    k = jax.random.normal(key[1], (B, S, K, H)).astype(jnp.bfloat16)
+    v = jax.random.normal(key[2], (B, S, K, Hv)).astype(jnp.bfloat16)
+    return q, k, v
+
+
+def _f32_args(args):
+    """The same call on float32 copies of the bf16 values (the reference's inputs)."""
+    return args.replace(
+        q=args.q.astype(jnp.float32), k=args.k.astype(jnp.float32), v=args.v.astype(jnp.float32)
+    )
+
+
+def _amx_and_widened(args, cfg=None):
+    """(out, lse) of the bf16 forward on AMX tiles and widened to float32 (set_amx(False))."""
+    impl = jax.jit(functools.partial(cpp_flash.attention, config=cfg))
+    assert cpp_flash.amx()
+    amx = impl(args)
+    try:
+        assert not cpp_flash.set_amx(False)
+        wide = impl(args)  # the same executable: the choice is read when the kernel runs
+    finally:
+        assert cpp_flash.set_amx(True)
+    return amx, wide
+
+
+@amx_only
+@pytest.mark.parametrize(
+    "shape, kw",
+    [
+        ((2, 83, 97, 3, 1, 24, 40), dict(is_causal=True, diag_offset=14)),  # odd sizes, GQA
+        ((1, 130, 7, 2, 1, 17, 5), dict(is_causal=True, diag_offset=-123)),  # rows that see no key
+        ((1, 300, 300, 4, 2, 128, 128), dict(is_causal=True)),  # head dim 128, ragged blocks
+        ((1, 200, 260, 2, 2, 80, 72), dict(window=(50, 10))),  # a local window, Hv % 32 == 8
+        ((2, 70, 75, 4, 2, 64, 48), dict(logits_soft_cap=8.0, bias="bias", mask="mask")),
+        ((2, 48, 48, 2, 1, 32, 16), dict(q_segment_ids="seg", kv_seg="seg", kv_seq_lengths=(40, 48))),
+    ],
+)
+def test_amx_bf16_forward_matches_reference(shape, kw):
+    """The AMX forward of bf16 inputs against a float32 reference on the same bf16 values: the lse
+    to float32 rounding (its products are exact in float32, its exponentials within 3e-6), the
+    output to bf16's (its probabilities are rounded to bf16 for p v), and beside the widened float32
+    path (set_amx(False)), with the same rows empty."""
+    B, T, S, N, K, H, Hv = shape
+    q, k, v = _bf16_qkv(sum(shape), *shape)
+    key = jax.random.split(jax.random.key(7), 3)
+    kw = dict(kw)
+    if kw.get("bias") == "bias":
+        kw["bias"] = 2 * jax.random.normal(key[0], (B, 1, T, S))
+        kw["mask"] = (jax.random.uniform(key[1], (1, N, T, S)) > 0.3).at[..., 5, :].set(False)
+    if kw.get("q_segment_ids") == "seg":
+        seg = jnp.broadcast_to((jnp.arange(T) >= T // 3).astype(jnp.int32), (B, T))
+        kw["q_segment_ids"] = kw["kv_segment_ids"] = seg
+        del kw["kv_seg"]
+        kw["kv_seq_lengths"] = jnp.array(kw["kv_seq_lengths"], jnp.int32)
+    args = base.make_args(q, k, v, **kw)
+    (out, lse), (wout, wlse) = _amx_and_widened(args, cpp_flash.Config(block_q=37, block_k=48))
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    ref, ref_lse = base.reference(_f32_args(args))
+    empty = np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(wlse)), empty)
+    fin = ~empty
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=3e-5, rtol=1e-5)
+    out32, ref = np.asarray(out, np.float32), np.asarray(ref)
+    scale = np.abs(ref).max()
+    # bf16 rounding of the output (2^-9 relative) plus that of the probabilities, never more.
+    np.testing.assert_allclose(out32, ref, atol=8e-3 * scale, rtol=1e-2)
+    np.testing.assert_allclose(out32, np.asarray(wout, np.float32), atol=8e-3 * scale, rtol=1e-2)
+    assert np.abs(out32 - ref).mean() < 2e-3 * scale  # typical errors are bf16 rounding
+    if empty.any():  # rows that see no key: 0
+        rows = np.moveaxis(empty, 1, 2)  # [B, T, N]
+        assert not out32[rows].any()
+
+
+@amx_only
+def test_amx_bf16_gradients_and_nonfinite_inputs():
+    """The backward (float32 kernels) from the AMX forward's residuals matches the reference's
+    gradients; a NaN query gives a NaN row, an inf key NaN rows where the reference has them."""
+    q, k, v = _bf16_qkv(11, 1, 90, 110, 4, 2, 64, 64)
+    args = base.make_args(q, k, v, is_causal=True, diag_offset=20)
+    impl = functools.partial(cpp_flash.attention, config=cpp_flash.Config(block_q=32, block_k=64))
+    g = grads_of(impl, args, jit=True)
+    r = grads_of(base.reference, _f32_args(args), jit=True)
+    for name, a, b in zip(("dq", "dk", "dv"), g, r):
+        assert a.dtype == jnp.bfloat16
+        assert_close(a.astype(jnp.float32), b, 2e-2 * float(jnp.abs(b).max()), name)
+    bad = args.replace(q=args.q.at[0, 7, 1, 3].set(jnp.nan), k=args.k.at[0, 50, 0, 0].set(jnp.inf))
+    (out, _), (wout, _) = _amx_and_widened(bad)
+    ref = np.asarray(base.reference(_f32_args(bad))[0])
+    for o in (out, wout):
+        np.testing.assert_array_equal(np.isnan(np.asarray(o, np.float32)), np.isnan(ref))
+    assert np.isnan(ref[0, 7, 1]).all() and np.isfinite(np.delete(ref[0, :30], 7, axis=0)).all()
+
+
+@amx_only
+def test_amx_scores_jumping_between_key_blocks():
+    """The AMX forward's one-pass softmax recomputes a row (on AVX512-BF16) whose scores jump past
+    its slack in a later key block, as the float32 path does."""
+    key = jax.random.split(jax.random.key(3), 3)
+    u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
+    ramp = (60.0 * np.sqrt(32)) * (jnp.arange(128) // 32).astype(jnp.float32)
+    q = (jax.random.normal(key[0], (1, 40, 2, 32)) * 0.1 + u[None, None, None, :]).astype(jnp.bfloat16)
+    k = jax.random.normal(key[1], (1, 128, 2, 32)) * 0.1 + ramp[None, :, None, None] * u[None, None, None, :]
+    k = k.astype(jnp.bfloat16)
+    v = jax.random.normal(key[2], (1, 128, 2, 32)).astype(jnp.bfloat16)
+    args = base.make_args(q, k, v, is_causal=True, diag_offset=88)
+    (out, lse), _ = _amx_and_widened(args, cpp_flash.Config(block_q=8, block_k=32))
+    ref, ref_lse = base.reference(_f32_args(args))
+    assert float(jnp.max(ref_lse)) > 150  # several blocks' worth of growth
+    # Logits of a few hundred: float32 sums in another order differ by ~1e-5 of them.
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-3)
+    assert_close(out.astype(jnp.float32), ref, 1e-2 * float(jnp.abs(ref).max()), "out")
+
+
+def test_amx_switch():
+    """set_amx turns the AMX bf16 forward off and on (where the CPU has it) and checks its argument;
+    paths other than avx512 never use it."""
+    has = cpp_flash.amx()
+    with pytest.raises(TypeError, match="on"):
+        cpp_flash.set_amx(1)
+    try:
+        assert cpp_flash.set_amx(False) is False
+        assert cpp_flash.set_amx(True) is has
+        if cpp_flash.set_isa("avx2"):
+            assert not cpp_flash.amx()
+    finally:
+        cpp_flash.set_isa("")
+        cpp_flash.set_amx(True)
+    assert cpp_flash.amx() is has
+    # bf16 inputs call the bf16 kernel (AMX or widened at run time), others the float32 one.
+    args = make_case(Case("bfloat16", "top_left", 40, 40, 32, 2))
+    hlo = jax.jit(lambda a: cpp_flash.attention(a)[0]).lower(args).as_text()
+    assert cpp_flash.FORWARD_BF16_TARGET in hlo and cpp_flash.FORWARD_TARGET not in hlo
