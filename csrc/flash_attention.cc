@@ -298,7 +298,7 @@ inline void Store(float* p, Vf v) { *p = v; }
 inline Vf Add(Vf a, Vf b) { return a + b; }
 inline Vf Sub(Vf a, Vf b) { return a - b; }
 inline Vf Mul(Vf a, Vf b) { return a * b; }
-inline Vf MulSub(Vf a, Vf b, Vf c) { return std::fma(a, b, -c); }
+inline Vf MulSub(Vf a, Vf b, Vf c) { return a * b - c; }  // no FMA here: the product rounds first
 inline bool AllLe(Vf a, Vf b) { return a <= b; }
 inline Vf Max(Vf a, Vf b) { return a > b ? a : b; }  // maxps: b when either is NaN
 inline Vf Min(Vf a, Vf b) { return a < b ? a : b; }
@@ -505,13 +505,14 @@ JB_TGT inline float HMax(Vf v) {
   return avx2_isa::HMax(h);
 }
 // The AVX2 polynomial on 16 lanes, its power of two applied by vscalefps (one instruction for the
-// AVX2 path's convert, add, shift and multiply): 2^x = 2^f * 2^n, n = round(x), f = x - n. -inf
-// gives n = -inf and f = NaN, which max(f, -0.5) turns into -0.5 (maxps returns its second operand
-// for a NaN first one), so that vscalefps(2^f, -inf) = +0 exactly; a NaN x keeps n = NaN and gives
-// NaN; x < -126 underflows to 0 or a denormal (the AVX2 path gives 0 below -126.5), never more.
+// AVX2 path's convert, add, shift and multiply): 2^x = 2^f * 2^n, n = round(x), f = x - n. Lanes
+// with x < -125 (-inf included) are exactly 0 (a zeroing mask: no denormal ever leaves, which
+// would cost microcode assists downstream; the AVX2 path gives 0 below -126.5); a NaN x compares
+// unordered, keeps its lane and gives NaN.
+JB_TGT inline __mmask16 Exp2Lanes(Vf x) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ); }
 JB_TGT inline Vf Exp2(Vf x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_max_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(-0.5f));
+  const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
@@ -519,7 +520,7 @@ JB_TGT inline Vf Exp2(Vf x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(Exp2Lanes(x), p, n);
 }
 
 // Exp2 with a degree-4 polynomial (a near-minimax fit of 2^f on [-0.5, 0.5]): relative error
@@ -527,13 +528,13 @@ JB_TGT inline Vf Exp2(Vf x) {
 // bf16 (2^-9) for p v; torch's CPU flash kernel uses an exp of 20 ulp (2.4e-6) the same way.
 JB_TGT inline Vf Exp2Bf16(Vf x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_max_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(-0.5f));
+  const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(0.00957005f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591775f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024744f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312185f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999993f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(Exp2Lanes(x), p, n);
 }
 
 // C[m, 0:16 * NP] (+)= sum_k A[m * sam + k * sak] * B[k, 0:16 * NP], m < MR,

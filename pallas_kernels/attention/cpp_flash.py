@@ -33,7 +33,7 @@ Limits: ``jax.vmap`` runs the kernel once per batch element (``vmap_method="sequ
 ``shard_map`` each shard runs it on its own block; under plain ``jit`` with sharded inputs XLA cannot
 partition a custom call, so every device runs it on the gathered inputs (correct, not parallel): use
 ``shard_map``, or the flag ``flash_cpu_kernel="xla"`` (blockwise XLA, which GSPMD partitions). A CPU
-``jax.export`` carries the custom calls and needs them allowed explicitly (see ``FORWARD_TARGET``).
+``jax.export`` carries the custom calls and needs them allowed explicitly (see ``TARGETS``).
 Forward-mode AD (``jvp``) is not defined (a ``custom_vjp``, like the XLA implementation).
 
 Example:
@@ -66,6 +66,7 @@ __all__ = [
     "FORWARD_TARGET",
     "FORWARD_BF16_TARGET",
     "BACKWARD_TARGET",
+    "TARGETS",
     "available",
     "threads",
     "set_threads",
@@ -79,14 +80,16 @@ __all__ = [
     "workspace_bytes",
 ]
 
-#: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled
-#: (``jax.export.DisabledSafetyCheck.custom_call(FORWARD_TARGET)``): an exported artifact that
-#: carries them runs only where this extension is loaded. The flag ``flash_cpu_kernel="xla"`` (the
-#: blockwise XLA implementation) gives a portable one instead.
+#: The XLA custom-call targets of the kernels. ``jax.export`` refuses them unless disabled, each
+#: of :data:`TARGETS` (``[jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]``): an
+#: exported artifact that carries them runs only where this extension is loaded. The flag
+#: ``flash_cpu_kernel="xla"`` (the blockwise XLA implementation) gives a portable one instead.
 FORWARD_TARGET = _FWD = "jb_flash_attention_fwd_f32"
 BACKWARD_TARGET = _BWD = "jb_flash_attention_bwd_f32"
 #: The forward of bfloat16 q, k, v (float32 out and lse); exports of bf16 calls carry it too.
 FORWARD_BF16_TARGET = _FWD_BF16 = "jb_flash_attention_fwd_bf16"
+#: Every custom-call target a CPU export of these kernels may carry.
+TARGETS = (FORWARD_TARGET, FORWARD_BF16_TARGET, BACKWARD_TARGET)
 
 
 _MODULE = f"{__package__}._flash_cpu"

@@ -192,7 +192,7 @@ def _export_public(export_platforms, backend, **call_kw):
     return _export(jax.jit(f), export_platforms, checks)(q, k, k).mlir_module()
 
 
-_CPU_TARGETS = ("jb_flash_attention_fwd_f32", "jb_flash_attention_bwd_f32")
+_CPU_TARGETS = ("jb_flash_attention_fwd_f32", "jb_flash_attention_fwd_bf16", "jb_flash_attention_bwd_f32")
 
 
 def test_public_api_cpu_export_is_portable_with_the_xla_kernel_flag():
