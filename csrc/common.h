@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -44,6 +45,14 @@
 namespace jb {
 
 inline int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// n bfloat16 values (their bits) -> float32 at dst (exact: the bits are the float's upper half).
+inline void WidenBf16(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, 4);
+  }
+}
 
 // n uninitialised T on a 64-byte boundary, so that 64-byte vector loads and
 // stores of the buffers the kernels lay out in vectors split no cache line.

@@ -249,14 +249,6 @@ void PackQueries(const Problem& p, const float* q, const float* dout, const floa
   }
 }
 
-// bf16 -> float32 (exact: the bf16 bits are the float's upper half).
-void WidenBf16(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &bits, 4);
-  }
-}
-
 // The bf16 forward of a path without bf16 tiles: q, k, v widened to float32 (exactly), then
 // that path's float32 forward.
 template <void (*Fwd)(const Problem&, const float*, const float*, const float*, float*, float*)>
@@ -267,7 +259,7 @@ void ForwardWidened(const Problem& p, const uint16_t* q, const uint16_t* k, cons
              vf = jb::NewAligned<float>(nv);
   const int threads = ThreadsFor(2.0 * p.B * p.N * p.T * p.S * (p.H + p.Hv));
   const auto widen = [&](const uint16_t* src, int64_t n, float* dst) {
-    jb::ParallelFor(n, threads, 16, [&](int64_t lo, int64_t hi) { WidenBf16(src + lo, hi - lo, dst + lo); });
+    jb::ParallelFor(n, threads, 16, [&](int64_t lo, int64_t hi) { jb::WidenBf16(src + lo, hi - lo, dst + lo); });
   };
   widen(q, nq, qf.get());
   widen(k, nk, kf.get());

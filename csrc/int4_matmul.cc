@@ -2165,10 +2165,7 @@ bool UseBf16Blocked(int64_t M) {
 // n bfloat16 values (their bits) -> float32 (exact).
 std::vector<float> WidenBf16(const uint16_t* x, int64_t n) {
   std::vector<float> xf(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-    std::memcpy(&xf[i], &bits, 4);
-  }
+  jb::WidenBf16(x, n, xf.data());
   return xf;
 }
 
