@@ -56,10 +56,12 @@ JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t
 // from vp (16-feature panels). A task's rows are copied pre-scaled into qs. FwdTask is written
 // over this interface (Queries, Scores, ScoresRow, AddValues; kKeys, the alignment of key blocks;
 // post, the factor FwdTask's softmax applies to the scores, 1 where Scores gave base-2 logits;
-// Row and Emit, which keep the probabilities for AddValues; Exp, the softmax's 2^x), which the AMX bf16 forward
+// Row and Emit (or Emit2 where kEmitPairs), which keep the probabilities for AddValues; Exp, the
+// softmax's 2^x), which the AMX bf16 forward
 // (flash_attention.cc) implements on tiles.
 struct F32Mats {
   static constexpr int64_t kKeys = 16;
+  static constexpr bool kEmitPairs = false;  // Emit2 (two vectors at once) instead of Emit
   static constexpr float post = 1.f;
   const Problem& p;
   FwdScratch& sc;
@@ -141,17 +143,30 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
       if (sc.m[r] != -kInf) {
         // One pass against the running max: no rescaling of acc unless this block's max exceeds
         // it by more than 2^kSlack (then the row's scores are recomputed and rescaled as usual).
-        // Exponents stay <= kSlack, far from float overflow; lse = m + log2(l) is unchanged.
+        // Exponents are clamped to kSlack, far from float overflow; lse = m + log2(l) is unchanged.
         constexpr float kSlack = 64.f;
         const Vf mv = Set1(sc.m[r]);
         Vf mx = Set1(-kInf), sum = Zero();
         const auto pr = mm.Row(r, sr);
-        for (int64_t c = 0; c < nc; c += kW) {
-          const Vf sv = Load(sr + c);
-          mx = Max(mx, sv);
-          const Vf e = Mats::Exp(Min(Set1(kSlack), MulSub(sv, pv, mv)));
-          Mats::Emit(pr, c, e);
-          sum = Add(sum, e);
+        if constexpr (Mats::kEmitPairs) {
+          // Two vectors a step (nc is a multiple of kKeys), and no clamp: an exponent above kSlack
+          // (an inf e included: Mats::Exp is defined for every input) only enters sum and the
+          // probabilities, which the recompute below then replaces.
+          for (int64_t c = 0; c < nc; c += 2 * kW) {
+            const Vf s0 = Load(sr + c), s1 = Load(sr + c + kW);
+            mx = Max(mx, Max(s0, s1));
+            const Vf e0 = Mats::Exp(MulSub(s0, pv, mv)), e1 = Mats::Exp(MulSub(s1, pv, mv));
+            Mats::Emit2(pr, c, e0, e1);
+            sum = Add(sum, Add(e0, e1));
+          }
+        } else {
+          for (int64_t c = 0; c < nc; c += kW) {
+            const Vf sv = Load(sr + c);
+            mx = Max(mx, sv);
+            const Vf e = Mats::Exp(Min(Set1(kSlack), MulSub(sv, pv, mv)));
+            Mats::Emit(pr, c, e);
+            sum = Add(sum, e);
+          }
         }
         if (AllLe(Mul(mx, pv), Set1(sc.m[r] + kSlack))) {
           float* lr = sc.l.data() + r * kW;
