@@ -223,7 +223,8 @@ def test_cpp_own_threads_match_xla_pool(M):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
-# float32 activations on the blocked path (from 16 rows): K in chunks of 128 in the permuted order of
+# float32 activations on the blocked path (from 16 rows, 12 on Intel CPUs: M = 13 is a lone ragged row
+# block there and the row kernel elsewhere): K in chunks of 128 in the permuted order of
 # DequantChunk, with a zero-padded last chunk (K = 576, 320, 704), 1 to 4 groups per chunk (groupsize
 # 32, 64), groups that straddle chunks (96, 320), channel-wise with and without a padded chunk, 1 to 4
 # row blocks and a ragged one, ragged and full 48-row weight tiles.
@@ -236,6 +237,7 @@ _F32_BLOCKED_CASES = [
     (70, 640, 53, 320),
     (40, 256, 776, 64),
     (100, 2176, 9, 128),
+    (13, 576, 50, 96),
 ]
 
 
