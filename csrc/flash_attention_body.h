@@ -168,7 +168,10 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
             sum = Add(sum, e);
           }
         }
-        if (AllLe(Mul(mx, pv), Set1(sc.m[r] + kSlack))) {
+        // The exponents the loop computed, bounded through the largest: fl(mx * post - m) is
+        // monotonic in mx. (Not mx * post <= m + kSlack: for |m| in [2^30, 2^31), a bias of -1e9
+        // for one, m + kSlack rounds to m + 128 half the time, and 2^128 is inf.)
+        if (AllLe(MulSub(mx, pv, mv), Set1(kSlack))) {
           float* lr = sc.l.data() + r * kW;
           Store(lr, Add(Load(lr), sum));
           continue;

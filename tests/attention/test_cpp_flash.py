@@ -542,6 +542,35 @@ def test_amx_scores_jumping_between_key_blocks():
         assert_close(out.astype(jnp.float32), ref, 1e-2 * float(jnp.abs(ref).max()), "out")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_additive_mask_with_growing_scores(dtype):
+    """A bias of -1e9 (base-2 logits near -1.44e9, where float32 steps are 128) on rows whose scores
+    grow past the one-pass softmax's slack from key block to key block: the check that triggers the
+    recompute must bound the exponents actually taken (m + slack rounds to m + 128 there), or one
+    reaches 2^128 = inf and the row turns NaN. On the float32 path, and on the bf16 one (AMX where
+    the CPU has it)."""
+    rng = np.random.default_rng(0)
+    B, T, S, N, H = 1, 4, 512, 1, 64
+    q = rng.standard_normal((B, T, N, H))
+    k = rng.standard_normal((B, S, N, H)) * (1 + np.arange(S) / 20)[None, :, None, None]
+    v = rng.standard_normal((B, S, N, H))
+    bias = np.zeros((1, 1, T, S), np.float32)
+    bias[:, :, 1::2, :] = -1e9  # rows 1 and 3: an additive padding mask
+    dt = jnp.dtype(dtype)
+    args = base.make_args(*(jnp.asarray(x, dt) for x in (q, k, v)), bias=jnp.asarray(bias))
+    out, lse = jax.jit(functools.partial(cpp_flash.attention, config=cpp_flash.Config(block_k=32)))(args)
+    ref, ref_lse = base.reference(_f32_args(args))
+    out, lse, ref, ref_lse = (np.asarray(x, np.float32) for x in (out, lse, ref, ref_lse))
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    # Rows 0 and 2 against the reference; rows 1 and 3 lose the scores' low bits to the bias's
+    # rounding (the reference too, in another order): a convex combination of v and the lse near it.
+    np.testing.assert_allclose(out[:, 0::2], ref[:, 0::2], atol=2e-2 * np.abs(ref).max())
+    np.testing.assert_allclose(lse[..., 0::2], ref_lse[..., 0::2], atol=1e-2)
+    vmax = np.abs(np.asarray(args.v, np.float32)).max(axis=1)  # [B, N, H]
+    assert (np.abs(out[:, 1::2]) <= vmax[:, None] * (1 + 1e-5)).all()
+    np.testing.assert_allclose(lse[..., 1::2], ref_lse[..., 1::2], rtol=1e-6)
+
+
 def test_amx_switch():
     """set_amx turns the AMX bf16 forward off and on (where the CPU has it) and checks its argument;
     paths other than avx512 never use it."""
