@@ -182,15 +182,21 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
         if (sc.lo[r] > c0 || sc.hi[r] < c0 + nc || p.q_seg)
           MaskRow(p, b, t0 + r, sc.lo[r], sc.hi[r], c0, nc, sr);
       }
+      // Raw scores (post != 1) are scaled in place first, so that the row's largest exponent is
+      // exactly 0: a fused s * post - m keeps the product's rounding error, which passes 64 for
+      // logits past ~2^31 and makes 2^x inf. (The compiler may fuse a Mul and a Sub, hence the
+      // pass through memory.)
+      if (post != 1.f)
+        for (int64_t c = 0; c < nc; c += kW) Store(sr + c, Mul(pv, Load(sr + c)));
       Vf mx = Set1(-kInf);
       for (int64_t c = 0; c < nc; c += kW) mx = Max(mx, Load(sr + c));
-      const float m_new = std::max(sc.m[r], HMax(mx) * post);
+      const float m_new = std::max(sc.m[r], HMax(mx));
       const float m_use = m_new == -kInf ? 0.f : m_new;
       const Vf mv = Set1(m_use);
       Vf sum = Zero();
       const auto pr = mm.Row(r, sr);
       for (int64_t c = 0; c < nc; c += kW) {
-        const Vf e = Mats::Exp(MulSub(Load(sr + c), pv, mv));
+        const Vf e = Mats::Exp(Sub(Load(sr + c), mv));
         Mats::Emit(pr, c, e);
         sum = Add(sum, e);
       }

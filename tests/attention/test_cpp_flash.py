@@ -571,6 +571,26 @@ def test_large_additive_mask_with_growing_scores(dtype):
     np.testing.assert_allclose(lse[..., 1::2], ref_lse[..., 1::2], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_huge_logits(dtype):
+    """Logits past 2^31 (q and k entries ~3e4): the softmax's largest exponent must be exactly 0, so
+    the rows stay finite (one-hot on their largest logit) on the float32 path and on the bf16 one,
+    whose raw scores are scaled inside the exponent's arithmetic (AMX where the CPU has it)."""
+    key = jax.random.split(jax.random.key(5), 3)
+    dt = jnp.dtype(dtype)
+    q = (3e4 * jax.random.normal(key[0], (1, 24, 2, 64))).astype(dt)
+    k = (3e4 * jax.random.normal(key[1], (1, 96, 2, 64))).astype(dt)
+    v = jax.random.normal(key[2], (1, 96, 2, 64)).astype(dt)
+    args = base.make_args(q, k, v)
+    out, lse = jax.jit(functools.partial(cpp_flash.attention, config=cpp_flash.Config(block_k=32)))(args)
+    ref, ref_lse = base.reference(_f32_args(args))
+    assert float(jnp.max(jnp.abs(ref_lse))) > 2.0**31 * np.log(2)  # base-2 logits past 2^31
+    out, lse, ref, ref_lse = (np.asarray(x, np.float32) for x in (out, lse, ref, ref_lse))
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, ref, atol=1e-2 * np.abs(ref).max())
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
 def test_amx_switch():
     """set_amx turns the AMX bf16 forward off and on (where the CPU has it) and checks its argument;
     paths other than avx512 never use it."""
