@@ -160,13 +160,13 @@ inline bool HasAvx512Bf16() {
 #endif
 }
 
-// HasAvx512Bf16(), AVX512-DQ, AMX-TILE and AMX-BF16, and the kernel's leave to use the tile state (asked for
-// once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+// HasAvx512Bf16(), AVX512-DQ, AMX-TILE and AMX-BF16, and the kernel's leave to use the tile
+// state (asked for once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
 inline bool HasAmxBf16() {
 #if JB_AMX
   static const bool ok = [] {
     unsigned a, b, c, d;
-    // AVX512-DQ too: the AMX forward's exponential uses vreduceps.
+    // AVX512-DQ: the AMX forward's exponential uses vreduceps.
     if (!HasAvx512Bf16() || !__builtin_cpu_supports("avx512dq") ||
         !__get_cpuid_count(7, 0, &a, &b, &c, &d))
       return false;

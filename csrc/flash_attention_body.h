@@ -57,8 +57,7 @@ JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t
 // over this interface (Queries, Scores, ScoresRow, AddValues; kKeys, the alignment of key blocks;
 // post, the factor FwdTask's softmax applies to the scores, 1 where Scores gave base-2 logits;
 // Row and Emit (or Emit2 where kEmitPairs), which keep the probabilities for AddValues; Exp, the
-// softmax's 2^x), which the AMX bf16 forward
-// (flash_attention.cc) implements on tiles.
+// softmax's 2^x), which the AMX bf16 forward (flash_attention.cc) implements on tiles.
 struct F32Mats {
   static constexpr int64_t kKeys = 16;
   static constexpr bool kEmitPairs = false;  // Emit2 (two vectors at once) instead of Emit
@@ -143,7 +142,8 @@ JB_TGT void FwdTask(const FwdCtx& x, FwdScratch& sc, int64_t task) {
       if (sc.m[r] != -kInf) {
         // One pass against the running max: no rescaling of acc unless this block's max exceeds
         // it by more than 2^kSlack (then the row's scores are recomputed and rescaled as usual).
-        // Exponents are clamped to kSlack, far from float overflow; lse = m + log2(l) is unchanged.
+        // Exponents beyond kSlack (far from float overflow) are clamped or recomputed; lse =
+        // m + log2(l) is unchanged.
         constexpr float kSlack = 64.f;
         const Vf mv = Set1(sc.m[r]);
         Vf mx = Set1(-kInf), sum = Zero();

@@ -21,9 +21,10 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
   bytes; within about 3e-7 of sum |x w|); a row with a NaN or inf, a 128-k chunk whose largest |x| is
   outside [2^-96, 2^96], or chunks dominated by a few large values takes the float32 row kernel:
 * weight-only, up to 15 rows (11 on Intel CPUs, whose row kernel slows sooner): weights dequantized
-  in registers (vpermps on a per-group table); from 16 (12 on Intel): the blocked float GEMM form (dequantized weight tiles, 16 rows per vector, K taken in
-  128-k chunks in the order a chunk's weight dwords hold their nibbles, so that a chunk dequantizes
-  with one shift and one permute per 16 weights); above
+  in registers (vpermps on a per-group table); from 16 (12 on Intel): the blocked float GEMM form
+  (dequantized weight tiles, 16 rows per vector, K taken in 128-k chunks in the order a chunk's
+  weight dwords hold their nibbles, so that a chunk dequantizes with one shift and one permute per
+  16 weights); above
   `weight_only_max_rows()` XLA's GEMM on the dequantized weight is faster and runs instead.
 * weight-only with bfloat16 activations on a CPU with AVX512-BF16, except Intel ones, where they are
   widened to float32 (`weight_only_bf16_path`, `set_bf16_kernels`): the
@@ -143,9 +144,9 @@ def set_bf16_kernels(mode: str) -> None:
 #: scalar kernels (K=4096, N=4096 and 11008, groupsize 128).
 WEIGHT_ONLY_MAX_ROWS = 16
 #: The same for the AVX-512 kernels: weights dequantized in registers below 16 rows (12 on Intel), the
-#: blocked float GEMM form (16 rows per vector, dequantized weight tiles) from there. Measured crossover (K=4096,
-#: N=4096, groupsize 128, CPU time per call): 86 ms against XLA's 110 at 512 rows, 229 against 196 at
-#: 1024.
+#: blocked float GEMM form (16 rows per vector, dequantized weight tiles) from there. Measured
+#: crossover (K=4096, N=4096, groupsize 128, CPU time per call): 86 ms against XLA's 110 at 512 rows,
+#: 229 against 196 at 1024.
 WEIGHT_ONLY_MAX_ROWS_AVX512 = 512
 
 

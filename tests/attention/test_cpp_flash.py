@@ -542,6 +542,16 @@ def test_amx_scores_jumping_between_key_blocks():
         assert_close(out.astype(jnp.float32), ref, 1e-2 * float(jnp.abs(ref).max()), "out")
 
 
+def _finite_against_reference(args):
+    """(out, lse, ref, ref_lse) as float32 numpy of the forward (key blocks of 32) and the reference
+    on the same values, the forward's all finite."""
+    out, lse = jax.jit(functools.partial(cpp_flash.attention, config=cpp_flash.Config(block_k=32)))(args)
+    ref, ref_lse = base.reference(_f32_args(args))
+    out, lse, ref, ref_lse = (np.asarray(x, np.float32) for x in (out, lse, ref, ref_lse))
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    return out, lse, ref, ref_lse
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_large_additive_mask_with_growing_scores(dtype):
     """A bias of -1e9 (base-2 logits near -1.44e9, where float32 steps are 128) on rows whose scores
@@ -558,10 +568,7 @@ def test_large_additive_mask_with_growing_scores(dtype):
     bias[:, :, 1::2, :] = -1e9  # rows 1 and 3: an additive padding mask
     dt = jnp.dtype(dtype)
     args = base.make_args(*(jnp.asarray(x, dt) for x in (q, k, v)), bias=jnp.asarray(bias))
-    out, lse = jax.jit(functools.partial(cpp_flash.attention, config=cpp_flash.Config(block_k=32)))(args)
-    ref, ref_lse = base.reference(_f32_args(args))
-    out, lse, ref, ref_lse = (np.asarray(x, np.float32) for x in (out, lse, ref, ref_lse))
-    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    out, lse, ref, ref_lse = _finite_against_reference(args)
     # Rows 0 and 2 against the reference; rows 1 and 3 lose the scores' low bits to the bias's
     # rounding (the reference too, in another order): a convex combination of v and the lse near it.
     np.testing.assert_allclose(out[:, 0::2], ref[:, 0::2], atol=2e-2 * np.abs(ref).max())
@@ -581,12 +588,8 @@ def test_huge_logits(dtype):
     q = (3e4 * jax.random.normal(key[0], (1, 24, 2, 64))).astype(dt)
     k = (3e4 * jax.random.normal(key[1], (1, 96, 2, 64))).astype(dt)
     v = jax.random.normal(key[2], (1, 96, 2, 64)).astype(dt)
-    args = base.make_args(q, k, v)
-    out, lse = jax.jit(functools.partial(cpp_flash.attention, config=cpp_flash.Config(block_k=32)))(args)
-    ref, ref_lse = base.reference(_f32_args(args))
-    assert float(jnp.max(jnp.abs(ref_lse))) > 2.0**31 * np.log(2)  # base-2 logits past 2^31
-    out, lse, ref, ref_lse = (np.asarray(x, np.float32) for x in (out, lse, ref, ref_lse))
-    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    out, lse, ref, ref_lse = _finite_against_reference(base.make_args(q, k, v))
+    assert np.abs(ref_lse).max() > 2.0**31 * np.log(2)  # base-2 logits past 2^31
     np.testing.assert_allclose(out, ref, atol=1e-2 * np.abs(ref).max())
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
 
