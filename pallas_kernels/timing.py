@@ -3,11 +3,13 @@
 A Python clock around a single call measures dispatch, launch latency and host synchronisation as much
 as the kernel (tens of microseconds, the whole run time of a decode kernel). :func:`loop_time` compiles
 one ``lax.fori_loop`` of calls (a static trip count) and divides its time by their number. Each
-iteration passes the operands and a token through ``lax.optimization_barrier``; the token is ``eps * sum(first output)`` of
-the previous call (``eps`` a run-time zero). The barrier makes every call depend on the one before it,
-so XLA can neither hoist a call, nor any work on one of its operands, out of the loop, nor drop it, and
-the operands are never modified. The token's sum costs one pass over the first output per call, small
-next to the kernels this is meant for. The autotuner (`pallas_kernels.attention.autotune`) and the GPU
+iteration passes the operands and a token through ``lax.optimization_barrier``; the token is ``eps`` times
+the sum of every output leaf of the previous call (``eps`` a run-time zero). The barrier makes every call
+depend on the one before it, so XLA can neither hoist a call, nor any work on one of its operands, out of
+the loop, nor drop it, and the operands are never modified. Every leaf feeds the token: a token of the
+first leaf alone let XLA drop the work only the other leaves need (the dK / dV kernel of a ``jax.grad``
+over q, k, v, where dQ comes from its own kernel). The sums cost one pass over the outputs per call,
+small next to the kernels this is meant for. The autotuner (`pallas_kernels.attention.autotune`) and the GPU
 benchmarks (``benchmarks/gpu_timing.py``) share it.
 """
 
@@ -36,8 +38,8 @@ def timed_loop(fn: Callable) -> Callable:
     def loop(operands, eps, n):
         def body(_, state):
             carry, _token = jax.lax.optimization_barrier(state)
-            out = jax.tree.leaves(fn(*carry))[0]
-            return carry, eps * jnp.sum(out.astype(jnp.float32))
+            outs = jax.tree.leaves(fn(*carry))
+            return carry, eps * sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
 
         return jax.lax.fori_loop(0, n, body, (operands, jnp.zeros((), jnp.float32)))[1]
 
@@ -51,7 +53,7 @@ def loop_time(
     of one jitted loop of dependent calls, after an untimed run (compilation, warm-up).
 
     Args:
-      fn: traceable; the first leaf of its output must be an array (it feeds the dependence).
+      fn: traceable; the leaves of its output must be arrays (they all feed the dependence).
       operands: a sequence of pytrees (arrays, or records such as ``AttentionArgs`` / a packed weight).
       iters: calls per timed loop (>= 1).
       repeats: timed loops (>= 1); the median counts.

@@ -68,7 +68,8 @@ def _while_body(hlo: str) -> str:
 
 def test_loop_time_keeps_every_call_and_its_operand_work_in_the_loop():
     """The shared in-jit timer: work on an operand that never changes (sin(w)) stays inside the loop,
-    where a loop that only feeds the output back into the first input lets XLA hoist it; records
+    where a loop that only feeds the output back into the first input lets XLA hoist it; so does work
+    that only a second output needs; records
     (AttentionArgs) and integer operands are fine; bad counts are refused."""
     import functools
 
@@ -91,6 +92,11 @@ def test_loop_time_keeps_every_call_and_its_operand_work_in_the_loop():
         return jax.lax.fori_loop(0, n, body, ops)
 
     assert "sine" not in _while_body(naive.lower(ops, 100).compile().as_text())
+
+    # Work only a later output leaf needs stays too (a token of the first leaf alone let XLA drop the
+    # dK / dV kernel of a jax.grad over q, k, v from the GPU benchmark's loop: 2026-11-27).
+    two = lambda a, w: (a * 2.0, jnp.cos(w))  # noqa: E731
+    assert "cosine" in _while_body(timed_loop(two).lower(ops, jnp.float32(0), 100).compile().as_text())
 
     x = jnp.ones((1, 8, 2, 16))
     args = base.make_args(x, x, x, q_seq_lengths=jnp.array([5], jnp.int32))
