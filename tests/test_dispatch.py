@@ -79,8 +79,8 @@ def test_every_backend_has_an_implementation_list_and_names_are_unique():
     }
     assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cuda")] == [
         "triton_decode",
-        "triton_flash",
         "mosaic_flash",
+        "triton_flash",
     ]
     assert [i.name for i in sdpa_registry.implementations(SDPBackend.FLASH_ATTENTION, "cpu")] == [
         "cpp_flash",
@@ -173,16 +173,20 @@ def test_int4_explain_bad_inputs():
 
 
 def test_a_jax_without_pallas_triton_routes_around_the_triton_kernels(monkeypatch):
-    """The Triton backend is deprecated: once a JAX drops it, dispatch says so and picks cuDNN / XLA
-    (the Mosaic GPU kernel only by flag until it has run on a GPU)."""
+    """The Triton backend is deprecated: once a JAX drops it, dispatch says so and picks cuDNN / XLA, or
+    the Mosaic GPU kernel where FLASH must run (it needs no Triton below head dim 256)."""
     from pallas_kernels import triton_backend
 
     monkeypatch.setattr(triton_backend, "available", lambda: False)
     q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
     e = jb.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)
+    assert e.implementation == "mosaic_flash"  # FLASH still runs on sm90: its Mosaic GPU kernel
+    assert "not triton_flash: the installed JAX has no Pallas Triton backend" in e.kernel
+    assert "no Pallas Triton backend" in e.reasons[SDPBackend.EFFICIENT_ATTENTION]
+    e = jb.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=8.0)
     assert e.chosen == SDPBackend.CUDNN_ATTENTION
     assert "no Pallas Triton backend" in e.reasons[SDPBackend.FLASH_ATTENTION]
-    assert "until it has run on a GPU" in e.reasons[SDPBackend.FLASH_ATTENTION]
+    assert "needs sm90" in e.reasons[SDPBackend.FLASH_ATTENTION]
     assert "no Pallas Triton backend" in e.reasons[SDPBackend.EFFICIENT_ATTENTION]
     with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         e = jb.explain(q, q, q, is_causal=True, platform="cuda")
@@ -292,8 +296,13 @@ def test_a_user_priority_or_the_flag_keeps_the_users_order():
         assert _cuda().chosen == SB.FLASH_ATTENTION
     with jb.with_backends(sdpa_priority=[SB.FLASH_ATTENTION]):  # canonicalised to the default order
         assert _cuda().chosen == SB.FLASH_ATTENTION
-    # a bias was not measured: the priority order (EFFICIENT takes the bias) holds
-    assert _cuda(bias=jnp.zeros((1, 4, 2048, 2048), jnp.bfloat16)).chosen == SB.EFFICIENT_ATTENTION
+    # a bias was not measured: the priority order holds (FLASH's Mosaic GPU kernel takes a bias in the
+    # inputs' dtype on sm90; elsewhere EFFICIENT takes it)
+    bias = jnp.zeros((1, 4, 2048, 2048), jnp.bfloat16)
+    e = _cuda(bias=bias)
+    assert e.chosen == SB.FLASH_ATTENTION and e.implementation == "mosaic_flash"
+    assert "measured" not in str(e)
+    assert _cuda(bias=bias, cc=8.0).chosen == SB.EFFICIENT_ATTENTION
     with jb.with_backends(sdpa_priority=[SB.EFFICIENT_ATTENTION]):
         assert _cuda().chosen == SB.EFFICIENT_ATTENTION
     with jb.attention.sdpa_kernel([SB.FLASH_ATTENTION, SB.CUDNN_ATTENTION]):  # a set, no priority

@@ -65,10 +65,11 @@ MEASURED: list[Measurement] = [
         max_head_dim=128,
         min_length=1024,
         evidence=(
-            "measured faster here: cuDNN ran at 1.2-3.2x the speed of our Pallas Triton flash kernel "
-            "(the memory-efficient kernel shares its tiling), forward and "
-            "forward+backward, causal and not (H100, bf16, head dims 64/128, L 1k-16k; "
-            "benchmarks/attention_gpu.py, jax 0.11.2, CUDA 13, 2026-11-23)"
+            "measured faster here: cuDNN ran at 1.05-1.18x the speed of our Pallas Mosaic GPU flash "
+            "kernel forward+backward and 0.98-1.09x forward (H200, bf16, head dims 64/128, L 4k/16k, "
+            "causal and not, 2026-11-27), and at 1.2-3.2x our Pallas Triton flash kernel's (the "
+            "memory-efficient kernel shares its tiling; H100, L 1k-16k, 2026-11-23); "
+            "benchmarks/attention_gpu.py, jax 0.11.2, CUDA 13"
         ),
     ),
     Measurement(

@@ -101,7 +101,7 @@ def test_explain_is_a_value_and_explains_gpu_from_cpu():
     assert "measured faster here" in e.reasons[B.FLASH_ATTENTION]
     with jb.with_backends(sdpa_prefer_faster=False):  # the priority order alone
         e = A.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)
-    assert e.chosen == B.FLASH_ATTENTION and e.implementation == "triton_flash"
+    assert e.chosen == B.FLASH_ATTENTION and e.implementation == "mosaic_flash"  # sm90, bf16
     assert e.reasons[B.CUDNN_ATTENTION] == "lower priority than FLASH_ATTENTION"
     with A.sdpa_kernel(B.CUDNN_ATTENTION):
         e = A.explain(q, q, q, is_causal=True, platform="cuda", compute_capability=9.0)

@@ -511,8 +511,13 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     kw = dict(is_causal=True, platform="cuda", compute_capability=9.0)
     with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        e = jb.explain(q, q, q, **kw)  # auto: the Triton kernels; the Mosaic one not until it ran on a GPU
-        assert e.implementation == "triton_flash" and "until it has run on a GPU" in e.kernel
+        e = jb.explain(q, q, q, **kw)  # auto: the Mosaic GPU kernel ahead of Triton's flash on sm90
+        assert e.implementation == "mosaic_flash" and "not triton_flash: lower priority" in e.kernel
+        e = jb.explain(q, q, q, **dict(kw, compute_capability=8.0))  # an A100: the Triton kernel
+        assert e.implementation == "triton_flash" and "needs sm90" in e.kernel
+        qf = q.astype(jnp.float32)
+        e = jb.explain(qf, qf, qf, **kw)  # float32: the Triton kernel
+        assert e.implementation == "triton_flash" and "mosaic_flash" in e.kernel
         with jb.with_backends(flash_cuda_kernel="mosaic"):
             e = jb.explain(q, q, q, **kw)
             assert e.implementation == "mosaic_flash"
@@ -553,17 +558,17 @@ def test_explain_takes_the_other_device_facts():
     assert e.implementation == "mosaic_flash"
 
 
-def test_without_the_triton_backend_it_runs_by_flag(monkeypatch):
-    """A JAX without the Pallas Triton backend (deprecated since jax 0.11): under 'auto' FLASH is then
-    unavailable on CUDA (the Mosaic kernel waits for its first GPU run); by flag the Mosaic kernel runs,
-    with its own backward at head dims 64 and 128; at 256 the backward is Triton's, so it refuses."""
+def test_without_the_triton_backend_it_runs_alone(monkeypatch):
+    """A JAX without the Pallas Triton backend (deprecated since jax 0.11): FLASH then runs on the Mosaic
+    kernel alone, 'auto' or by flag, with its own backward at head dims 64 and 128; at 256 the backward
+    is Triton's, so it refuses."""
     from pallas_kernels import triton_backend
 
     monkeypatch.setattr(triton_backend, "missing", lambda: ["the installed JAX has no Pallas Triton backend"])
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     kw = dict(is_causal=True, platform="cuda", compute_capability=9.0)
     with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        assert jb.explain(q, q, q, **kw).chosen is None
+        assert jb.explain(q, q, q, **kw).implementation == "mosaic_flash"
         with jb.with_backends(flash_cuda_kernel="mosaic"):
             assert jb.explain(q, q, q, **kw).implementation == "mosaic_flash"
             q256 = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)

@@ -179,12 +179,14 @@ def test_vmap_of_kernel_lowers():
 # ---------------------------------------------------------------------------------------------
 
 
-def _export_public(export_platforms, backend, **call_kw):
+def _export_public(export_platforms, backend, cuda_kernel="triton", **call_kw):
+    """The public call exported for an abstract H100; ``cuda_kernel`` is ``flash_cuda_kernel`` ('triton'
+    here: under 'auto' an sm90 target gets the Mosaic GPU kernel, see the test below)."""
     q = jnp.zeros((1, 40, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 40, 2, 64), jnp.bfloat16)
 
     def f(q, k, v):
-        with jb.sdpa_kernel([backend]):
+        with jb.sdpa_kernel([backend]), jb.with_backends(flash_cuda_kernel=cuda_kernel):
             return jb.dot_product_attention(q, k, v, is_causal=True, **call_kw)
 
     # A CPU branch carries the C++ flash kernel (a custom call of this package) where it is built.
@@ -205,6 +207,22 @@ def test_public_api_cpu_export_is_portable_with_the_xla_kernel_flag():
     with jb.with_backends(flash_cpu_kernel="xla"):
         text = _export(jax.jit(f), ["cpu", "cuda"])(q).mlir_module()
     assert not any(t in text for t in _CPU_TARGETS)
+
+
+def test_public_api_export_for_an_sm90_target_carries_the_mosaic_gpu_kernel():
+    """flash_cuda_kernel='auto': an H100 target gets the Mosaic GPU kernel (ahead of Triton's there), an
+    A100 target the Triton kernel."""
+    text = _export_public(["cuda"], jb.SDPBackend.FLASH_ATTENTION, cuda_kernel="auto")
+    assert "custom_call @mosaic_gpu" in text and TRITON not in text
+    q = jnp.zeros((1, 40, 4, 64), jnp.bfloat16)
+
+    def f(q):
+        with jb.sdpa_kernel([jb.SDPBackend.FLASH_ATTENTION]):
+            return jb.dot_product_attention(q, q, q, is_causal=True)
+
+    with gpu.cuda_target("NVIDIA A100-SXM4-80GB"):
+        text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=CHECKS)(q).mlir_module()
+    assert text.count(TRITON) == 1 and "custom_call @mosaic_gpu" not in text
 
 
 @pytest.mark.parametrize("platforms", [["cuda"], ["cpu", "cuda"]])
