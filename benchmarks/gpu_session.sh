@@ -15,7 +15,8 @@
 # warm, with GPU_SESSION_TOTAL_S at most what `status` says is left minus a minute.
 #   lane       `pytest -m gpu` over tests/: every Pallas kernel compiled, the cuDNN bridge, decode
 #              (limit 300 s, 12 workers; each test's result printed as it ends, so a cut-off run
-#              keeps them)
+#              keeps them; GPU_SESSION_LANE_ARGS: more pytest arguments, e.g. "-k Mosaic" or
+#              --deselect ids of cases already run: the Mosaic GPU cases alone need ~8 minutes)
 #   attention  benchmarks/attention_gpu.py with GPU_SESSION_ATTENTION_ARGS (default: head dim 128,
 #              L 4k/16k, fwd and fwd+bwd, the softcap / segment ids / dropout rows, decode at 16k; `--quick` is
 #              ~8 minutes alone) (limit 170 s)
@@ -102,7 +103,8 @@ for s in "${steps[@]}"; do
       w=${GPU_SESSION_LANE_WORKERS:-12}
       if [ -z "$SMOKE" ] && [ "$w" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$w"); fi
       step lane "${GPU_SESSION_LANE_S:-300}" env JAX_PLATFORMS=$PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE=false \
-        "$PY" -m pytest -m gpu -v --tb=short -rfEs -p no:cacheprovider -p no:benchmark ${workers[@]+"${workers[@]}"} tests
+        "$PY" -m pytest -m gpu -v --tb=short -rfEs -p no:cacheprovider -p no:benchmark ${workers[@]+"${workers[@]}"} \
+        ${GPU_SESSION_LANE_ARGS:-} tests
       ;;
     attention)
       args=${GPU_SESSION_ATTENTION_ARGS:---head-dims 128 --lengths 4096 16384 --decode-lengths 16384}
