@@ -23,9 +23,9 @@
 #   int4       benchmarks/int4_gpu.py with GPU_SESSION_INT4_ARGS (default: its own M and shapes)
 #              (limit 130 s)
 #   tune       benchmarks/tune_gpu.py with GPU_SESSION_TUNE_ARGS (default: --budget-s 170): the Pallas
-#              Triton kernels' default configs against the fastest of their search spaces (limit 210 s;
-#              not in the default steps; its table goes to its log, so that the second call's
-#              "attention int4 tune" stays within the 8 files)
+#              kernels' default configs (the Mosaic GPU flash kernels first, on sm90) against the
+#              fastest of their search spaces (limit 210 s; not in the default steps; its table goes
+#              to its log, so that the second call's "attention int4 tune" stays within the 8 files)
 # A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
 # summaries and the markdown tables are printed last, so that they are in the tail of the output the
 # device tool returns even where the files are not fetched. Exit status: 0 when every step exited 0,
@@ -141,7 +141,7 @@ for s in "${steps[@]}"; do
     cat "$OUT/$log.md"
   elif [ "$s" = tune ]; then
     echo "---- $log.log (its table)"
-    sed -n '/^Pallas Triton configs/,$p' "$OUT/$log.log" 2>/dev/null
+    sed -n '/^Pallas kernel configs/,$p' "$OUT/$log.log" 2>/dev/null
   else
     echo "---- $log.log (last lines)"
     tail -n 12 "$OUT/$log.log" 2>/dev/null

@@ -1,8 +1,9 @@
-"""GPU tuning sweep: how far the Pallas Triton kernels' default configs are from the best one on this card.
+"""GPU tuning sweep: how far the Pallas kernels' default configs are from the best one on this card.
 
-For a few representative calls (attention forward / backward at head dims 64 and 128, L = 4k; decode at
-128k keys; the int4 W4A16 / W4A8 kernels at decode and prefill on 8192 x 28672, a weight larger than
-L2) it times the config the kernel picks by itself (``Config.heuristics``) and the candidates of its
+For a few representative calls (the Mosaic GPU flash backward and forward on sm90, then the Triton
+kernels' attention forward / backward, at head dims 64 and 128, L = 4k; decode at 128k keys; the int4
+W4A16 / W4A8 kernels at decode and prefill on 8192 x 28672, a weight larger than L2) it times the
+config the kernel picks by itself (``Config.heuristics``) and the candidates of its
 search space (``Config.search_space``; for W4A16 with ``options=True``, the options not yet measured),
 each in one jitted loop of dependent calls lasting at least ``--min-loop-ms``
 (``pallas_kernels.timing.loop_time``, as the autotuner does), and prints the default, the fastest and
@@ -10,7 +11,9 @@ their ratio. Inputs are made on the device when a call's turn comes. Where the s
 ``--max-candidates`` it walks it by coordinates instead: the configs one field away from the default,
 then one field away from the best of those. A config that does not compile or fit is counted, not
 fatal. The result says where the heuristics leave speed on the table and which config to put there
-(``pallas_kernels/attention/triton_tuning.py``, ``pallas_kernels/int4_matmul/triton_config.py``).
+(``pallas_kernels/attention/mosaic_flash.py``, ``pallas_kernels/attention/triton_tuning.py``,
+``pallas_kernels/int4_matmul/triton_config.py``). The Mosaic GPU cases need an sm90 GPU (skipped
+elsewhere, and under ``--smoke``: its GPU interpreter is too slow for a sweep on CPU).
 
     python benchmarks/tune_gpu.py --md tune_gpu.md                     # on an NVIDIA GPU (--budget-s 170)
     python benchmarks/tune_gpu.py --cases flash_bwd int4_w4a16         # a subset
@@ -33,12 +36,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.attention import autotune, base  # noqa: E402
+from pallas_kernels.attention import autotune, base, mosaic_flash  # noqa: E402
 from pallas_kernels.int4_matmul import base as int4_base, triton_config as int4_config  # noqa: E402
 
-#: In the order they run (the largest gaps measured first: int4 decode against torch's tinygemm, then the
+#: In the order they run (the largest gaps measured first: the Mosaic GPU flash backward and forward
+#: against cuDNN, 0.85-0.96x and 0.92-1.02x on an H200; int4 decode against torch's tinygemm; the Triton
 #: attention backward against FA2), so that a spent --budget-s leaves out the least useful.
-CASES = ("int4_w4a16", "flash_bwd", "flash", "decode", "int4_w4a8")
+CASES = ("mosaic_bwd", "mosaic", "int4_w4a16", "flash_bwd", "flash", "decode", "int4_w4a8")
+MOSAIC_CASES = ("mosaic_bwd", "mosaic")
 
 
 @dataclasses.dataclass
@@ -90,6 +95,71 @@ def _attention_cases(smoke: bool, interpret: bool) -> list:
 
     out.append(Case("decode", f"decode S={S} GQA {N}/{K}", autotune.CONFIGS["decode"], build_decode))
     return out
+
+
+class MosaicForward:
+    """``mosaic_flash.Config`` as :func:`tune` takes a config class (of the call's ``AttentionArgs``)."""
+
+    @staticmethod
+    def heuristics(args):
+        return mosaic_flash.Config.heuristics(args.head_dim, bias=args.bias is not None)
+
+    @staticmethod
+    def search_space(args):
+        return mosaic_flash.Config.search_space(args)
+
+
+class MosaicBackward:
+    """``mosaic_flash.BwdConfig`` as :func:`tune` takes a config class (its default: ``BwdConfig()``)."""
+
+    @staticmethod
+    def heuristics(args):
+        del args
+        return mosaic_flash.BwdConfig()
+
+    @staticmethod
+    def search_space(args):
+        return mosaic_flash.BwdConfig.search_space(args)
+
+
+def mosaic_runner(kernel: str, config) -> object:
+    """The jitted function of ``AttentionArgs`` timed for a Mosaic GPU case: the forward under
+    ``config``, or (``mosaic_bwd``) the default forward then the dQ and dK / dV kernels under it."""
+    if kernel == "mosaic":
+        return jax.jit(lambda a: mosaic_flash.forward(a, config=config))
+    if kernel == "mosaic_bwd":
+
+        def f(a):
+            out, lse = mosaic_flash.forward(a)
+            return mosaic_flash.backward(a, out, lse, jnp.ones_like(out), config=config)
+
+        return jax.jit(f)
+    raise ValueError(f"`kernel` must be one of {MOSAIC_CASES}; got {kernel!r}")
+
+
+def _mosaic_cases() -> list:
+    out = []
+    for kernel, config_cls in (("mosaic_bwd", MosaicBackward), ("mosaic", MosaicForward)):
+        for H, L in ((128, 4096), (64, 4096)):
+            for causal in (False, True):
+
+                def build(kernel=kernel, H=H, L=L, causal=causal):
+                    B, N = max(1, 16384 // L), max(1, 2048 // H)
+                    keys = jax.random.split(jax.random.key(H + L + causal), 3)
+                    q, k, v = (_normal(kk, (B, L, N, H), jnp.bfloat16) for kk in keys)
+                    args = base.make_args(q, k, v, is_causal=causal)
+                    return args, (args,), lambda cfg: mosaic_runner(kernel, cfg)
+
+                what = "fwd" if kernel == "mosaic" else "bwd (after the default fwd)"
+                label = f"{kernel} {what} H={H} L={L}{' causal' if causal else ''}"
+                out.append(Case(kernel, label, config_cls, build, priority=0 if H >= 128 else 1))
+    return out
+
+
+def mosaic_unsupported() -> list:
+    """Why the Mosaic GPU cases cannot run on this machine (empty: they can)."""
+    x = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    return mosaic_flash.unsupported(base.make_args(x, x, x), "cuda")
 
 
 def _int4_cases(smoke: bool, interpret: bool) -> list:
@@ -218,7 +288,7 @@ def _fmt_cfg(cfg) -> str:
 
 def table(rows, device: str) -> str:
     lines = [
-        f"Pallas Triton configs on {device}, jax {jax.__version__}: microseconds per call (in-jit loop), "
+        f"Pallas kernel configs on {device}, jax {jax.__version__}: microseconds per call (in-jit loop), "
         "the kernel's default config against the fastest found; `gain` = default time / best time.",
         "",
         "| call | default config | us | best config | us | gain | tried (failed) of space |",
@@ -259,6 +329,12 @@ def main(argv=None):
     elif jax.default_backend() != "gpu":
         sys.exit("tune_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
     cases = []
+    if set(MOSAIC_CASES) & set(a.cases):
+        why = ["under --smoke (a CPU check)"] if a.smoke else mosaic_unsupported()
+        if why:
+            print(f"  skipped the Mosaic GPU cases: {'; '.join(why)}", file=sys.stderr)
+        else:
+            cases += _mosaic_cases()
     if {"flash", "flash_bwd", "decode"} & set(a.cases):
         cases += _attention_cases(a.smoke, interpret)
     if {"int4_w4a16", "int4_w4a8"} & set(a.cases):

@@ -246,3 +246,43 @@ def test_gpu_session_script_limits_and_bad_settings(tmp_path):
         bad = _session(tmp_path / "bad", GPU_SESSION_STEPS=steps)
         assert bad.returncode == 2 and msg in bad.stderr, (steps, bad.stderr)
         assert not (tmp_path / "bad").exists()  # refused before any step ran
+
+
+def test_tune_gpu_mosaic_cases_plumbing(tmp_path, capsys):
+    """The Mosaic GPU cases of the sweep: skipped under --smoke (and off sm90) with the reason; their config
+    adapters give the kernel's default inside a search space that fits shared memory; each runner
+    (forward; forward then the two backward kernels) lowers for an sm90 target."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    from pallas_kernels import gpu
+    from pallas_kernels.attention import base, mosaic_flash
+
+    rows = tune_gpu.main(["--smoke", "--cases", "mosaic_bwd", "int4_w4a8", "--md", str(tmp_path / "t.md")])
+    assert [r["label"].split()[0] for r in rows] == ["int4_w4a8", "int4_w4a8"]
+    assert "skipped the Mosaic GPU cases: under --smoke" in capsys.readouterr().err
+    assert tune_gpu.mosaic_unsupported()  # this CPU machine: no sm90 GPU
+
+    x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    args = base.make_args(x, x, x, is_causal=True)
+    for cls in (tune_gpu.MosaicForward, tune_gpu.MosaicBackward):
+        default, space = cls.heuristics(args), cls.search_space(args)
+        assert default in space and len(space) >= 4
+        assert all(mosaic_flash._fits(c, args) for c in space)
+        assert all(tune_gpu._distance(c, default) <= 3 for c in space)
+    wide = base.make_args(*(jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16),) * 3)
+    assert mosaic_flash.Config(block_kv=128, stages=3) not in tune_gpu.MosaicForward.search_space(wide)
+
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    for kernel, cfg in (
+        ("mosaic", mosaic_flash.Config(block_kv=64, stages=3)),
+        ("mosaic_bwd", mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=64, stages=2)),
+    ):
+        with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+            exp = export.export(tune_gpu.mosaic_runner(kernel, cfg), platforms=["cuda"])(
+                base.make_args(q, q, q, is_causal=True)
+            )
+        assert exp.mlir_module().count("custom_call @mosaic_gpu") == (1 if kernel == "mosaic" else 3)
+    with pytest.raises(ValueError, match="kernel"):
+        tune_gpu.mosaic_runner("flash", None)

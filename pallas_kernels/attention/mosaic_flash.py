@@ -202,6 +202,13 @@ class Config:
         (shared memory)."""
         return Config(block_kv=128 if head_dim <= 128 and not bias else 64)
 
+    @staticmethod
+    def search_space(args: base.AttentionArgs) -> list:
+        """The configs a tuning sweep tries for ``args`` (``benchmarks/tune_gpu.py``): 64-256 keys per
+        step, 2-4 ring slots, those that fit an sm90 block's shared memory."""
+        space = [Config(block_kv=b, stages=n) for b in (64, 128, 192, 256) for n in (2, 3, 4)]
+        return [c for c in space if _fits(c, args)]
+
 
 def _smem_total(buffers) -> int:
     """Bytes of shared memory for buffers of these sizes: Mosaic GPU aligns each to 1 KiB."""
@@ -877,6 +884,19 @@ class BwdConfig:
         return max(
             _smem_total(dq + [n * 4 for n in dq_vectors]), _smem_total(dkv + [n * 4 for n in dkv_vectors])
         )
+
+    @staticmethod
+    def search_space(args: base.AttentionArgs) -> list:
+        """The configs a tuning sweep tries for ``args`` (``benchmarks/tune_gpu.py``): 64 or 128 keys per
+        dQ step and queries per dK / dV step, 2 or 3 ring slots, those that fit an sm90 block's shared
+        memory (wider steps would hold more float32 tiles in registers than a warpgroup has)."""
+        space = [
+            BwdConfig(block_kv_dq=a, block_q_dkv=b, stages=n)
+            for a in (64, 128)
+            for b in (64, 128)
+            for n in (2, 3)
+        ]
+        return [c for c in space if _fits(c, args)]
 
 
 #: Head dims the Mosaic backward takes: dK and dV of a warpgroup's 64 keys stay in registers (2 x 64
@@ -1646,16 +1666,25 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
     )
 
 
-def _check_smem(cfg, args: base.AttentionArgs):
-    """Raises ``ValueError`` when ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs more shared
-    memory for ``args`` than an sm90 block has."""
-    need = cfg.smem_bytes(
+def _smem_need(cfg, args: base.AttentionArgs) -> int:
+    """Bytes of shared memory ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs for ``args``."""
+    return cfg.smem_bytes(
         args.head_dim,
         segments=args.q_segment_ids is not None,
         dropout=args.has_dropout,
         mask=args.mask is not None,
         bias=args.bias is not None,
     )
+
+
+def _fits(cfg, args: base.AttentionArgs) -> bool:
+    return _smem_need(cfg, args) <= _SMEM_BYTES
+
+
+def _check_smem(cfg, args: base.AttentionArgs):
+    """Raises ``ValueError`` when ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs more shared
+    memory for ``args`` than an sm90 block has."""
+    need = _smem_need(cfg, args)
     if need > _SMEM_BYTES:
         raise ValueError(
             f"{cfg} needs {need} bytes of shared memory at head dim {args.head_dim}; sm90 has {_SMEM_BYTES}"
