@@ -2,11 +2,11 @@
 
 Python wall clock around one call measures dispatch and launch latency as much as the kernel. Here:
 
-* :func:`jax_time` compiles one loop of *dependent* calls (each passes its operands and a token made
-  from the previous call's output through ``lax.optimization_barrier``, so XLA can neither hoist a
-  call or any work on its operands out of the loop nor drop it) and divides the loop's time by the
-  number of calls (a static count, raised to last 2 ms where the first loop is shorter); the token costs one pass over the first output,
-  small next to the kernels timed here (`pallas_kernels.timing.loop_time`).
+* :func:`jax_time` compiles one loop of *dependent* calls (each passes its operands and the previous
+  call's outputs through ``lax.optimization_barrier``, so XLA can neither hoist a call or any work on
+  its operands out of the loop nor drop it, nor any work one of its outputs needs) and divides the
+  loop's time by the number of calls (a static count, raised to last 2 ms where the first loop is
+  shorter); nothing is added to the timed work (`pallas_kernels.timing.loop_time`).
 * :func:`torch_time` times ``iters`` back-to-back launches between two CUDA events.
 
 Both take the median of ``repeats`` runs after a warm-up (compilation, autotuning, caches).
@@ -30,7 +30,7 @@ def jax_time(
     (:func:`pallas_kernels.timing.loop_time`, which the autotuner uses too).
 
     Args:
-      fn: traceable; the first leaf of its output must be an array.
+      fn: traceable; its outputs are a pytree of arrays (every one is kept in the loop).
       args: the inputs (device arrays or pytrees of them).
       iters: calls per timed loop (>= 1), raised (a recompilation) where one loop is shorter than
         ``min_loop_s``: give enough for the kernels timed.

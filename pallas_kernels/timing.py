@@ -3,14 +3,14 @@
 A Python clock around a single call measures dispatch, launch latency and host synchronisation as much
 as the kernel (tens of microseconds, the whole run time of a decode kernel). :func:`loop_time` compiles
 one ``lax.fori_loop`` of calls (a static trip count) and divides its time by their number. Each
-iteration passes the operands and a token through ``lax.optimization_barrier``; the token is ``eps`` times
-the sum of every output leaf of the previous call (``eps`` a run-time zero). The barrier makes every call
-depend on the one before it, so XLA can neither hoist a call, nor any work on one of its operands, out of
-the loop, nor drop it, and the operands are never modified. Every leaf feeds the token: a token of the
-first leaf alone let XLA drop the work only the other leaves need (the dK / dV kernel of a ``jax.grad``
-over q, k, v, where dQ comes from its own kernel). The sums cost one pass over the outputs per call,
-small next to the kernels this is meant for. The autotuner (`pallas_kernels.attention.autotune`) and the GPU
-benchmarks (``benchmarks/gpu_timing.py``) share it.
+iteration passes the operands and the previous call's outputs through ``lax.optimization_barrier``
+together, and the loop carries the outputs. The barrier makes every call depend on the one before it,
+so XLA can neither hoist a call, nor any work on one of its operands, out of the loop, nor drop it, nor
+drop work that only one of its outputs needs (a token of the first output alone let XLA drop the dK /
+dV kernel of a ``jax.grad`` over q, k, v, where dQ comes from its own kernel), and the operands are
+never modified. Nothing is added to the timed work (an earlier version reduced each output to a scalar
+token: a pass over every output per call, about 1% of a 4k attention backward). The autotuner
+(`pallas_kernels.attention.autotune`) and the GPU benchmarks (``benchmarks/gpu_timing.py``) share it.
 """
 
 from __future__ import annotations
@@ -28,20 +28,23 @@ __all__ = ["loop_time", "timed_loop"]
 
 
 def timed_loop(fn: Callable) -> Callable:
-    """The jitted ``(operands, eps, n) -> token`` loop :func:`loop_time` times: ``n`` dependent calls of
-    ``fn(*operands)`` (see the module docstring; exposed to check what XLA keeps inside the loop).
+    """The jitted ``(operands, n) -> outputs of the last call`` loop :func:`loop_time` times: ``n``
+    dependent calls of ``fn(*operands)`` (see the module docstring; exposed to check what XLA keeps
+    inside the loop).
 
     ``n`` is static: a loop with a known trip count runs on the GPU without reading its condition back
     to the host between iterations, which a run-time bound would cost every call."""
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def loop(operands, eps, n):
-        def body(_, state):
-            carry, _token = jax.lax.optimization_barrier(state)
-            outs = jax.tree.leaves(fn(*carry))
-            return carry, eps * sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+    @functools.partial(jax.jit, static_argnums=1)
+    def loop(operands, n):
+        shapes = jax.eval_shape(fn, *operands)
+        outputs = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-        return jax.lax.fori_loop(0, n, body, (operands, jnp.zeros((), jnp.float32)))[1]
+        def body(_, state):
+            carry, _previous = jax.lax.optimization_barrier(state)
+            return carry, fn(*carry)
+
+        return jax.lax.fori_loop(0, n, body, (operands, outputs))[1]
 
     return loop
 
@@ -53,7 +56,7 @@ def loop_time(
     of one jitted loop of dependent calls, after an untimed run (compilation, warm-up).
 
     Args:
-      fn: traceable; the leaves of its output must be arrays (they all feed the dependence).
+      fn: traceable; its outputs are a pytree of arrays (every one feeds the dependence).
       operands: a sequence of pytrees (arrays, or records such as ``AttentionArgs`` / a packed weight).
       iters: calls per timed loop (>= 1).
       repeats: timed loops (>= 1); the median counts.
@@ -74,11 +77,10 @@ def loop_time(
         raise ValueError(f"loop_time: min_loop_s must be >= 0 (got {min_loop_s!r})")
     operands = tuple(operands)
     loop = timed_loop(fn)
-    eps = jnp.zeros((), jnp.float32)
 
     def run(n):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(operands, eps, n))
+        jax.block_until_ready(loop(operands, n))
         return time.perf_counter() - t0
 
     n = iters

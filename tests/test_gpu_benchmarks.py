@@ -36,6 +36,15 @@ def test_attention_gpu_feature_rows_of_the_mosaic_kernel():
         assert label.startswith("FLASH[mosaic_flash]") and name in label
 
 
+def test_attention_gpu_columns_pin_their_kernels():
+    """jb_pallas is the Triton kernels and jb_mosaic the Mosaic GPU ones whatever 'auto' prefers (on sm90
+    'auto' runs the Mosaic kernel first: an unpinned jb_pallas column timed it twice)."""
+    impls = attention_gpu.jax_impls(smoke=False)
+    assert impls["jb_pallas"][1] == dict(attention_gpu.FLASH_ONLY, flash_cuda_kernel="triton")
+    assert impls["jb_mosaic"][1] == dict(attention_gpu.FLASH_ONLY, flash_cuda_kernel="mosaic")
+    assert impls["jb"][1] is None
+
+
 def test_int4_gpu_smoke(tmp_path):
     md, png = tmp_path / "i.md", tmp_path / "i.png"
     rows = int4_gpu.main(["--smoke", "--md", str(md), "--png", str(png)])
@@ -81,7 +90,7 @@ def test_loop_time_keeps_every_call_and_its_operand_work_in_the_loop():
 
     f = lambda a, w: a * jnp.sin(w).sum()  # noqa: E731
     ops = (jnp.ones(8), jnp.ones(1000))
-    assert "sine" in _while_body(timed_loop(f).lower(ops, jnp.float32(0), 100).compile().as_text())
+    assert "sine" in _while_body(timed_loop(f).lower(ops, 100).compile().as_text())
 
     @functools.partial(jax.jit, static_argnums=1)
     def naive(ops, n):  # the old nudge: the output fed back into the first input only
@@ -96,7 +105,7 @@ def test_loop_time_keeps_every_call_and_its_operand_work_in_the_loop():
     # Work only a later output leaf needs stays too (a token of the first leaf alone let XLA drop the
     # dK / dV kernel of a jax.grad over q, k, v from the GPU benchmark's loop: 2026-11-27).
     two = lambda a, w: (a * 2.0, jnp.cos(w))  # noqa: E731
-    assert "cosine" in _while_body(timed_loop(two).lower(ops, jnp.float32(0), 100).compile().as_text())
+    assert "cosine" in _while_body(timed_loop(two).lower(ops, 100).compile().as_text())
 
     x = jnp.ones((1, 8, 2, 16))
     args = base.make_args(x, x, x, q_seq_lengths=jnp.array([5], jnp.int32))
