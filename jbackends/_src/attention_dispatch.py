@@ -79,7 +79,7 @@ def backend_choice(
     device_info: Optional[Mapping[str, Any]] = None,
 ) -> dispatch.Choice:
     """Which implementation of ``backend`` would run ``args`` on ``platform`` (flags give the filters)."""
-    excluded = sdpa_registry.flag_filter(flags, backend, platform) if flags is not None else {}
+    excluded = sdpa_registry.flag_filter(flags, backend, platform, args) if flags is not None else {}
     return dispatch.choose(
         "sdpa",
         sdpa_registry.implementations(backend, platform),

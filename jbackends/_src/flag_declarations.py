@@ -237,7 +237,8 @@ DECLARATIONS: tuple[Flag, ...] = (
         "auto",
         "Which Pallas kernels may run the FLASH SDPA backend when lowered for CUDA: 'auto' (the Triton "
         "decode kernel for short queries, then the Mosaic GPU kernel where it can run the call "
-        "(measured 1.2-2.8x the Triton flash kernel's speed on an H200), then the Triton flash kernel), "
+        "(measured 1.2-2.8x the Triton flash kernel's speed on an H200; not yet for local windows), then "
+        "the Triton flash kernel), "
         "'triton' (only the Triton kernels), 'mosaic' (only the Mosaic GPU FlashAttention-3 kernels: sm90, float16 / bfloat16, "
         "head dims 64 / 128 / 256 (at 256 with the Triton backward), causal or not, soft cap, segment ids, "
         "dropout, query / key lengths, local windows, boolean masks, an additive bias in the inputs' dtype (not at "

@@ -152,8 +152,9 @@ IMPLEMENTATIONS: dict[SDPBackend, dict[str, tuple[Implementation, ...]]] = {
         # mosaic_flash ahead of triton_flash: on an H200 (2026-11-27, docs/gpu/README.md) it ran at
         # 1.19-2.04x triton_flash's speed forward and 1.27-2.75x forward + backward (bf16, head dims 64 /
         # 128, L 4k / 16k, causal and not), and passed the compiled lane cases it reached. It runs
-        # sm90 and half precision only: other calls go on to triton_flash. Short queries stay with
-        # the split-K decode kernel.
+        # sm90 and half precision only: other calls go on to triton_flash, and so do local windows
+        # under 'auto' (flag_filter) until the lane has run its window cases compiled. Short queries
+        # stay with the split-K decode kernel.
         "cuda": (TRITON_DECODE, MOSAIC_FLASH, TRITON_FLASH),
         "cpu": (CPP_FLASH, XLA_FLASH),
         _ANY: (XLA_FLASH,),
@@ -175,11 +176,12 @@ def implementations(backend: int, platform: str) -> tuple[Implementation, ...]:
     return table.get(platform, table.get(_ANY, ()))
 
 
-def flag_filter(flags: Any, backend: int, platform: str) -> Mapping[str, str]:
-    """The implementations the flags exclude (name -> reason). ``flash_cpu_kernel`` filters FLASH's
-    list when lowering for CPU ('cpp': only the C++ kernel; 'xla': never it); ``flash_cuda_kernel``
-    filters it when lowering for CUDA ('auto': all, in registry order; 'triton': only the Triton kernels;
-    'mosaic': only the Mosaic GPU kernel)."""
+def flag_filter(flags: Any, backend: int, platform: str, args: Any = None) -> Mapping[str, str]:
+    """The implementations the flags exclude for the call ``args`` (name -> reason). ``flash_cpu_kernel``
+    filters FLASH's list when lowering for CPU ('cpp': only the C++ kernel; 'xla': never it);
+    ``flash_cuda_kernel`` filters it when lowering for CUDA ('auto': all, in registry order, except the
+    Mosaic GPU kernel for local windows, which the GPU lane has run compiled in one case only so far;
+    'triton': only the Triton kernels; 'mosaic': only the Mosaic GPU kernel)."""
     if int(backend) != SDPBackend.FLASH_ATTENTION:
         return {}
     if platform == "cpu":
@@ -193,6 +195,14 @@ def flag_filter(flags: Any, backend: int, platform: str) -> Mapping[str, str]:
         mode = flags.flash_cuda_kernel
         if mode == "triton":
             return {MOSAIC_FLASH.name: "flash_cuda_kernel='triton' (the Mosaic GPU kernel is not used)"}
+        if mode == "auto" and args is not None and getattr(args, "window", None) is not None:
+            return {
+                MOSAIC_FLASH.name: (
+                    "flash_cuda_kernel='auto' keeps local windows on the Triton kernel until the GPU lane "
+                    "has run the Mosaic GPU kernel's window cases compiled (flash_cuda_kernel='mosaic' "
+                    "selects it)"
+                )
+            }
         if mode == "mosaic":
             why = "flash_cuda_kernel='mosaic' (only the Mosaic GPU kernel may run FLASH on CUDA)"
             return {TRITON_DECODE.name: why, TRITON_FLASH.name: why}

@@ -66,9 +66,10 @@ MEASURED: list[Measurement] = [
         min_length=1024,
         evidence=(
             "measured faster here: cuDNN ran at 1.05-1.18x the speed of our Pallas Mosaic GPU flash "
-            "kernel forward+backward and 0.98-1.09x forward (H200, bf16, head dims 64/128, L 4k/16k, "
-            "causal and not, 2026-11-27), and at 1.2-3.2x our Pallas Triton flash kernel's (the "
-            "memory-efficient kernel shares its tiling; H100, L 1k-16k, 2026-11-23); "
+            "kernel forward+backward and 1.00-1.09x forward, except the causal forward at head dim 128, "
+            "L 16k, where ours was 2% faster (H200, bf16, head dims 64/128, L 4k/16k, causal and not, "
+            "2026-11-27; L 1k-2k not measured against it), and at 1.2-3.2x our Pallas Triton flash "
+            "kernel's (the memory-efficient kernel shares its tiling; H100, L 1k-16k, 2026-11-23); "
             "benchmarks/attention_gpu.py, jax 0.11.2, CUDA 13"
         ),
     ),

@@ -513,6 +513,8 @@ def test_flash_cuda_kernel_filters_the_cuda_list():
     with jb.sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         e = jb.explain(q, q, q, **kw)  # auto: the Mosaic GPU kernel ahead of Triton's flash on sm90
         assert e.implementation == "mosaic_flash" and "not triton_flash: lower priority" in e.kernel
+        e = jb.explain(q, q, q, local_window_size=(8, 0), **kw)  # windows: Triton's until the lane ran them
+        assert e.implementation == "triton_flash" and "keeps local windows" in e.kernel
         e = jb.explain(q, q, q, **dict(kw, compute_capability=8.0))  # an A100: the Triton kernel
         assert e.implementation == "triton_flash" and "needs sm90" in e.kernel
         qf = q.astype(jnp.float32)
