@@ -39,8 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels.attention import autotune, base, mosaic_flash  # noqa: E402
 from pallas_kernels.int4_matmul import base as int4_base, triton_config as int4_config  # noqa: E402
 
-#: In the order they run (the largest gaps measured first: the Mosaic GPU flash backward and forward
-#: against cuDNN, 0.85-0.96x and 0.92-1.02x on an H200; int4 decode against torch's tinygemm; the Triton
+#: In the order they run (the largest gaps measured first: the Mosaic GPU flash kernels against cuDNN,
+#: 0.85-0.96x forward+backward and 0.92-1.02x forward on an H200; int4 decode against torch's tinygemm; the Triton
 #: attention backward against FA2), so that a spent --budget-s leaves out the least useful.
 CASES = ("mosaic_bwd", "mosaic", "int4_w4a16", "flash_bwd", "flash", "decode", "int4_w4a8")
 MOSAIC_CASES = ("mosaic_bwd", "mosaic")

@@ -253,42 +253,37 @@ class TestMosaicFlashCompiled(_Compiled):
         )
 
     @pytest.mark.parametrize("causal", [False, True])
-    def test_benchmark_shapes_as_close_as_cudnn(self, causal):
-        """At a benchmark's shape (16 query tiles, 16 heads of 128 by 2 batches: many programs per
-        kernel), the output and dQ, dK, dV are as close to a float32 reference as cuDNN's (on an H200,
-        2026-11-27, both were 3.4e-3 to 4.6e-3 off at 4 x 4096 x 16 x 128)."""
+    def test_large_shape_as_close_as_cudnn(self, causal):
+        """At a large shape (16 query tiles, 2 batches of 16 heads of 128: many programs per kernel), the
+        output and dQ, dK, dV are as close to a float32 reference as cuDNN's, by the norm of the
+        difference (on an H200, 2026-11-27, both were 3.4e-3 to 4.5e-3 off at 4 x 4096 x 16 x 128);
+        the grid cases check small, local errors."""
         B, L, N, H = 2, 2048, 16, 128
         ks = jax.random.split(jax.random.key(7 + causal), 4)
         q, k, v, g = (jax.random.normal(key, (B, L, N, H), jnp.float32) for key in ks)
+        half = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+        reasons = mosaic_flash.unsupported(base.make_args(*half, is_causal=causal), "cuda")
+        if reasons and all("ptxas" in r for r in reasons):
+            pytest.skip(reasons[0])  # causal on a CUDA 12.8 / 12.9 runtime
+        assert not reasons, reasons
 
-        def grads(attend, *qkv):
-            out, vjp = jax.vjp(attend, *qkv)
-            return (out, *vjp(g.astype(out.dtype)))
+        def grads(attend):
+            def f(q, k, v, g):
+                out, vjp = jax.vjp(attend, q, k, v)
+                return (out, *vjp(g.astype(out.dtype)))
+
+            return jax.jit(f)
 
         with jax.default_matmul_precision("highest"):
-            ref = jax.jit(
-                functools.partial(
-                    grads,
-                    lambda q, k, v: jax.nn.dot_product_attention(
-                        q, k, v, is_causal=causal, implementation="xla"
-                    ),
-                )
-            )(q, k, v)
-        half = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
-        ours = jax.jit(
-            functools.partial(
-                grads,
-                lambda q, k, v: mosaic_flash.attention(base.make_args(q, k, v, is_causal=causal))[0],
-            )
-        )(*half)
-        cudnn = jax.jit(
-            functools.partial(
-                grads,
-                lambda q, k, v: jax.nn.dot_product_attention(
-                    q, k, v, is_causal=causal, implementation="cudnn"
-                ),
-            )
-        )(*half)
+            ref = grads(
+                lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+            )(q, k, v, g)
+        ours = grads(lambda q, k, v: mosaic_flash.attention(base.make_args(q, k, v, is_causal=causal))[0])(
+            *half, g
+        )
+        cudnn = grads(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        )(*half, g)
 
         def err(x, r):
             x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
