@@ -239,23 +239,15 @@ def _with_feature(name):
     return f
 
 
-def run_features(impls, B, L, N, H, iters, dtype):
+def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
     """``[(feature, {"jb": seconds with it, column: seconds of FLASH without it}, jb's choice)]`` for
     forward + backward (non-causal), where ``column`` is the FLASH kernel that runs the call without the
     feature under the default flags (``jb_mosaic`` on sm90 in half precision, else ``jb_pallas``); with
     a ``jb_mosaic`` column, then the features the Mosaic GPU kernels also run, under its flags
     (``{"jb": with it, "jb_mosaic": without it}``; those the first rows already timed on it are not
-    repeated)."""
+    repeated). ``smoke``: the CPU check, whose baseline is the interpreted Triton kernel."""
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32).astype(dtype) for _ in range(3))
-    plain_fn, plain_scope = impls["jb_pallas"]
-    column = "jb_pallas"
-    if plain_scope is not None:  # on a GPU: FLASH under the default kernel choice
-        plain_fn, plain_scope = _jb, FLASH_ONLY
-        with jb.with_backends(**FLASH_ONLY):
-            if jb.explain(q, k, v).implementation == "mosaic_flash":
-                column = "jb_mosaic"
-    plain = time_jax(plain_fn, plain_scope, q, k, v, False, True, iters)
 
     def timed(fn, scope, what):
         try:
@@ -263,6 +255,18 @@ def run_features(impls, B, L, N, H, iters, dtype):
         except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
             print(f"  {what}: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
             return math.nan
+
+    column = "jb_pallas"
+    if smoke:
+        plain = timed(*impls.get("jb_pallas", (_interpreted_pallas, None)), "FLASH (interpreted)")
+    else:  # FLASH under the default kernel choice (the Mosaic GPU kernel on sm90), else Triton's
+        with jb.with_backends(**FLASH_ONLY):
+            if jb.explain(q, k, v).implementation == "mosaic_flash":
+                column = "jb_mosaic"
+        plain = timed(_jb, FLASH_ONLY, f"FLASH ({column})")
+        if plain != plain and column == "jb_mosaic":  # NaN: the Mosaic kernel failed; Triton's
+            column = "jb_pallas"
+            plain = timed(_jb, dict(FLASH_ONLY, flash_cuda_kernel="triton"), "FLASH (jb_pallas)")
 
     out = []
     for name in FEATURES:
@@ -361,7 +365,7 @@ def main(argv=None):
         if not a.no_features:  # fwd+bwd at the largest head dim asked for, L = 4k (32 in --smoke)
             H, L = max(a.head_dims), 32 if a.smoke else 4096
             B, N = max(1, a.tokens // L), max(1, a.model_dim // H)
-            for name, res, label in run_features(impls, B, L, N, H, a.iters, dtype):
+            for name, res, label in run_features(impls, B, L, N, H, a.iters, dtype, smoke=a.smoke):
                 rows.append(
                     ("feature", "fwd+bwd", H, L, False, res, flops(B, N, L, L, H, False, True), label)
                 )
@@ -378,6 +382,8 @@ def main(argv=None):
         print(f"interrupted after {len(rows)} rows: writing those", file=sys.stderr, flush=True)
     if interrupted and not rows:
         sys.exit(130)
+    for row in rows:  # a feature row's baseline in a column --impls left out: shown all the same
+        names += [n for n in row[5] if n not in names and n != "jb"]
 
     lines = [
         f"Attention on {device}, {dtype.name}, jax {jax.__version__}"

@@ -8,7 +8,8 @@ together, and the loop carries the outputs. The barrier makes every call depend 
 so XLA can neither hoist a call, nor any work on one of its operands, out of the loop, nor drop it, nor
 drop work that only one of its outputs needs (a token of the first output alone let XLA drop the dK /
 dV kernel of a ``jax.grad`` over q, k, v, where dQ comes from its own kernel), and the operands are
-never modified. Nothing is added to the timed work (an earlier version reduced each output to a scalar
+never modified. Nothing is added to the timed work (except a copy per call of an output that is one
+of the operands, returned as it is: then the loop carries that buffer twice) (an earlier version reduced each output to a scalar
 token: a pass over every output per call, about 1% of a 4k attention backward). The autotuner
 (`pallas_kernels.attention.autotune`) and the GPU benchmarks (``benchmarks/gpu_timing.py``) share it.
 """
@@ -38,6 +39,8 @@ def timed_loop(fn: Callable) -> Callable:
     @functools.partial(jax.jit, static_argnums=1)
     def loop(operands, n):
         shapes = jax.eval_shape(fn, *operands)
+        if not jax.tree.leaves(shapes):  # XLA would drop the whole loop: a time of ~0
+            raise ValueError("loop_time: fn returns no arrays, so nothing it computes can be timed")
         outputs = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
         def body(_, state):

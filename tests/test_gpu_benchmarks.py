@@ -29,7 +29,7 @@ def test_attention_gpu_feature_rows_of_the_mosaic_kernel():
     nothing: this checks the rows' plumbing)."""
     impls = attention_gpu.jax_impls(smoke=True)
     impls["jb_mosaic"] = (attention_gpu._jb, {"flash": True, "flash_cuda_kernel": "mosaic"})
-    rows = attention_gpu.run_features(impls, 1, 32, 2, 16, 2, "float32")
+    rows = attention_gpu.run_features(impls, 1, 32, 2, 16, 2, "float32", smoke=True)
     assert [name for name, *_ in rows] == ["softcap", "segments", "dropout"] * 2 + ["mask", "bias", "window"]
     for name, res, label in rows[3:]:
         assert set(res) == {"jb", "jb_mosaic"} and all(t > 0 for t in res.values()), res
@@ -115,6 +115,8 @@ def test_loop_time_keeps_every_call_and_its_operand_work_in_the_loop():
         loop_time(lambda x: x, (x,), iters=1, repeats=0)
     with pytest.raises(ValueError, match="min_loop_s"):
         loop_time(lambda x: x, (x,), min_loop_s=-1.0)
+    with pytest.raises(ValueError, match="returns no arrays"):
+        loop_time(lambda x: None, (x,), iters=1, repeats=1)
 
 
 def test_autotune_timings_report_failures_beside_times():
@@ -284,14 +286,15 @@ def test_tune_gpu_mosaic_cases_plumbing(tmp_path, capsys):
     assert mosaic_flash.Config(block_kv=128, stages=3) not in tune_gpu.MosaicForward.search_space(wide)
 
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    for kernel, cfg in (
-        ("mosaic", mosaic_flash.Config(block_kv=64, stages=3)),
-        ("mosaic_bwd", mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=64, stages=2)),
+    a = base.make_args(q, q, q, is_causal=True)
+    lse = jnp.zeros((1, 2, 256), jnp.float32)
+    for kernel, cfg, operands in (
+        ("mosaic", mosaic_flash.Config(block_kv=64, stages=3), (a,)),
+        ("mosaic_bwd", mosaic_flash.BwdConfig(block_kv_dq=128, block_q_dkv=64, stages=2), (a, q, lse, q)),
     ):
         with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
-            exp = export.export(tune_gpu.mosaic_runner(kernel, cfg), platforms=["cuda"])(
-                base.make_args(q, q, q, is_causal=True)
-            )
-        assert exp.mlir_module().count("custom_call @mosaic_gpu") == (1 if kernel == "mosaic" else 3)
+            exp = export.export(tune_gpu.mosaic_runner(kernel, cfg), platforms=["cuda"])(*operands)
+        # the backward alone: its dQ and dK / dV kernels, no forward
+        assert exp.mlir_module().count("custom_call @mosaic_gpu") == (1 if kernel == "mosaic" else 2)
     with pytest.raises(ValueError, match="kernel"):
         tune_gpu.mosaic_runner("flash", None)
