@@ -98,8 +98,10 @@ def _tokamax():
     )
 
 
-#: The flags of a call that only FLASH may run (its kernels under ``flash_cuda_kernel="auto"``).
+#: The flags of a call that only FLASH may run (its kernels under ``flash_cuda_kernel="auto"``), and
+#: of one that only its Triton kernels may run (the jb_pallas column).
 FLASH_ONLY = dict(flash=True, mem_efficient=False, cudnn=False, math=False)
+TRITON_ONLY = dict(FLASH_ONLY, flash_cuda_kernel="triton")
 
 
 def jax_impls(smoke: bool) -> dict:
@@ -112,7 +114,7 @@ def jax_impls(smoke: bool) -> dict:
         }
     impls = {
         "jb": (_jb, None),
-        "jb_pallas": (_jb, dict(FLASH_ONLY, flash_cuda_kernel="triton")),
+        "jb_pallas": (_jb, TRITON_ONLY),
         "cudnn": (_jax_nn("cudnn"), None),
         "jax_xla": (_jax_nn("xla"), None),
     }
@@ -266,7 +268,7 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
         plain = timed(_jb, FLASH_ONLY, f"FLASH ({column})")
         if plain != plain and column == "jb_mosaic":  # NaN: the Mosaic kernel failed; Triton's
             column = "jb_pallas"
-            plain = timed(_jb, dict(FLASH_ONLY, flash_cuda_kernel="triton"), "FLASH (jb_pallas)")
+            plain = timed(_jb, TRITON_ONLY, "FLASH (jb_pallas)")
 
     out = []
     for name in FEATURES:

@@ -8,9 +8,8 @@ together, and the loop carries the outputs. The barrier makes every call depend 
 so XLA can neither hoist a call, nor any work on one of its operands, out of the loop, nor drop it, nor
 drop work that only one of its outputs needs (a token of the first output alone let XLA drop the dK /
 dV kernel of a ``jax.grad`` over q, k, v, where dQ comes from its own kernel), and the operands are
-never modified. Nothing is added to the timed work (except a copy per call of an output that is one
-of the operands, returned as it is: then the loop carries that buffer twice) (an earlier version reduced each output to a scalar
-token: a pass over every output per call, about 1% of a 4k attention backward). The autotuner
+never modified. Nothing is added to the timed work, except a copy per call of an output that is one
+of the operands returned as it is (the loop then carries that buffer twice). The autotuner
 (`pallas_kernels.attention.autotune`) and the GPU benchmarks (``benchmarks/gpu_timing.py``) share it.
 """
 

@@ -195,7 +195,7 @@ def flag_filter(flags: Any, backend: int, platform: str, args: Any = None) -> Ma
         mode = flags.flash_cuda_kernel
         if mode == "triton":
             return {MOSAIC_FLASH.name: "flash_cuda_kernel='triton' (the Mosaic GPU kernel is not used)"}
-        if mode == "auto" and args is not None and getattr(args, "window", None) is not None:
+        if mode == "auto" and args is not None and args.window is not None:
             return {
                 MOSAIC_FLASH.name: (
                     "flash_cuda_kernel='auto' keeps local windows on the Triton kernel until the GPU lane "

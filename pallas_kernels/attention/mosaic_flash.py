@@ -70,8 +70,8 @@ registers, nor an accumulator carried through ``pl.run_state``: ``interpret=True
 register operand (``P``, ``dS``) through shared memory and adds each product to the accumulator
 outside the WGMMA, and is otherwise the same program. The GPU lane (``pytest -m gpu``) runs the compiled
 kernels: on an H200 (2026-11-27) the 14 of its cases that ran before the lane's time ran out passed, as
-did the smoke test (three checks, one with a local window and a boolean mask); at the benchmark's shapes (bf16, head dims 64 / 128, L 4k / 16k, causal and not) the output and
-the three gradients were as close to a float32 reference as cuDNN's. There they ran at 1.2-2.8x the
+did the smoke test (three checks, one with a local window and a boolean mask); at the benchmark's
+shapes (bf16, head dims 64 / 128, L 4k / 16k, causal and not) the output and the three gradients were as close to a float32 reference as cuDNN's. There they ran at 1.2-2.8x the
 speed of the Triton flash kernels, 0.92-1.02x cuDNN's forward and 0.85-0.96x its forward + backward
 (``docs/gpu/README.md``): ``flash_cuda_kernel="auto"`` tries them before the Triton flash kernel,
 except for local windows (their lane cases have not run compiled yet).
