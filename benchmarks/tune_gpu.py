@@ -4,7 +4,7 @@ For a few representative calls (the Mosaic GPU flash backward and forward on sm9
 kernels' attention forward / backward, at head dims 64 and 128, L = 4k; decode at 128k keys; the int4
 W4A16 / W4A8 kernels at decode and prefill on 8192 x 28672, a weight larger than L2) it times the
 config the kernel picks by itself (``Config.heuristics``) and the candidates of its
-search space (``Config.search_space``; for W4A16 with ``options=True``, the options not yet measured),
+search space (``Config.search_space``; for int4 with ``options=True``, the options not yet measured),
 each in one jitted loop of dependent calls lasting at least ``--min-loop-ms``
 (``pallas_kernels.timing.loop_time``, as the autotuner does), and prints the default, the fastest and
 their ratio. Inputs are made on the device when a call's turn comes. Where the search space is larger than
@@ -206,7 +206,7 @@ def _int4_cases(smoke: bool, interpret: bool) -> list:
                     int4_config.Config,
                     build,
                     priority=0 if M == 1 else 1 if M <= 16 else 2,
-                    space_options=dict(options=True) if op == "weight_only" else {},
+                    space_options=dict(options=True),
                 )
             )
     return out

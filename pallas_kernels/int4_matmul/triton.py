@@ -6,12 +6,16 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
   registers (``(u - 8) * scale`` in the compute dtype, bf16/f16, or f32 with
   IEEE dots), one MMA per nibble plane (low nibbles x even-k activations,
   high nibbles x odd-k activations, so nothing is shuffled), fp32
-  accumulation. For decode (``M <= 16``) K is split across programs
-  (split-K) and the fp32 partials are summed by XLA.
+  accumulation. A nibble becomes a float without a conversion instruction
+  (`_float_planes`, `_half_planes`: or-ed into the mantissa of a power of two,
+  which is then subtracted). For decode (``M <= 16``) K is split across
+  programs (split-K) and the fp32 partials are summed by XLA.
 * **W4A8** (`dyn_quant_matmul`, the dynamic-quant semantics of base.py): the
   activations are quantized to int8 by XLA (`base.quantize_activations`),
   the kernel runs int8 x int8 -> int32 MMAs per group and restores the zero
-  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q``. Every int8 dot
+  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q`` (at decode with
+  the weights as ``16 q`` bytes and ``sum q`` from an MMA with ones:
+  `_sixteen_planes`). Every int8 dot
   contracts over >= `MIN_INT8_DOT_K` = 32 k: Triton's NVIDIA backend has no
   narrower int8 MMA (``mma.m16n8k32``, ``wgmma ... k32``), and a 16-k int8
   operand (a 32-k group's nibble plane) is fed to the k32 instruction with its
@@ -27,7 +31,10 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
 
 Both kernels take ``interpret: bool``: ``interpret=True`` runs them on CPU
 through the Pallas interpreter (tests); on a GPU leave it False. Their tiles
-(`Config`, its ``heuristics`` and ``search_space``) live in `triton_config`.
+(`Config`, its ``heuristics`` and ``search_space``) live in `triton_config`;
+``Config.swap_ab`` runs either kernel transposed (the weights as the MMA's A
+operand). ``benchmarks/kernel_resources.py`` shows what a config compiles to
+for sm90 (registers, spills, MMA instructions) on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -91,6 +98,31 @@ def _planes(w):
     return (w & 0x0F) - 8, (w >> 4) - 8
 
 
+_TWO_23 = 0x4B000000  # the bits of the float32 2**23, whose ulp is 1
+
+
+def _float_planes(w):
+    """uint8 tile -> (low, high) nibble planes as float32 ``u - 8``, exact, with no int-to-float
+    conversion: a nibble ``u`` or-ed into the mantissa of 2**23 is the float ``2**23 + u``, and
+    subtracting ``2**23 + 8`` leaves ``u - 8`` exactly. A conversion instruction issues at a quarter
+    of an add's rate on NVIDIA GPUs (16 per clock and SM on sm80 / sm90); decode dequantizes every
+    weight of the matrix per call."""
+    w = w.astype(jnp.int32)
+    lo = lax.bitcast_convert_type((w & 0x0F) | _TWO_23, jnp.float32)
+    hi = lax.bitcast_convert_type((w >> 4) | _TWO_23, jnp.float32)
+    return lo - float(2**23 + 8), hi - float(2**23 + 8)
+
+
+def _sixteen_planes(w):
+    """uint8 tile -> (low, high) nibble planes as int8 ``16 (u - 8)``, exact: a nibble moved to the
+    byte's top (``w << 4`` for the low one, ``w & 0xF0`` for the high one) with its top bit flipped is
+    the two's-complement byte ``16 (u - 8)``. The bytes are never widened to int32 (which `_planes`
+    does, then subtracts and narrows each), so the compiler can work on four bytes per register."""
+    lo = lax.bitcast_convert_type((w << 4) ^ jnp.uint8(0x80), jnp.int8)
+    hi = lax.bitcast_convert_type((w & jnp.uint8(0xF0)) ^ jnp.uint8(0x80), jnp.int8)
+    return lo, hi
+
+
 def _windows(groupsize: int, block_k: int) -> tuple[int, bool]:
     """(steps per group, masked) of the W4A8 kernel's walk over one group's bytes.
 
@@ -120,6 +152,7 @@ def _w4a8_kernel(
     block_k,
     groups_per_prog,
     fused,
+    swap_ab,
 ):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
@@ -127,47 +160,105 @@ def _w4a8_kernel(
     bkh, gh = block_k // 2, groupsize // 2
     steps, masked = _windows(groupsize, block_k)
     zp = _load(zp_ref, rmask, 0)
+    # swap_ab: every [block_m, block_n] tile below is held transposed, [block_n, block_m], so that the
+    # weight planes are the int8 MMAs' A operand (see `Config.swap_ab`).
+    tile = (block_n, block_m) if swap_ab else (block_m, block_n)
+    per_row = (lambda v: v[None, :]) if swap_ab else (lambda v: v[:, None])  # a [block_m] vector
+    per_col = (lambda v: v[:, None]) if swap_ab else (lambda v: v[None, :])  # a [block_n] vector
+    omask = rmask[:, None] & cmask[None, :]
+
+    # Decode (the group sums kernel): the weights enter the MMAs as 16 (u - 8) (`_sixteen_planes`) where
+    # a group's sums stay within int32 (|16 (u - 8) qa| <= 2**14 per product); the dots are then 16 times
+    # the sums, and the weights' sums per column (for the zero point) come from an int8 MMA of the
+    # planes with a tile of ones. In the sm90 SASS (`benchmarks/kernel_resources.py`) this takes a
+    # decode step from 518 to 287 instructions. Prefill keeps the int32 planes: there its time goes to
+    # the per-group float tail, and the 16-fold planes added instructions (852 to 932 per group).
+    sixteen = not fused and groupsize * 2**14 < 2**31
+    ones_rows = 16  # the narrowest MMA side
+
+    def idots(a, plane):  # a [block_m, bkh] int8 . plane [block_n, bkh]^T, in the tile's orientation
+        w = plane.astype(jnp.int8)
+        lhs, rhs = (w, a) if swap_ab else (a, w)
+        return jnp.dot(lhs, rhs.T, preferred_element_type=jnp.int32)
+
+    def plane_sums(ones, plane):  # ones [16, bkh] . plane [block_n, bkh]^T: every row the column sums
+        lhs, rhs = (plane, ones) if swap_ab else (ones, plane)
+        return jnp.dot(lhs, rhs.T, preferred_element_type=jnp.int32)
+
+    sums_tile = (block_n, ones_rows) if swap_ab else (ones_rows, block_n)
+
+    def window(g, t):
+        """The first byte ``k0`` of step ``t`` of group ``g`` and, where windows overlap, which of its
+        ``bkh`` bytes are the step's own (None: all)."""
+        first = g * gh + t * bkh  # first byte of the group this step adds
+        if not masked:
+            return first, None
+        last = jnp.minimum(first + bkh, (g + 1) * gh)  # one past the last
+        k0 = jnp.maximum(last - bkh, 0)  # the window: in bounds, ends by `last`
+        col = k0 + jnp.arange(bkh)
+        return k0, (col >= first) & (col < last)
+
+    def activations(k0, valid):  # even and odd k of the window; 0 outside the step's own k
+        ae = _load(ae_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
+        ao = _load(ao_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
+        if valid is not None:
+            ae = jnp.where(valid[None, :], ae, jnp.int8(0))
+            ao = jnp.where(valid[None, :], ao, jnp.int8(0))
+        return ae, ao
+
+    def weights(k0):
+        return _load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88)
 
     def group(j, acc):
         g = pid_s * groups_per_prog + j
 
+        def step16(t, carry):
+            idot, qs = carry
+            k0, valid = window(g, t)
+            ae, ao = activations(k0, valid)
+            lo, hi = _sixteen_planes(weights(k0))
+            ones = jnp.ones((ones_rows, bkh), jnp.int8)
+            if valid is not None:  # the weights outside the step's own k add nothing to the sums
+                ones = jnp.where(valid[None, :], ones, jnp.int8(0))
+            idot += idots(ae, lo) + idots(ao, hi)
+            qs += plane_sums(ones, lo) + plane_sums(ones, hi)
+            return idot, qs
+
         def step(t, carry):
             idot, qsum = carry
-            first = g * gh + t * bkh  # first byte of the group this step adds
-            if masked:
-                last = jnp.minimum(first + bkh, (g + 1) * gh)  # one past the last
-                k0 = jnp.maximum(last - bkh, 0)  # the window: in bounds, ends by `last`
-                col = k0 + jnp.arange(bkh)
-                valid = (col >= first) & (col < last)
-            else:
-                k0 = first
-            ae = _load(ae_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
-            ao = _load(ao_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0)
-            lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, bkh)], cmask[:, None], 0x88))
-            if masked:  # k outside this step's part of the group: activation 0, weight sum 0
-                ae = jnp.where(valid[None, :], ae, jnp.int8(0))
-                ao = jnp.where(valid[None, :], ao, jnp.int8(0))
-                both = jnp.where(valid[None, :], lo + hi, 0)
-            else:
-                both = lo + hi
+            k0, valid = window(g, t)
+            ae, ao = activations(k0, valid)
+            lo, hi = _planes(weights(k0))
+            both = lo + hi if valid is None else jnp.where(valid[None, :], lo + hi, 0)
             # int8 dots over bkh >= MIN_INT8_DOT_K k (see the module docstring).
-            idot += jnp.dot(ae, lo.astype(jnp.int8).T, preferred_element_type=jnp.int32)
-            idot += jnp.dot(ao, hi.astype(jnp.int8).T, preferred_element_type=jnp.int32)
+            idot += idots(ae, lo)
+            idot += idots(ao, hi)
             return idot, qsum + jnp.sum(both, axis=1)
 
-        idot, qsum = lax.fori_loop(
-            0, steps, step, (jnp.zeros((block_m, block_n), jnp.int32), jnp.zeros((block_n,), jnp.int32))
-        )
-        isum = idot - zp[:, None] * qsum[None, :]  # exact: sum (qa - zp) * q
+        if sixteen:
+            idot, qs = lax.fori_loop(
+                0, steps, step16, (jnp.zeros(tile, jnp.int32), jnp.zeros(sums_tile, jnp.int32))
+            )
+            idot = idot >> 4  # exact: 16 times an int32 sum
+            qsum = jnp.sum(qs, axis=1 if swap_ab else 0) >> 8  # 16 rows of 16 times the sums
+        else:
+            idot, qsum = lax.fori_loop(
+                0, steps, step, (jnp.zeros(tile, jnp.int32), jnp.zeros((block_n,), jnp.int32))
+            )
+        isum = idot - per_row(zp) * per_col(qsum)  # exact: sum (qa - zp) * q
         if not fused:
-            plgpu.store(out_ref.at[j], isum, mask=rmask[:, None] & cmask[None, :])
+            plgpu.store(out_ref.at[j], isum.T if swap_ab else isum, mask=omask)
             return acc
         s = _load(st_ref.at[g], cmask, 0.0)
-        return acc + base.rounded_mul(isum.astype(jnp.float32), s[None, :], isum)
+        # The guard against FMA contraction: a compare per column, an `or` per element. ``qsum`` (a
+        # loop-carried sum, |qsum| <= 8 * groupsize: never INT32_MIN, so no product changes) is a value
+        # the compiler cannot bound; a guard it can bound is folded away and the multiply-add contracted
+        # (seen in the sm90 SASS, `tests/test_kernel_resources.py`).
+        return acc + base.rounded_mul(isum.astype(jnp.float32), per_col(s), per_col(qsum))
 
-    acc = lax.fori_loop(0, groups_per_prog, group, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = lax.fori_loop(0, groups_per_prog, group, jnp.zeros(tile, jnp.float32))
     if fused:
-        plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
+        plgpu.store(out_ref, acc.T if swap_ab else acc, mask=omask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +275,7 @@ class _W4A16:
     compute_dtype: Any
     scale_after_dot: bool
     mma: bool
+    swap_ab: bool
 
 
 def _w4a16_kernel(xe_ref, xo_ref, w_ref, st_ref, out_ref, *, c: _W4A16):
@@ -193,17 +285,32 @@ def _w4a16_kernel(xe_ref, xo_ref, w_ref, st_ref, out_ref, *, c: _W4A16):
 
 def _w4a16_tile(c: _W4A16, w_ref, st_ref, cmask, pid_s, t):
     """Step ``t`` of a program: its first byte ``k0``, the group scales ``[block_n]`` (the step's k lie in
-    one group: block_k divides groupsize) and the nibble planes ``[block_n, block_k / 2]``."""
+    one group: block_k divides groupsize) and the packed bytes ``[block_n, block_k / 2]`` (0x88, two
+    zero weights, past N)."""
     kstep = pid_s * c.steps_per_prog + t
     k0 = kstep * (c.block_k // 2)
     s = _load(st_ref.at[(kstep * c.block_k) // c.groupsize], cmask, 0.0)
-    lo, hi = _planes(_load(w_ref.at[:, pl.ds(k0, c.block_k // 2)], cmask[:, None], 0x88))
-    return k0, s, lo, hi
+    return k0, s, _load(w_ref.at[:, pl.ds(k0, c.block_k // 2)], cmask[:, None], 0x88)
+
+
+_HALF_MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 136.0), jnp.dtype(jnp.float16): (0x6400, 1032.0)}
+
+
+def _half_planes(w, dtype):
+    """uint8 tile -> (low, high) nibble planes as the exact integers ``u - 8`` in ``dtype`` (bfloat16 or
+    float16) with integer ops and one subtraction in that dtype: ``u`` or-ed into the mantissa of 128
+    (bfloat16: 7 mantissa bits, ulp 1 from 128 to 256) or 1024 (float16: 10 bits) is that power of two
+    plus ``u``; subtracting it plus 8 is exact."""
+    bits, offset = _HALF_MAGIC[jnp.dtype(dtype)]
+    w = w.astype(jnp.int32)
+    lo = lax.bitcast_convert_type(((w & 0x0F) | bits).astype(jnp.uint16), dtype)
+    hi = lax.bitcast_convert_type(((w >> 4) | bits).astype(jnp.uint16), dtype)
+    return lo - jnp.asarray(offset, dtype), hi - jnp.asarray(offset, dtype)
 
 
 def _scaled(plane, s, compute_dtype):
     """``(u - 8) * scale`` rounded to the compute dtype: the weight dequantized in registers."""
-    return (plane.astype(jnp.float32) * s[:, None]).astype(compute_dtype)
+    return (plane * s[:, None]).astype(compute_dtype)
 
 
 def _w4a16_mma(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
@@ -215,21 +322,28 @@ def _w4a16_mma(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
     bkh = block_k // 2
     prec = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
+    swap = c.swap_ab
+
+    def mul(x, w):  # x [block_m, k] . w [block_n, k]^T; swapped: w . x^T, [block_n, block_m]
+        a, b = (w, x) if swap else (x, w)
+        return jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=prec)
+
     def step(t, acc):
-        k0, s, lo, hi = _w4a16_tile(c, w_ref, st_ref, cmask, pid_s, t)
+        k0, s, w = _w4a16_tile(c, w_ref, st_ref, cmask, pid_s, t)
         xe = _load(xe_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
         xo = _load(xo_ref.at[:, pl.ds(k0, bkh)], rmask[:, None], 0).astype(compute_dtype)
         if scale_after_dot:  # the exact integers u - 8; the group's scales multiply the step's dot
-            d = jnp.dot(xe, lo.astype(compute_dtype).T, preferred_element_type=jnp.float32, precision=prec)
-            d += jnp.dot(xo, hi.astype(compute_dtype).T, preferred_element_type=jnp.float32, precision=prec)
-            return acc + d * s[None, :]
+            half = jnp.dtype(compute_dtype) in _HALF_MAGIC
+            lo, hi = _half_planes(w, compute_dtype) if half else _float_planes(w)
+            d = mul(xe, lo) + mul(xo, hi)
+            return acc + d * (s[:, None] if swap else s[None, :])
+        lo, hi = _float_planes(w)
         lo, hi = _scaled(lo, s, compute_dtype), _scaled(hi, s, compute_dtype)
-        acc += jnp.dot(xe, lo.T, preferred_element_type=jnp.float32, precision=prec)
-        acc += jnp.dot(xo, hi.T, preferred_element_type=jnp.float32, precision=prec)
-        return acc
+        return acc + mul(xe, lo) + mul(xo, hi)
 
-    acc = lax.fori_loop(0, steps_per_prog, step, jnp.zeros((block_m, block_n), jnp.float32))
-    plgpu.store(out_ref, acc, mask=rmask[:, None] & cmask[None, :])
+    shape = (block_n, block_m) if swap else (block_m, block_n)
+    acc = lax.fori_loop(0, steps_per_prog, step, jnp.zeros(shape, jnp.float32))
+    plgpu.store(out_ref, acc.T if swap else acc, mask=rmask[:, None] & cmask[None, :])
 
 
 def _w4a16_rows(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
@@ -248,7 +362,8 @@ def _w4a16_rows(xe_ref, xo_ref, w_ref, st_ref, out_ref, c: _W4A16):
         return x.astype(compute_dtype).astype(jnp.float32)
 
     def step(t, acc):
-        k0, s, lo, hi = _w4a16_tile(c, w_ref, st_ref, cmask, pid_s, t)
+        k0, s, w = _w4a16_tile(c, w_ref, st_ref, cmask, pid_s, t)
+        lo, hi = _float_planes(w)
         if not scale_after_dot:  # the weight as the MMA path rounds it
             lo, hi = _scaled(lo, s, compute_dtype), _scaled(hi, s, compute_dtype)
         lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
@@ -315,6 +430,7 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
         block_k=cfg.block_k,
         groups_per_prog=gpp,
         fused=fused,
+        swap_ab=cfg.swap_ab,
     )
     return pl.pallas_call(
         kernel,
@@ -440,6 +556,7 @@ def weight_only_matmul(
                 cd,
                 cfg.scale_after_dot,
                 cfg.mma,
+                cfg.swap_ab,
             ),
         )
         parts = pl.pallas_call(

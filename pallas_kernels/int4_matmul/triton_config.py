@@ -54,6 +54,15 @@ class Config:
         was loaded in (a GEMV: no operand layout conversion, no padding of one
         row to 16). For decode; True in the heuristics until measured on a
         GPU; both in the decode search space with ``options=True``.
+      swap_ab: compute the transposed product, ``out^T = w x^T``: the
+        dequantized weight tile is the MMA's A operand and the activations
+        its B operand. On sm90 a warpgroup MMA takes A from registers and B
+        only from shared memory, so the weights, dequantized in registers,
+        go straight into the MMA instead of through shared memory and a
+        barrier; the weight tile's ``block_n`` rows fill the MMA's 64-row
+        side and the activation rows its narrow side (8 to 256), so a few
+        rows no longer pad an MMA to 64. Off in the heuristics until
+        measured on a GPU; in the search space with ``options=True``.
     """
 
     block_m: int = 16
@@ -64,6 +73,7 @@ class Config:
     num_stages: int = 2
     scale_after_dot: bool = False
     mma: bool = True
+    swap_ab: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -77,7 +87,7 @@ class Config:
             )
         if self.split_k < 1:
             raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
-        for name in ("scale_after_dot", "mma"):
+        for name in ("scale_after_dot", "mma", "swap_ab"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if not self.mma and self.block_m > DECODE_M:
@@ -85,6 +95,8 @@ class Config:
                 f"Config.mma=False unrolls one multiply-and-sum per row: block_m must be <= {DECODE_M}, "
                 f"got block_m={self.block_m}"
             )
+        if self.swap_ab and not self.mma:
+            raise ValueError("Config.swap_ab transposes the MMA: it needs mma=True")
 
     @classmethod
     def heuristics(cls, call: base.Int4Call, device: Mapping[str, Any] | None = None) -> "Config":
@@ -101,9 +113,10 @@ class Config:
         """The configs the kernel of ``call`` accepts among: decode (``M <= 16``) 16-row tiles x
         32 / 64 / 128 features with split-K 1 / 2 / 4 / 8 / 16, prefill 32 / 64 / 128 rows x 64 / 128
         features; ``block_k`` every power of two from the kernel's minimum up to 256 (decode) / 128
-        (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages. ``options=True`` adds the W4A16
-        options not yet measured (``scale_after_dot``, and at decode ``mma=False``: four times the
-        configs; ``benchmarks/tune_gpu.py`` walks them), which the autotuner leaves out."""
+        (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages. ``options=True`` adds the options
+        not yet measured (``swap_ab``; for W4A16 also ``scale_after_dot``, and at decode ``mma=False``:
+        two times the W4A8 configs, eight times (decode) or four times (prefill) the W4A16 ones;
+        ``benchmarks/tune_gpu.py`` walks them), which the autotuner leaves out."""
         p, mode = call.packed, _mode(call)
         M, K, g = call.rows, p.in_features, p.groupsize
         decode = M <= DECODE_M
@@ -124,7 +137,10 @@ class Config:
                                 w4a16 = options and mode == "w4a16"
                                 for after in (False, True) if w4a16 else (False,):
                                     for mma in (True, False) if w4a16 and decode else (True,):
-                                        out.append(cls(bm, bn, bk, split, warps, stages, after, mma))
+                                        for swap in (False, True) if options and mma else (False,):
+                                            out.append(
+                                                cls(bm, bn, bk, split, warps, stages, after, mma, swap)
+                                            )
         return out
 
 

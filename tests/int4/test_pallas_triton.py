@@ -157,13 +157,64 @@ def test_w4a16_search_space_options_near_float64(M, K, N, g, bias, mma):
     errs = {}
     for after in (False, True):
         cfg = triton.Config(16, 16, 32, split, scale_after_dot=after, mma=mma)
-        for dt in (jnp.float32, jnp.bfloat16):
+        for dt in (jnp.float32, jnp.bfloat16, jnp.float16):  # half precision: the exact-integer planes
             got = triton.weight_only_matmul(x.astype(dt), p, config=cfg, interpret=True)
             errs[after, jnp.dtype(dt).name] = np.linalg.norm(
                 np.asarray(got, np.float64) - want
             ) / np.linalg.norm(want)
     assert errs[False, "float32"] < 3e-7 and errs[True, "float32"] < 3e-7, errs
     assert errs[True, "bfloat16"] <= 1.05 * errs[False, "bfloat16"] and errs[True, "bfloat16"] < 5e-3, errs
+    assert errs[True, "float16"] <= 1.05 * errs[False, "float16"] and errs[True, "float16"] < 1e-3, errs
+
+
+@pytest.mark.parametrize(
+    "M,K,N,g", [(1, 256, 40, 32), (3, 512, 24, 128), (20, 256, 17, 64), (70, 1152, 50, 96)]
+)
+def test_swap_ab_computes_the_same_product(M, K, N, g):
+    """``swap_ab`` (the transposed MMA, weights as its A operand): W4A8 bit-exact with torch's numerics
+    (decode's group sums and prefill's fused tail, masked windows included), W4A16 as near float64 as
+    the untransposed kernel (float32 within 3e-7, bf16 within 1.05x of its error), with split-K, ragged
+    rows and columns and a bias."""
+    x, p = make_case(M, K, N, g, True)
+    decode = M <= triton.DECODE_M
+    bm = 16 if decode else 32
+    for bk in (64, 128):
+        split = 2 if decode and (K // g) % 2 == 0 else 1
+        cfg = triton.Config(bm, 16, bk, split, swap_ab=True)
+        got = triton.dyn_quant_matmul(x, p, config=cfg, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)), err_msg=f"block_k={bk}")
+    want = _f64_reference(x, p)
+    for after in (False, True):
+        split = 2 if decode and (K // 32) % 2 == 0 else 1
+        errs = {}
+        for swap in (False, True):
+            cfg = triton.Config(bm, 16, 32, split, scale_after_dot=after, swap_ab=swap)
+            for dt in (jnp.float32, jnp.bfloat16):
+                got = np.asarray(
+                    triton.weight_only_matmul(x.astype(dt), p, config=cfg, interpret=True), np.float64
+                )
+                errs[swap, jnp.dtype(dt).name] = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert errs[True, "float32"] < 3e-7, errs
+        assert errs[True, "bfloat16"] <= 1.05 * errs[False, "bfloat16"] and errs[True, "bfloat16"] < 5e-3, (
+            errs
+        )
+
+
+def test_swap_ab_transposes_every_kernel_dot():
+    """The option is not ignored: every dot of the kernel takes the weight tile (``block_n`` rows) as its
+    left operand, for both kernels, at decode and prefill."""
+    K, N, g = 256, 64, 64
+    p = _abstract_packed(K, N, g)
+    for M in (4, 40):
+        for fn, dt in ((triton.weight_only_matmul, jnp.bfloat16), (triton.dyn_quant_matmul, jnp.float32)):
+            x = jax.ShapeDtypeStruct((M, K), dt)
+            for swap in (False, True):
+                cfg = triton.Config(16 if M <= 16 else 32, 64, 64, swap_ab=swap)
+                dots = list(_kernel_dots(jax.make_jaxpr(lambda x, p: fn(x, p, config=cfg))(x, p).jaxpr))
+                assert dots
+                for e in dots:
+                    lhs_rows = e.invars[0].aval.shape[0]
+                    assert lhs_rows == (64 if swap else cfg.block_m), (fn.__name__, M, swap, e)
 
 
 def test_w4a16_options_are_checked_and_w4a16_only():
@@ -181,14 +232,22 @@ def test_w4a16_options_are_checked_and_w4a16_only():
         assert {c.scale_after_dot for c in spaces["weight_only"]} == {False, True}
         assert {c.mma for c in spaces["weight_only"]} == ({True, False} if M <= triton.DECODE_M else {True})
         assert {(c.scale_after_dot, c.mma) for c in spaces["dyn_quant"]} == {(False, True)}
-        # the autotuner's space leaves the unmeasured options out (4x the configs)
-        plain = triton.Config.search_space(calls["weight_only"])
-        assert {(c.scale_after_dot, c.mma) for c in plain} == {(False, True)}
-        assert len(spaces["weight_only"]) == len(plain) * (4 if M <= triton.DECODE_M else 2)
-        default = triton.Config.heuristics(calls["weight_only"])
-        assert not default.scale_after_dot and default.mma  # the measured kernel, until a GPU says otherwise
+        assert {c.swap_ab for s in spaces.values() for c in s} == {False, True}
+        assert not any(c.swap_ab and not c.mma for c in spaces["weight_only"])
+        # the autotuner's space leaves the unmeasured options out
+        plain = {op: triton.Config.search_space(c) for op, c in calls.items()}
+        assert {(c.scale_after_dot, c.mma, c.swap_ab) for c in plain["weight_only"]} == {(False, True, False)}
+        assert len(spaces["weight_only"]) == len(plain["weight_only"]) * (6 if M <= triton.DECODE_M else 4)
+        assert len(spaces["dyn_quant"]) == len(plain["dyn_quant"]) * 2
+        for op, call in calls.items():  # the measured kernels, until a GPU says otherwise
+            default = triton.Config.heuristics(call)
+            assert not default.scale_after_dot and default.mma and not default.swap_ab
     with pytest.raises(ValueError, match="block_m must be <= 16"):
         triton.Config(block_m=32, mma=False)
+    with pytest.raises(TypeError, match="swap_ab must be a bool"):
+        triton.Config(swap_ab=0)
+    with pytest.raises(ValueError, match="swap_ab transposes the MMA"):
+        triton.Config(swap_ab=True, mma=False)
 
 
 def test_w4a16_no_mma_has_no_dot_and_rounds_like_the_mma_path():
@@ -247,9 +306,27 @@ def test_gpu_w4a8_compiled_equals_xla(K, N, g):
         assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.05, (M, K, N, g)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,g", _GPU_SHAPES[:3] + _GPU_SHAPES[-1:], ids=lambda v: str(v))
+def test_gpu_w4a8_swap_ab_compiled_equals_xla(K, N, g):
+    """The search space's ``swap_ab`` (weights as the int8 MMA's A operand, from registers) compiled:
+    bit-equal to the XLA engine at decode (group sums) and prefill (the fused tail)."""
+
+    def kernel(x, p):
+        cfg = triton.Config.heuristics(base.Int4Call.of("dyn_quant", x, p))
+        return triton.dyn_quant_matmul(x, p, config=dataclasses.replace(cfg, swap_ab=True))
+
+    pallas_fn = jax.jit(kernel)
+    xla_fn = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation="xla"))
+    for M in (1, 16, 33, 256):
+        x, p = make_case(M, K, N, g, True)
+        np.testing.assert_array_equal(np.asarray(pallas_fn(x, p)), np.asarray(xla_fn(x, p)), err_msg=f"M={M}")
+
+
 # The W4A16 options only the search space has (until a GPU measures them): fewer shapes and rows.
 _VARIANTS = {"default": {}, "scale_after_dot": dict(scale_after_dot=True), "no_mma": dict(mma=False)}
 _VARIANTS["no_mma_scale_after_dot"] = dict(scale_after_dot=True, mma=False)
+_VARIANTS["swap_ab"] = dict(swap_ab=True)
 
 
 @pytest.mark.gpu
