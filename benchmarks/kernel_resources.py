@@ -10,7 +10,8 @@ default) with the `triton` package's own compiler, and reads ptxas's report and 
 * the MMA instructions, with where their A operand comes from (``A:regs`` or ``A:smem``): on sm90 a
   warpgroup MMA (``HGMMA`` / ``IGMMA``) reads B from shared memory and A from either; the older
   ``HMMA`` / ``IMMA`` (``mma.sync``) read registers,
-* the count of shared-memory stores and barriers in the kernel, and of all SASS instructions.
+* the count of ``STS`` (register to shared-memory stores; the asynchronous copies from global memory,
+  ``LDGSTS``, are not counted) and of ``BAR`` barriers in the kernel, and of all SASS instructions.
 
 It measures nothing: no GPU runs here. It says which instructions a config gets and where it runs out of
 registers, before a GPU session spends time on it (``benchmarks/tune_gpu.py`` measures).
@@ -105,7 +106,8 @@ def capture(fn: Callable, *args, device_kind: str = "NVIDIA H100 80GB HBM3") -> 
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
     with mock.patch.object(lowering, "lower_jaxpr_to_triton_module", lower_and_keep):
         with mock.patch.object(reg.mlir, "custom_call", custom_call_and_keep), gpu.cuda_target(device_kind):
-            export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+            # a new function each time: JAX caches lowerings by function, and a cached one lowers nothing
+            export.export(jax.jit(lambda *a: fn(*a)), platforms=["cuda"], disabled_checks=checks)(*args)
     return found
 
 

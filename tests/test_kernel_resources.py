@@ -38,6 +38,9 @@ def test_capture_keeps_each_kernel_with_its_launch():
     )
     assert [k.name for k in ks] == ["jb_flash_fwd", "jb_int4_w4a16"]
     assert ks[0].num_warps == 4 and ks[0].grid[0] == 2  # 64 queries in blocks of 32
+    # the same function again: lowered again (JAX's lowering cache is not in the way)
+    f = lambda x: triton.dyn_quant_matmul(x, p, config=cfg)  # noqa: E731
+    assert len(kr.capture(f, jnp.ones((40, 128)))) == len(kr.capture(f, jnp.ones((40, 128)))) == 1
 
 
 def test_cli_names_the_missing_package(capsys):
@@ -111,26 +114,28 @@ def test_int4_kernels_compile_to_what_their_comments_say():
     through the mantissa of 2**23, or of 128 / 1024 in bf16 / f16 with ``scale_after_dot``: then
     packed half-precision subtractions, no conversion at all); the W4A8 prefill kernel's float tail has
     no FMA (its guard keeps ``float(sum) * scale`` rounded on its own, torch's numerics: a guard the
-    compiler could bound would be folded away and the multiply-add contracted)."""
+    compiler could bound would be folded away and the multiply-add contracted); W4A8's ``byte_planes``
+    takes fewer instructions than its int32 planes at decode, and more MMAs (the weights' sums)."""
     p = _packed(K=1024, N=256, g=128)
-    ops = {}
-    for name, fn, x, cfg in (
-        ("w4a16", triton.weight_only_matmul, jnp.zeros((4, 1024), jnp.bfloat16), triton.Config(16, 64, 128)),
-        (
-            "w4a16_after",
-            triton.weight_only_matmul,
-            jnp.zeros((4, 1024), jnp.bfloat16),
-            triton.Config(16, 64, 128, scale_after_dot=True),
-        ),
-        (
-            "w4a8_fused",
+    x16, x32 = jnp.zeros((4, 1024), jnp.bfloat16), jnp.zeros((4, 1024))
+    cases = {
+        "w4a16": (triton.weight_only_matmul, x16, triton.Config(16, 64, 128)),
+        "w4a16_after": (triton.weight_only_matmul, x16, triton.Config(16, 64, 128, scale_after_dot=True)),
+        "w4a8_fused": (
             triton.dyn_quant_matmul,
             jnp.zeros((64, 1024)),
             triton.Config(64, 64, 64, num_warps=4),
         ),
-    ):
+        "w4a8_decode": (triton.dyn_quant_matmul, x32, triton.Config(16, 64, 128)),
+        "w4a8_decode_bytes": (triton.dyn_quant_matmul, x32, triton.Config(16, 64, 128, byte_planes=True)),
+    }
+    ops = {}
+    for name, (fn, x, cfg) in cases.items():
         [k] = kr.capture(lambda x: fn(x, p, config=cfg), x)
         ops[name] = kr.compile_report(k)["ops"]
     assert not ops["w4a16"].get("I2F") and not ops["w4a16"].get("I2FP"), ops["w4a16"]
     assert not ops["w4a16_after"].get("F2FP") and ops["w4a16_after"].get("HADD2"), ops["w4a16_after"]
     assert ops["w4a8_fused"].get("FMUL") and not ops["w4a8_fused"].get("FFMA"), ops["w4a8_fused"]
+    total = {name: sum(v.values()) for name, v in ops.items()}
+    assert total["w4a8_decode_bytes"] < 0.8 * total["w4a8_decode"], total
+    assert ops["w4a8_decode_bytes"]["IMMA"] > ops["w4a8_decode"]["IMMA"], ops

@@ -13,9 +13,9 @@ Two kernels over the packed ``[N, K/2]`` nibbles (`base.PackedInt4Weight`):
 * **W4A8** (`dyn_quant_matmul`, the dynamic-quant semantics of base.py): the
   activations are quantized to int8 by XLA (`base.quantize_activations`),
   the kernel runs int8 x int8 -> int32 MMAs per group and restores the zero
-  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q`` (at decode with
-  the weights as ``16 q`` bytes and ``sum q`` from an MMA with ones:
-  `_sixteen_planes`). Every int8 dot
+  point exactly, ``sum (qa - zp) q = qa . q - zp * sum q`` (with
+  ``Config.byte_planes``, the weights as ``16 q`` bytes and ``sum q`` from an
+  MMA with ones: `_sixteen_planes`). Every int8 dot
   contracts over >= `MIN_INT8_DOT_K` = 32 k: Triton's NVIDIA backend has no
   narrower int8 MMA (``mma.m16n8k32``, ``wgmma ... k32``), and a 16-k int8
   operand (a 32-k group's nibble plane) is fed to the k32 instruction with its
@@ -104,9 +104,9 @@ _TWO_23 = 0x4B000000  # the bits of the float32 2**23, whose ulp is 1
 def _float_planes(w):
     """uint8 tile -> (low, high) nibble planes as float32 ``u - 8``, exact, with no int-to-float
     conversion: a nibble ``u`` or-ed into the mantissa of 2**23 is the float ``2**23 + u``, and
-    subtracting ``2**23 + 8`` leaves ``u - 8`` exactly. A conversion instruction issues at a quarter
-    of an add's rate on NVIDIA GPUs (16 per clock and SM on sm80 / sm90); decode dequantizes every
-    weight of the matrix per call."""
+    subtracting ``2**23 + 8`` leaves ``u - 8`` exactly. Conversions run at an eighth of float32 adds'
+    rate on sm90 (16 against 128 per clock and SM), and decode dequantizes every weight of the matrix
+    per call."""
     w = w.astype(jnp.int32)
     lo = lax.bitcast_convert_type((w & 0x0F) | _TWO_23, jnp.float32)
     hi = lax.bitcast_convert_type((w >> 4) | _TWO_23, jnp.float32)
@@ -153,6 +153,7 @@ def _w4a8_kernel(
     groups_per_prog,
     fused,
     swap_ab,
+    byte_planes,
 ):
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rmask = pid_m * block_m + jnp.arange(block_m) < M
@@ -167,13 +168,10 @@ def _w4a8_kernel(
     per_col = (lambda v: v[:, None]) if swap_ab else (lambda v: v[None, :])  # a [block_n] vector
     omask = rmask[:, None] & cmask[None, :]
 
-    # Decode (the group sums kernel): the weights enter the MMAs as 16 (u - 8) (`_sixteen_planes`) where
-    # a group's sums stay within int32 (|16 (u - 8) qa| <= 2**14 per product); the dots are then 16 times
-    # the sums, and the weights' sums per column (for the zero point) come from an int8 MMA of the
-    # planes with a tile of ones. In the sm90 SASS (`benchmarks/kernel_resources.py`) this takes a
-    # decode step from 518 to 287 instructions. Prefill keeps the int32 planes: there its time goes to
-    # the per-group float tail, and the 16-fold planes added instructions (852 to 932 per group).
-    sixteen = not fused and groupsize * 2**14 < 2**31
+    # `Config.byte_planes`: the weights enter the MMAs as 16 (u - 8) (`_sixteen_planes`; a group's sums
+    # stay within int32 for groupsize < 2**17: |16 (u - 8) qa| <= 2**14 per product); the dots are then
+    # 16 times the sums, and the weights' sums per column (for the zero point) come from an int8 MMA of
+    # the planes with a tile of ones.
     ones_rows = 16  # the narrowest MMA side
 
     def idots(a, plane):  # a [block_m, bkh] int8 . plane [block_n, bkh]^T, in the tile's orientation
@@ -235,7 +233,7 @@ def _w4a8_kernel(
             idot += idots(ao, hi)
             return idot, qsum + jnp.sum(both, axis=1)
 
-        if sixteen:
+        if byte_planes:
             idot, qs = lax.fori_loop(
                 0, steps, step16, (jnp.zeros(tile, jnp.int32), jnp.zeros(sums_tile, jnp.int32))
             )
@@ -250,11 +248,11 @@ def _w4a8_kernel(
             plgpu.store(out_ref.at[j], isum.T if swap_ab else isum, mask=omask)
             return acc
         s = _load(st_ref.at[g], cmask, 0.0)
-        # The guard against FMA contraction: a compare per column, an `or` per element. ``qsum`` (a
-        # loop-carried sum, |qsum| <= 8 * groupsize: never INT32_MIN, so no product changes) is a value
-        # the compiler cannot bound; a guard it can bound is folded away and the multiply-add contracted
-        # (seen in the sm90 SASS, `tests/test_kernel_resources.py`).
-        return acc + base.rounded_mul(isum.astype(jnp.float32), per_col(s), per_col(qsum))
+        # The guard against FMA contraction is the group sum itself, as in `base.accumulate_groups`
+        # (bit for bit with it: where a zero point is INT32_MIN, a sum can be INT32_MIN and the guard
+        # fires there too). A guard the compiler can bound is folded away and the multiply-add
+        # contracted (seen in the sm90 SASS and on XLA's CPU backend).
+        return acc + base.rounded_mul(isum.astype(jnp.float32), per_col(s), isum)
 
     acc = lax.fori_loop(0, groups_per_prog, group, jnp.zeros(tile, jnp.float32))
     if fused:
@@ -401,6 +399,10 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
             f"config.block_k={cfg.block_k} must be >= {2 * MIN_INT8_DOT_K} for W4A8: each nibble plane "
             f"is an int8 dot over block_k / 2 k, and Triton needs >= {MIN_INT8_DOT_K}"
         )
+    if cfg.byte_planes and g * 2**14 >= 2**31:
+        raise ValueError(
+            f"config.byte_planes keeps a group's 16-fold int8 sums in int32: groupsize must be < 2**17, got {g}"
+        )
     split = 1 if fused else cfg.split_k
     if G % split:
         raise ValueError(f"config.split_k={split} must divide the number of groups {G}")
@@ -431,6 +433,7 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
         groups_per_prog=gpp,
         fused=fused,
         swap_ab=cfg.swap_ab,
+        byte_planes=cfg.byte_planes,
     )
     return pl.pallas_call(
         kernel,
@@ -533,6 +536,8 @@ def weight_only_matmul(
     M, K = x2.shape
     N, g = packed.out_features, packed.groupsize
     cfg = config or Config.heuristics(base.Int4Call.of("weight_only", x, packed))
+    if cfg.byte_planes:
+        raise ValueError("config.byte_planes is a W4A8 option: the W4A16 kernel dequantizes to floats")
     if g % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide groupsize={g}")
     steps = K // cfg.block_k

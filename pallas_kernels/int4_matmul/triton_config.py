@@ -58,11 +58,22 @@ class Config:
         dequantized weight tile is the MMA's A operand and the activations
         its B operand. On sm90 a warpgroup MMA takes A from registers and B
         only from shared memory, so the weights, dequantized in registers,
-        go straight into the MMA instead of through shared memory and a
-        barrier; the weight tile's ``block_n`` rows fill the MMA's 64-row
-        side and the activation rows its narrow side (8 to 256), so a few
-        rows no longer pad an MMA to 64. Off in the heuristics until
+        feed the MMA from there instead of being stored to shared memory
+        after their dequantization (their packed bytes still pass through
+        shared memory once, for their layout; more registers: 230 against
+        182 at 128 x 128 x 64, 8 warps); the weight tile's ``block_n`` rows
+        fill the MMA's 64-row side and the activation rows its narrow side
+        (8 to 256), so a few rows no longer pad an MMA to 64. Off in the heuristics until
         measured on a GPU; in the search space with ``options=True``.
+      byte_planes: W4A8 only. The weights enter the int8 MMAs as the bytes
+        ``16 (u - 8)``, made by logic ops on the packed bytes (no widening,
+        subtracting and narrowing of each nibble), and the weight sums the
+        zero point needs come from an int8 MMA with a tile of ones instead
+        of a sum over every weight; exact for groupsizes below 2**17. In the
+        sm90 SASS a decode step takes 287 instructions instead of 518 (the
+        fused prefill kernel more: 1056 against 916 per group). Off in the
+        heuristics until run on a GPU; in the search space with
+        ``options=True``.
     """
 
     block_m: int = 16
@@ -74,6 +85,7 @@ class Config:
     scale_after_dot: bool = False
     mma: bool = True
     swap_ab: bool = False
+    byte_planes: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -87,7 +99,7 @@ class Config:
             )
         if self.split_k < 1:
             raise ValueError(f"Config.split_k must be >= 1, got split_k={self.split_k}")
-        for name in ("scale_after_dot", "mma", "swap_ab"):
+        for name in ("scale_after_dot", "mma", "swap_ab", "byte_planes"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if not self.mma and self.block_m > DECODE_M:
@@ -114,9 +126,10 @@ class Config:
         32 / 64 / 128 features with split-K 1 / 2 / 4 / 8 / 16, prefill 32 / 64 / 128 rows x 64 / 128
         features; ``block_k`` every power of two from the kernel's minimum up to 256 (decode) / 128
         (prefill) that fits the group; 4 / 8 warps, 2 / 3 stages. ``options=True`` adds the options
-        not yet measured (``swap_ab``; for W4A16 also ``scale_after_dot``, and at decode ``mma=False``:
-        two times the W4A8 configs, eight times (decode) or four times (prefill) the W4A16 ones;
-        ``benchmarks/tune_gpu.py`` walks them), which the autotuner leaves out."""
+        not yet measured (``swap_ab``; for W4A8 also ``byte_planes``, for W4A16 ``scale_after_dot``
+        and at decode ``mma=False``: four times the W4A8 configs, six times (decode) or four times
+        (prefill) the W4A16 ones; ``benchmarks/tune_gpu.py`` walks them), which the autotuner leaves
+        out."""
         p, mode = call.packed, _mode(call)
         M, K, g = call.rows, p.in_features, p.groupsize
         decode = M <= DECODE_M
@@ -134,14 +147,22 @@ class Config:
                             continue
                         for warps in (4, 8):
                             for stages in (2, 3):
-                                w4a16 = options and mode == "w4a16"
-                                for after in (False, True) if w4a16 else (False,):
-                                    for mma in (True, False) if w4a16 and decode else (True,):
-                                        for swap in (False, True) if options and mma else (False,):
-                                            out.append(
-                                                cls(bm, bn, bk, split, warps, stages, after, mma, swap)
-                                            )
+                                out += [
+                                    cls(bm, bn, bk, split, warps, stages, *opts)
+                                    for opts in _options(mode, decode, options)
+                                ]
         return out
+
+
+def _options(mode: str, decode: bool, options: bool) -> list:
+    """(scale_after_dot, mma, swap_ab, byte_planes) of the search space: the measured kernel alone, or with
+    ``options`` every combination its mode accepts."""
+    if not options:
+        return [(False, True, False, False)]
+    if mode == "w4a8":
+        return [(False, True, swap, planes) for swap in (False, True) for planes in (False, True)]
+    out = [(after, True, swap, False) for after in (False, True) for swap in (False, True)]
+    return out + ([(after, False, False, False) for after in (False, True)] if decode else [])
 
 
 def _pow2_divisor(groupsize: int, cap: int) -> int:

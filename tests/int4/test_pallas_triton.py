@@ -170,19 +170,22 @@ def test_w4a16_search_space_options_near_float64(M, K, N, g, bias, mma):
 @pytest.mark.parametrize(
     "M,K,N,g", [(1, 256, 40, 32), (3, 512, 24, 128), (20, 256, 17, 64), (70, 1152, 50, 96)]
 )
-def test_swap_ab_computes_the_same_product(M, K, N, g):
-    """``swap_ab`` (the transposed MMA, weights as its A operand): W4A8 bit-exact with torch's numerics
-    (decode's group sums and prefill's fused tail, masked windows included), W4A16 as near float64 as
-    the untransposed kernel (float32 within 3e-7, bf16 within 1.05x of its error), with split-K, ragged
-    rows and columns and a bias."""
+def test_swap_ab_and_byte_planes_compute_the_same_product(M, K, N, g):
+    """``swap_ab`` (the transposed MMA, weights as its A operand) and W4A8's ``byte_planes`` (16-fold
+    int8 weights, their sums from an MMA with ones): W4A8 bit-exact with torch's numerics (decode's group
+    sums and prefill's fused tail, masked windows included), W4A16 as near float64 as the untransposed
+    kernel (float32 within 3e-7, bf16 within 1.05x of its error), with split-K, ragged rows and columns
+    and a bias."""
     x, p = make_case(M, K, N, g, True)
     decode = M <= triton.DECODE_M
     bm = 16 if decode else 32
+    want8 = np.asarray(reference(x, p))
     for bk in (64, 128):
         split = 2 if decode and (K // g) % 2 == 0 else 1
-        cfg = triton.Config(bm, 16, bk, split, swap_ab=True)
-        got = triton.dyn_quant_matmul(x, p, config=cfg, interpret=True)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(reference(x, p)), err_msg=f"block_k={bk}")
+        for swap, planes in ((True, False), (False, True), (True, True)):
+            cfg = triton.Config(bm, 16, bk, split, swap_ab=swap, byte_planes=planes)
+            got = triton.dyn_quant_matmul(x, p, config=cfg, interpret=True)
+            np.testing.assert_array_equal(np.asarray(got), want8, err_msg=f"{cfg}")
     want = _f64_reference(x, p)
     for after in (False, True):
         split = 2 if decode and (K // 32) % 2 == 0 else 1
@@ -217,7 +220,7 @@ def test_swap_ab_transposes_every_kernel_dot():
                     assert lhs_rows == (64 if swap else cfg.block_m), (fn.__name__, M, swap, e)
 
 
-def test_w4a16_options_are_checked_and_w4a16_only():
+def test_int4_options_are_checked_and_kept_to_their_kernel():
     with pytest.raises(TypeError, match="scale_after_dot must be a bool"):
         triton.Config(scale_after_dot=1)
     with pytest.raises(TypeError, match="mma must be a bool"):
@@ -234,18 +237,26 @@ def test_w4a16_options_are_checked_and_w4a16_only():
         assert {(c.scale_after_dot, c.mma) for c in spaces["dyn_quant"]} == {(False, True)}
         assert {c.swap_ab for s in spaces.values() for c in s} == {False, True}
         assert not any(c.swap_ab and not c.mma for c in spaces["weight_only"])
+        assert {c.byte_planes for c in spaces["dyn_quant"]} == {False, True}
+        assert not any(c.byte_planes for c in spaces["weight_only"])
         # the autotuner's space leaves the unmeasured options out
         plain = {op: triton.Config.search_space(c) for op, c in calls.items()}
         assert {(c.scale_after_dot, c.mma, c.swap_ab) for c in plain["weight_only"]} == {(False, True, False)}
         assert len(spaces["weight_only"]) == len(plain["weight_only"]) * (6 if M <= triton.DECODE_M else 4)
-        assert len(spaces["dyn_quant"]) == len(plain["dyn_quant"]) * 2
+        assert len(spaces["dyn_quant"]) == len(plain["dyn_quant"]) * 4
         for op, call in calls.items():  # the measured kernels, until a GPU says otherwise
             default = triton.Config.heuristics(call)
             assert not default.scale_after_dot and default.mma and not default.swap_ab
+            assert not default.byte_planes
     with pytest.raises(ValueError, match="block_m must be <= 16"):
         triton.Config(block_m=32, mma=False)
     with pytest.raises(TypeError, match="swap_ab must be a bool"):
         triton.Config(swap_ab=0)
+    with pytest.raises(TypeError, match="byte_planes must be a bool"):
+        triton.Config(byte_planes=1)
+    x, p = make_case(2, 128, 16, 64, False)
+    with pytest.raises(ValueError, match="byte_planes is a W4A8 option"):
+        triton.weight_only_matmul(x, p, config=triton.Config(block_k=64, byte_planes=True), interpret=True)
     with pytest.raises(ValueError, match="swap_ab transposes the MMA"):
         triton.Config(swap_ab=True, mma=False)
 
@@ -306,15 +317,24 @@ def test_gpu_w4a8_compiled_equals_xla(K, N, g):
         assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.05, (M, K, N, g)
 
 
+_W4A8_VARIANTS = {
+    "swap_ab": dict(swap_ab=True),
+    "byte_planes": dict(byte_planes=True),
+    "both": dict(swap_ab=True, byte_planes=True),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,N,g", _GPU_SHAPES[:3] + _GPU_SHAPES[-1:], ids=lambda v: str(v))
-def test_gpu_w4a8_swap_ab_compiled_equals_xla(K, N, g):
-    """The search space's ``swap_ab`` (weights as the int8 MMA's A operand, from registers) compiled:
-    bit-equal to the XLA engine at decode (group sums) and prefill (the fused tail)."""
+@pytest.mark.parametrize("variant", list(_W4A8_VARIANTS))
+def test_gpu_w4a8_options_compiled_equal_xla(K, N, g, variant):
+    """The search space's W4A8 options compiled (``swap_ab``: weights as the int8 MMA's A operand, from
+    registers; ``byte_planes``: 16-fold int8 weights, their sums from an MMA with ones): bit-equal to
+    the XLA engine at decode (group sums) and prefill (the fused tail)."""
 
     def kernel(x, p):
         cfg = triton.Config.heuristics(base.Int4Call.of("dyn_quant", x, p))
-        return triton.dyn_quant_matmul(x, p, config=dataclasses.replace(cfg, swap_ab=True))
+        return triton.dyn_quant_matmul(x, p, config=dataclasses.replace(cfg, **_W4A8_VARIANTS[variant]))
 
     pallas_fn = jax.jit(kernel)
     xla_fn = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation="xla"))
