@@ -63,7 +63,8 @@ class Config:
         shared memory once, for their layout; more registers: 230 against
         182 at 128 x 128 x 64, 8 warps); the weight tile's ``block_n`` rows
         fill the MMA's 64-row side and the activation rows its narrow side
-        (8 to 256), so a few rows no longer pad an MMA to 64. Off in the heuristics until
+        (8 to 256): at decode the 16-row ``mma.sync`` becomes a 64 x 16
+        warpgroup MMA. Off in the heuristics until
         measured on a GPU; in the search space with ``options=True``.
       byte_planes: W4A8 only. The weights enter the int8 MMAs as the bytes
         ``16 (u - 8)``, made by logic ops on the packed bytes (no widening,
@@ -149,18 +150,19 @@ class Config:
                             for stages in (2, 3):
                                 out += [
                                     cls(bm, bn, bk, split, warps, stages, *opts)
-                                    for opts in _options(mode, decode, options)
+                                    for opts in _options(mode, decode, options, g)
                                 ]
         return out
 
 
-def _options(mode: str, decode: bool, options: bool) -> list:
+def _options(mode: str, decode: bool, options: bool, groupsize: int) -> list:
     """(scale_after_dot, mma, swap_ab, byte_planes) of the search space: the measured kernel alone, or with
-    ``options`` every combination its mode accepts."""
+    ``options`` every combination its mode accepts (``byte_planes`` for groupsizes below 2**17)."""
     if not options:
         return [(False, True, False, False)]
     if mode == "w4a8":
-        return [(False, True, swap, planes) for swap in (False, True) for planes in (False, True)]
+        planes = (False, True) if groupsize < 2**17 else (False,)
+        return [(False, True, swap, bp) for swap in (False, True) for bp in planes]
     out = [(after, True, swap, False) for after in (False, True) for swap in (False, True)]
     return out + ([(after, False, False, False) for after in (False, True)] if decode else [])
 

@@ -248,6 +248,11 @@ def test_int4_options_are_checked_and_kept_to_their_kernel():
             default = triton.Config.heuristics(call)
             assert not default.scale_after_dot and default.mma and not default.swap_ab
             assert not default.byte_planes
+    # byte_planes keeps a group's 16-fold sums in int32: not offered for groupsizes of 2**17 and more
+    big = base.Int4Call.of(
+        "dyn_quant", jax.ShapeDtypeStruct((2, 2**17), jnp.float32), _abstract_packed(2**17, 16, 2**17)
+    )
+    assert not any(c.byte_planes for c in triton.Config.search_space(big, options=True))
     with pytest.raises(ValueError, match="block_m must be <= 16"):
         triton.Config(block_m=32, mma=False)
     with pytest.raises(TypeError, match="swap_ab must be a bool"):
@@ -347,6 +352,7 @@ def test_gpu_w4a8_options_compiled_equal_xla(K, N, g, variant):
 _VARIANTS = {"default": {}, "scale_after_dot": dict(scale_after_dot=True), "no_mma": dict(mma=False)}
 _VARIANTS["no_mma_scale_after_dot"] = dict(scale_after_dot=True, mma=False)
 _VARIANTS["swap_ab"] = dict(swap_ab=True)
+_VARIANTS["scale_after_dot_swap_ab"] = dict(scale_after_dot=True, swap_ab=True)
 
 
 @pytest.mark.gpu
