@@ -13,7 +13,11 @@ FlashAttention-3 (Shah et al., 2024, https://arxiv.org/abs/2407.08608) in Pallas
 shared memory; the online softmax runs in registers (base 2, the softmax scale folded into
 ``log2(e)``); ``P V`` takes ``P`` from registers. A shared "schedule" barrier makes the two compute
 warpgroups alternate (section 3.1 of the paper, ping-pong), so one's softmax runs while the other's
-matrix multiplies occupy the tensor cores.
+matrix multiplies occupy the tensor cores. ``Config(overlap=True)`` adds the paper's intra-warpgroup
+overlap (section 3.2), not yet timed on a GPU and so off by default: a step issues block ``j``'s
+``Q K^T`` and block ``j - 1``'s ``P V`` together, waits for the first only, and runs block ``j``'s
+softmax while ``P V`` multiplies; the memory warpgroup then refills a slot's keys once they are
+released and its values a step later.
 
 **Backward** (head dims 64 and 128; at 256 the Triton flash backward runs), FlashAttention-2's
 split: ``delta = rowsum(dO * O) - dLSE`` in XLA, then
@@ -157,17 +161,26 @@ class Config:
       block_q: query rows per compute warpgroup (a program holds two: ``2 * block_q`` rows); 64.
       block_kv: keys per pipeline step, a multiple of 64.
       stages: key / value blocks in flight (shared-memory ring slots), at least 2.
+      overlap: FlashAttention-3's intra-warpgroup overlap (section 3.2 of the paper): each step
+        issues the next block's ``Q K^T`` together with the previous block's ``P V``, and the softmax
+        of the next block runs while the tensor cores multiply, at the cost of a second ``[64,
+        block_kv]`` float32 tile of registers. Off by default until a GPU has timed it (it is in
+        :meth:`search_space`). Calls with segment ids or a boolean mask (whose blocks may be skipped)
+        run the plain loop either way; needs ``plgpu.wgmma_accumulator_load`` (jax >= 0.11).
     """
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Config.{name} must be an int; got {type(value).__name__}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"Config.overlap must be a bool; got {type(self.overlap).__name__}")
         if self.block_q != 64:
             raise ValueError(f"Config.block_q must be 64 (one WGMMA row tile); got {self.block_q}")
         if self.block_kv <= 0 or self.block_kv % 64 or self.block_kv > 256:
@@ -206,9 +219,25 @@ class Config:
     @staticmethod
     def search_space(args: base.AttentionArgs) -> list:
         """The configs a tuning sweep tries for ``args`` (``benchmarks/tune_gpu.py``): 64-256 keys per
-        step, 2-4 ring slots, those that fit an sm90 block's shared memory."""
+        step, 2-4 ring slots, those that fit an sm90 block's shared memory; with ``overlap`` too at 64
+        and 128 keys per step where it applies (no segment ids or boolean mask, and this JAX has it)."""
         space = [Config(block_kv=b, stages=n) for b in (64, 128, 192, 256) for n in (2, 3, 4)]
+        if _overlap_applies(args):  # wider blocks would hold two [64, block_kv] float32 tiles
+            space += [Config(block_kv=b, stages=n, overlap=True) for b in (64, 128) for n in (2, 3, 4)]
         return [c for c in space if _fits(c, args)]
+
+
+def overlap_available() -> bool:
+    """Whether this JAX's Mosaic GPU API has what ``Config.overlap`` needs: an accumulator read that
+    waits for all but the newest WGMMA (``plgpu.wgmma_accumulator_load``)."""
+    return available() is None and hasattr(_plgpu(), "wgmma_accumulator_load")
+
+
+def _overlap_applies(args: base.AttentionArgs) -> bool:
+    """Whether ``Config.overlap`` changes the forward of ``args``: not with segment ids or a boolean
+    mask (their blocks may be skipped), and only where this JAX has it."""
+    masked = args.q_segment_ids is not None or args.mask is not None
+    return overlap_available() and not masked
 
 
 def _smem_total(buffers) -> int:
@@ -298,14 +327,16 @@ def _exponent_scale(s: _Shape) -> float:
     return 1.0 if s.softcap is not None or s.bias is not None else s.scale * _LOG2E
 
 
-def _fill_ring(ring_steps, stages: int, load, wait_free):
+def _fill_ring(ring_steps, stages: int, load, wait_free, wait_tail=None, reload=None):
     """The memory warpgroup's loop, shared by the kernels: ring steps ``0 .. stages - 1`` (those below
     ``ring_steps``) at once, then step ``j + stages`` into slot ``j % stages`` once both compute
     warpgroups have released it (``wait_free(slot)``), up to ``ring_steps``. ``load(j, slot)`` issues
     step ``j``'s TMA copies onto the slot's "loaded" barriers. Then it waits for the release of the
     last ``stages`` blocks, so that it has seen every phase of the "consumed" barriers before they go:
     free on the hardware (the compute warpgroups release a block before their epilogue), and what
-    jax 0.11's GPU interpreter checks when a barrier is deallocated."""
+    jax 0.11's GPU interpreter checks when a barrier is deallocated. Where ``wait_free`` waits for
+    only part of a slot's release (the keys') and ``reload(j, slot)``, which refills a slot in place
+    of ``load``, for the rest, ``wait_tail`` waits for the whole release of the last blocks."""
     plgpu = _plgpu()
     plgpu.set_max_registers(40, action="decrease")
     for i in range(stages):
@@ -316,11 +347,11 @@ def _fill_ring(ring_steps, stages: int, load, wait_free):
     def _(j):
         slot = lax.rem(j, jnp.int32(stages))
         wait_free(slot)
-        load(j + stages, slot)
+        (reload or load)(j + stages, slot)
 
     @pl.loop(refill, ring_steps)
     def _(j):
-        wait_free(lax.rem(j, jnp.int32(stages)))
+        (wait_tail or wait_free)(lax.rem(j, jnp.int32(stages)))
 
 
 def _wait_all(barriers, slot):
@@ -726,15 +757,163 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
 
                 return carry
 
-            acc, m_i, l_i = _block_loops(
-                step,
-                blocks,
-                (acc, m_i, l_i),
-                s,
-                lead=s.window is not None,
-                visible=x.visible_fn(bi, head, tile * 2 + wg),
-                skip=skip,
-            )
+            def logits(j, qk, masked):
+                """Block ``j``'s base-2 logits from its ``Q K^T`` (read after the keys' release):
+                the soft cap, the bias and, where ``masked``, -inf where a pair is not visible."""
+                slot = slot_of(j)
+                bias = None
+                if s.bias is not None:
+                    plgpu.barrier_wait(bias_loaded.at[slot])
+                    bias = bias_smem[slot, pl.ds(wg * bq, bq)]
+                qk, _ = _logits2(qk, s, bias)
+                if masked:
+                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, None, q_len, kv_len)
+                    qk = jnp.where(keep, qk, -jnp.inf)
+                return qk
+
+            def softmax(j, qk, m_i, l_i, masked):
+                """The online softmax of block ``j``'s logits: ``(P in the inputs' dtype, the new
+                row max, the new row sum, the factor that rescales the accumulator)``."""
+                m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
+                m_use = m_new
+                if masked or s.bias is not None:  # a row without a key so far: p = alpha = 0
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                if row_hash is not None:
+                    p = jnp.where(_dropout_keep(s, row_hash, 0, j * bk, (bq, bk)), p, 0.0)
+                return p.astype(dtype), m_new, l_i, alpha
+
+            def next_turn(j):
+                """The second schedule turn of block ``j``'s step: while the other warpgroup
+                multiplies, wait for this block's values and the next block's keys."""
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(v_loaded.at[slot_of(j)])
+
+                @pl.when(j + 1 < blocks.stop)
+                def _():
+                    plgpu.barrier_wait(k_loaded.at[slot_of(j + 1)])
+
+                plgpu.barrier_wait(schedule)
+
+            def pv_staged(acc, p_lo, slot):
+                """``acc + P V`` as the GPU interpreter runs it (``P`` through shared memory)."""
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p_lo
+                plgpu.commit_smem()
+
+                def pv_product(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                return acc + pl.run_scoped(pv_product, plgpu.ACC((bq, D), jnp.float32))
+
+            def first_block(carry):
+                # The pipeline's head: block `start`'s Q K^T and softmax (P waits for the next step).
+                acc, m_i, l_i, _ = carry
+                j = blocks.start
+                slot = slot_of(j)
+
+                def qk_product(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_turn()
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                p_lo, m_new, l_i, _ = softmax(j, logits(j, qk, True), m_i, l_i, True)  # acc is 0
+                l_i, m_new, p_lo = lax.optimization_barrier((l_i, m_new, p_lo))
+                next_turn(j)
+                return acc, m_new, l_i, p_lo
+
+            def overlapped_step(j, carry, masked: bool):
+                # Block j's Q K^T and block j - 1's P V issued together; block j's softmax runs while
+                # they multiply (the first wait leaves the P V in flight), then P V is awaited and
+                # the accumulator rescaled.
+                acc, m_i, l_i, p_prev = carry
+                slot, prev = slot_of(j), slot_of(j - 1)
+                k_t = k_smem.at[slot].transpose((1, 0))
+                if interpret:  # the same order of steps, each product awaited (see pv_staged)
+
+                    def qk_product(acc_ref):
+                        plgpu.wgmma(acc_ref, qo_smem, k_t)
+                        schedule_turn()
+                        return acc_ref[...]
+
+                    qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+                    acc = pv_staged(acc, p_prev, prev)
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    p_lo, m_new, l_new, alpha = softmax(j, logits(j, qk, masked), m_i, l_i, masked)
+                else:
+
+                    def products(refs):
+                        acc_ref, qk_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+                        plgpu.wgmma(qk_ref, qo_smem, k_t)
+                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+                        schedule_turn()
+                        qk = plgpu.wgmma_accumulator_load(qk_ref, wait_n=1)  # P V still in flight
+                        plgpu.barrier_arrive(k_consumed.at[slot])
+                        outs = softmax(j, logits(j, qk, masked), m_i, l_i, masked)
+                        for ref, value in zip((p_ref, m_ref, l_ref, alpha_ref), outs):
+                            ref[...] = value
+
+                    zeros = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
+                    state = (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), p_prev, m_i, l_i, m_i)
+                    acc, _, p_lo, m_new, l_new, alpha = pl.run_state(products)(state)  # waits for P V
+                plgpu.barrier_arrive(v_consumed.at[prev])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc, l_new, m_new, p_lo = lax.optimization_barrier((acc, l_new, m_new, p_lo))
+                next_turn(j)
+                return acc, m_new, l_new, p_lo
+
+            def last_block(carry):
+                # The pipeline's tail: the last block's P V.
+                acc, _, _, p_lo = carry
+                slot = slot_of(blocks.stop - 1)
+                if interpret:
+                    acc = pv_staged(acc, p_lo, slot)
+                else:
+
+                    def pv_accumulate(acc_ref):
+                        plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
+
+                    acc = pl.run_state(pv_accumulate)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc
+
+            if cfg.overlap and not s.every_block_masked:
+                p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+                carry = (acc, m_i, l_i, p0)
+                static = all(isinstance(b, int) for b in blocks)
+                if static:  # a fixed range of at least one block (no causal mask, window or lengths)
+                    carry = first_block(carry)
+                else:
+                    carry = lax.cond(blocks.stop > blocks.start, first_block, lambda c: c, carry)
+                lo = blocks.start + 1
+                if static:
+                    fl = max(blocks.free_lo, lo)
+                    rest = _Blocks(lo, fl, max(blocks.free_hi, fl), blocks.stop)
+                else:  # every bound equal (ring_lo) when the blocks are empty: the loops run none
+                    fl = jnp.maximum(blocks.free_lo, lo)
+                    fh = jnp.maximum(blocks.free_hi, fl)
+                    rest = _Blocks(lo, fl, fh, jnp.maximum(blocks.stop, fh))
+                carry = _block_loops(overlapped_step, rest, carry, s, lead=s.window is not None)
+                m_i, l_i = carry[1], carry[2]
+                if static:
+                    acc = last_block(carry)
+                else:
+                    acc = lax.cond(blocks.stop > blocks.start, last_block, lambda c: c[0], carry)
+            else:
+                acc, m_i, l_i = _block_loops(
+                    step,
+                    blocks,
+                    (acc, m_i, l_i),
+                    s,
+                    lead=s.window is not None,
+                    visible=x.visible_fn(bi, head, tile * 2 + wg),
+                    skip=skip,
+                )
             if s.banded:  # blocks after this warpgroup's band: the other's
                 lax.fori_loop(blocks.stop, ring_hi, release, None)
             pl.when(wg == 0)(schedule_turn)
@@ -754,9 +933,11 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
         def _memory():
             kv_head = lax.div(head, jnp.int32(G))
 
-            def load(j, slot):
+            def load(j, slot, wait_values=None):
                 rows = (bi, pl.ds(j * bk, bk), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+                if wait_values is not None:
+                    wait_values()
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
                 if s.segments:  # read after the keys are released: guarded by the values' barrier
                     plgpu.copy_gmem_to_smem(
@@ -773,7 +954,24 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
-            _fill_ring(ring_hi - ring_lo, stages, lambda r, slot: load(ring_lo + r, slot), wait_free)
+            if cfg.overlap and not s.every_block_masked:
+                # The values of a block are released a step after its keys (its P V runs with the
+                # next block's Q K^T): a slot's next keys are loaded once its keys are released, its
+                # values (and the tiles they guard) once they are.
+                def reload(r, slot):
+                    wait_values = functools.partial(plgpu.barrier_wait, v_consumed.at[slot])
+                    load(ring_lo + r, slot, wait_values=wait_values)
+
+                _fill_ring(
+                    ring_hi - ring_lo,
+                    stages,
+                    lambda r, slot: load(ring_lo + r, slot),
+                    lambda slot: plgpu.barrier_wait(k_consumed.at[slot]),
+                    wait_tail=wait_free,
+                    reload=reload,
+                )
+            else:
+                _fill_ring(ring_hi - ring_lo, stages, lambda r, slot: load(ring_lo + r, slot), wait_free)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         x = _ExtraRefs.of(refs[:-2], s)
@@ -1816,6 +2014,11 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
         raise TypeError(f"`config` must be a mosaic_flash.Config or None; got {type(config).__name__}")
     cfg = config or Config.heuristics(args.head_dim, bias=args.bias is not None)
     _check_smem(cfg, args)
+    if cfg.overlap and not overlap_available():
+        raise ValueError(
+            "Config.overlap needs jax.experimental.pallas.mosaic_gpu.wgmma_accumulator_load, which this "
+            f"JAX ({jax.__version__}) lacks; use Config(overlap=False) or a newer JAX"
+        )
     s = _shape(args, cfg)
     T, S = args.q_len, args.kv_len
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -467,6 +468,120 @@ def test_other_tile_configs_match_the_reference(case, seed, config, bwd_config):
         impl = staticmethod(run)
 
     Check().check(make_case(case, seed=seed))
+
+
+_OVERLAP = mosaic_flash.Config(overlap=True)
+
+
+@needs_interpret
+@pytest.mark.parametrize(
+    "case, config, change",
+    [
+        # one block: the pipeline's head and tail, no step between (a fixed range)
+        (Case("bfloat16", "none", 128, 100, 64, 1, K=1, B=1), _OVERLAP, None),
+        # causal over a ring of two reused across five blocks (traced ranges, masked last blocks)
+        (Case("float16", "top_left", 384, 640, 128, 1, K=1, B=1), _OVERLAP, None),
+        # ragged lengths, 64-key steps over a ring of three, GQA
+        (
+            Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="lengths"),
+            mosaic_flash.Config(block_kv=64, stages=3, overlap=True),
+            None,
+        ),
+        # a query length of 0 and a key length of 0: tiles with no block (neither head nor tail runs)
+        (Case("bfloat16", "top_left", 200, 260, 64, 2, K=1, B=3), _OVERLAP, "empty_batches"),
+        # a local window (a masked block before the band's mask-free ones)
+        (Case("bfloat16", "none", 640, 640, 64, 1, K=1, B=1), _OVERLAP, "window"),
+        # rows with no key (bottom-right, T > S), soft cap and head dim 256 (64-key steps)
+        (
+            Case("float16", "lower_right", 200, 130, 256, 1, K=1, B=1, extra="softcap"),
+            mosaic_flash.Config(block_kv=64, overlap=True),
+            None,
+        ),
+        # an additive bias with dropout and lengths (64-key steps: shared memory)
+        (
+            Case(
+                "bfloat16",
+                "top_left",
+                300,
+                300,
+                64,
+                2,
+                K=1,
+                B=2,
+                mask="additive",
+                dropout=0.25,
+                extra="lengths",
+            ),
+            mosaic_flash.Config(block_kv=64, overlap=True),
+            None,
+        ),
+    ],
+    ids=["one_block", "causal_ring", "lengths", "empty_batches", "window", "softcap_h256", "bias_dropout"],
+)
+def test_overlapped_forward_matches_the_reference(case, config, change):
+    """``Config(overlap=True)`` (the next block's ``Q K^T`` issued with the previous block's ``P V``):
+    the forward against the float32 reference, as the GPU interpreter runs its order of steps and its
+    barriers (the compiled program, whose softmax runs while ``P V`` is in flight, is in the GPU lane)."""
+    args = make_case(case, seed=case.T + case.S)
+    if change == "empty_batches":
+        args = args.replace(
+            q_seq_lengths=jnp.asarray([0, 200, 150], jnp.int32),
+            kv_seq_lengths=jnp.asarray([260, 0, 70], jnp.int32),
+        )
+    elif change == "window":
+        args = args.replace(window=(130, 70))
+    run = functools.partial(mosaic_flash.attention, interpret=True, config=config)
+
+    class Check(AttentionTestBase):
+        impl = staticmethod(run)
+
+    Check().check(args, grads=False)
+    if change == "empty_batches":
+        out, lse = jax.jit(run)(args)
+        assert float(jnp.abs(out[:2].astype(jnp.float32)).max()) == 0.0
+        assert bool(jnp.all(jnp.isneginf(lse[:2])))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_overlapped_forward_lowers_for_cuda(causal):
+    """``Config(overlap=True)`` lowers for CUDA (a fixed block range, and a causal one with lengths):
+    its accumulator read leaves one WGMMA group in flight (``wgmma.wait_group ... 1``, legible in the
+    module from jax 0.11.2), which the default kernel never does; where this JAX lacks that read,
+    ``forward`` refuses the config."""
+    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((2, 384, 2, 128), jnp.bfloat16)
+    kw = dict(is_causal=True, q_seq_lengths=jnp.asarray([256, 100], jnp.int32)) if causal else {}
+    args = base.make_args(q, k, k, **kw)
+
+    def forward(config):
+        return lambda q, k, v: mosaic_flash.forward(args.replace(q=q, k=k, v=v), config=config)
+
+    if not mosaic_flash.overlap_available():
+        with pytest.raises(ValueError, match="overlap"):
+            forward(_OVERLAP)(q, k, k)
+        return
+    text = _export(forward(_OVERLAP), ["cuda"], q, k, k).mlir_module()
+    default = _export(forward(None), ["cuda"], q, k, k).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 1 and text != default
+    if jax.__version_info__ >= (0, 11, 2):  # the wait's inline PTX is legible in this JAX's module
+        assert "wait_group.sync.aligned 1" in text and "wait_group.sync.aligned 1" not in default
+
+
+def test_overlap_is_in_the_search_space_where_it_applies():
+    """The sweep tries ``overlap`` with the 64- and 128-key tiles where it changes the kernel (not with
+    segment ids or a boolean mask); ``Config.overlap`` is validated."""
+    args = make_case(Case("bfloat16", "none", 256, 256, 128, 1, K=1, B=1))
+    space = mosaic_flash.Config.search_space(args)
+    if mosaic_flash.overlap_available():
+        plain = {c for c in space if not c.overlap}
+        overlapped = {dataclasses.replace(c, overlap=False) for c in space if c.overlap}
+        assert overlapped == {c for c in plain if c.block_kv <= 128} and len(overlapped) == 4
+    else:
+        assert not any(c.overlap for c in space)
+    masked = make_case(Case("bfloat16", "none", 256, 256, 128, 1, K=1, B=1, extra="segments"))
+    assert not any(c.overlap for c in mosaic_flash.Config.search_space(masked))
+    with pytest.raises(TypeError, match="overlap"):
+        mosaic_flash.Config(overlap=1)
 
 
 def test_public_api_selects_it_by_flag_and_exports_for_cpu_and_cuda():
