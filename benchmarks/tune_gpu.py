@@ -106,8 +106,8 @@ class MosaicForward:
         return mosaic_flash.Config.heuristics(args.head_dim, bias=args.bias is not None)
 
     @staticmethod
-    def search_space(args):
-        return mosaic_flash.Config.search_space(args)
+    def search_space(args, overlap: bool = True):
+        return mosaic_flash.Config.search_space(args, overlap=overlap)
 
 
 class MosaicBackward:
@@ -134,7 +134,7 @@ def mosaic_runner(kernel: str, config) -> object:
     raise ValueError(f"`kernel` must be one of {MOSAIC_CASES}; got {kernel!r}")
 
 
-def _mosaic_cases() -> list:
+def _mosaic_cases(overlap: bool = True) -> list:
     out = []
     no_causal = mosaic_unsupported(causal=True)  # e.g. the ptxas of CUDA 12.8 / 12.9
     if no_causal:
@@ -156,7 +156,11 @@ def _mosaic_cases() -> list:
 
                 what = "fwd" if kernel == "mosaic" else "bwd (alone, on the default fwd's outputs)"
                 label = f"{kernel} {what} H={H} L={L}{' causal' if causal else ''}"
-                out.append(Case(kernel, label, config_cls, build, priority=0 if H >= 128 else 1))
+                options = dict(overlap=overlap) if kernel == "mosaic" else {}
+                case = Case(
+                    kernel, label, config_cls, build, priority=0 if H >= 128 else 1, space_options=options
+                )
+                out.append(case)
     return out
 
 
@@ -320,6 +324,12 @@ def main(argv=None):
         default=170.0,
         help="no candidate starts after this many seconds from the process start",
     )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="leave mosaic_flash.Config(overlap=True) out of the forward's space (e.g. where its GPU-lane "
+        "test did not pass)",
+    )
     p.add_argument("--md", default=None, help="also write the table as markdown to this file")
     p.add_argument(
         "--smoke", action="store_true", help="CPU check of the script: tiny shapes, interpret mode"
@@ -338,7 +348,7 @@ def main(argv=None):
         if why:
             print(f"  skipped the Mosaic GPU cases: {'; '.join(why)}", file=sys.stderr)
         else:
-            cases += _mosaic_cases()
+            cases += _mosaic_cases(overlap=not a.no_overlap)
     if {"flash", "flash_bwd", "decode"} & set(a.cases):
         cases += _attention_cases(a.smoke, interpret)
     if {"int4_w4a16", "int4_w4a8"} & set(a.cases):

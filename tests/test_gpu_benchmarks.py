@@ -4,9 +4,11 @@ GPU session depends on never rot: every row is timed, the table and the PNG are 
 import os
 import shutil
 
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import attention_gpu, gpu_timing, int4_gpu, tune_gpu
+from pallas_kernels.attention import base, mosaic_flash
 
 
 def test_attention_gpu_smoke(tmp_path):
@@ -154,6 +156,22 @@ def test_tune_gpu_smoke(tmp_path):
     assert "| decode S=64 GQA 4/2 |" in md.read_text()
     # the coordinate walk: every config tried is the default or one field from a config tried before
     assert tune_gpu._distance(rows[0]["best"], rows[0]["default"]) <= 2
+
+
+def test_tune_gpu_mosaic_forward_space_without_overlap():
+    """``--no-overlap`` (for a session whose GPU-lane overlap test did not pass): the Mosaic forward
+    cases walk their space without ``Config(overlap=True)``; the backward cases are unchanged."""
+    for overlap in (True, False):
+        cases = tune_gpu._mosaic_cases(overlap=overlap)
+        assert {c.name for c in cases} == {"mosaic", "mosaic_bwd"}
+        for c in cases:
+            args = base.make_args(*(jnp.zeros((1, 256, 2, 128), jnp.bfloat16),) * 3)
+            space = c.config_cls.search_space(args, **c.space_options)
+            assert space and all(
+                isinstance(cfg, (mosaic_flash.Config, mosaic_flash.BwdConfig)) for cfg in space
+            )
+            has_overlap = any(getattr(cfg, "overlap", False) for cfg in space)
+            assert has_overlap == (overlap and c.name == "mosaic" and mosaic_flash.overlap_available())
 
 
 def _interrupt_after(monkeypatch, module, name, calls):

@@ -163,10 +163,11 @@ class Config:
       stages: key / value blocks in flight (shared-memory ring slots), at least 2.
       overlap: FlashAttention-3's intra-warpgroup overlap (section 3.2 of the paper): each step
         issues the next block's ``Q K^T`` together with the previous block's ``P V``, and the softmax
-        of the next block runs while the tensor cores multiply, at the cost of a second ``[64,
-        block_kv]`` float32 tile of registers. Off by default until a GPU has timed it (it is in
-        :meth:`search_space`). Calls with segment ids or a boolean mask (whose blocks may be skipped)
-        run the plain loop either way; needs ``plgpu.wgmma_accumulator_load`` (jax >= 0.11).
+        of the next block runs while the tensor cores multiply, at the cost of holding the previous
+        block's ``P`` (``[64, block_kv]`` in the inputs' dtype) in registers through the softmax.
+        Off by default until a GPU has timed it (it is in :meth:`search_space`). Calls with segment
+        ids or a boolean mask (whose blocks may be skipped) run the plain loop either way; needs
+        ``plgpu.wgmma_accumulator_load`` (every supported JAX has it).
     """
 
     block_q: int = 64
@@ -217,12 +218,14 @@ class Config:
         return Config(block_kv=128 if head_dim <= 128 and not bias else 64)
 
     @staticmethod
-    def search_space(args: base.AttentionArgs) -> list:
+    def search_space(args: base.AttentionArgs, overlap: bool = True) -> list:
         """The configs a tuning sweep tries for ``args`` (``benchmarks/tune_gpu.py``): 64-256 keys per
-        step, 2-4 ring slots, those that fit an sm90 block's shared memory; with ``overlap`` too at 64
-        and 128 keys per step where it applies (no segment ids or boolean mask, and this JAX has it)."""
+        step, 2-4 ring slots, those that fit an sm90 block's shared memory; with ``overlap`` (unless
+        ``overlap=False``) too at 64 and 128 keys per step where it applies (no segment ids or
+        boolean mask, and this JAX has it)."""
         space = [Config(block_kv=b, stages=n) for b in (64, 128, 192, 256) for n in (2, 3, 4)]
-        if _overlap_applies(args):  # wider blocks would hold two [64, block_kv] float32 tiles
+        # Wider blocks: the scores, the accumulator and two P tiles would pass 232 registers a thread.
+        if overlap and _overlap_applies(args):
             space += [Config(block_kv=b, stages=n, overlap=True) for b in (64, 128) for n in (2, 3, 4)]
         return [c for c in space if _fits(c, args)]
 
@@ -787,9 +790,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
 
             def next_turn(j):
                 """The second schedule turn of block ``j``'s step: while the other warpgroup
-                multiplies, wait for this block's values and the next block's keys."""
+                multiplies, wait for the next block's keys (this block's values are awaited when its
+                ``P V`` is issued, a step later)."""
                 plgpu.barrier_arrive(schedule)
-                plgpu.barrier_wait(v_loaded.at[slot_of(j)])
 
                 @pl.when(j + 1 < blocks.stop)
                 def _():
@@ -842,6 +845,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                         return acc_ref[...]
 
                     qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_wait(v_loaded.at[prev])
                     acc = pv_staged(acc, p_prev, prev)
                     plgpu.barrier_arrive(k_consumed.at[slot])
                     p_lo, m_new, l_new, alpha = softmax(j, logits(j, qk, masked), m_i, l_i, masked)
@@ -850,6 +854,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                     def products(refs):
                         acc_ref, qk_ref, p_ref, m_ref, l_ref, alpha_ref = refs
                         plgpu.wgmma(qk_ref, qo_smem, k_t)
+                        plgpu.barrier_wait(v_loaded.at[prev])  # (block j's keys multiply meanwhile)
                         plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
                         schedule_turn()
                         qk = plgpu.wgmma_accumulator_load(qk_ref, wait_n=1)  # P V still in flight
@@ -863,7 +868,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                     acc, _, p_lo, m_new, l_new, alpha = pl.run_state(products)(state)  # waits for P V
                 plgpu.barrier_arrive(v_consumed.at[prev])
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc, l_new, m_new, p_lo = lax.optimization_barrier((acc, l_new, m_new, p_lo))
+                # p_prev goes through the barrier too: live until P V has been awaited, its registers
+                # cannot hold the new P (which would make the softmax wait for P V).
+                acc, l_new, m_new, p_lo, _ = lax.optimization_barrier((acc, l_new, m_new, p_lo, p_prev))
                 next_turn(j)
                 return acc, m_new, l_new, p_lo
 
@@ -871,6 +878,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 # The pipeline's tail: the last block's P V.
                 acc, _, _, p_lo = carry
                 slot = slot_of(blocks.stop - 1)
+                plgpu.barrier_wait(v_loaded.at[slot])
                 if interpret:
                     acc = pv_staged(acc, p_lo, slot)
                 else:

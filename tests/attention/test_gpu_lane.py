@@ -231,17 +231,22 @@ class TestMosaicFlashCompiled(_Compiled):
         self._check_with(monkeypatch, args, bwd_config=mosaic_flash.BwdConfig(block_q_dkv=128))
 
     @pytest.mark.parametrize(
-        "case, block_kv, window",
+        "case, block_kv, stages, window",
         [
-            (Case("bfloat16", "none", 1024, 1000, 128, 2, K=2, B=1), 128, None),
-            (Case("float16", "top_left", 1024, 1024, 64, 2, K=1, B=2, dropout=0.25), 64, None),
-            (Case("bfloat16", "lower_right", 700, 1500, 128, 4, K=1, B=2, extra="lengths"), 128, (400, 64)),
-            (Case("float16", "none", 512, 700, 256, 1, K=1, B=1, extra="softcap"), 64, None),
-            (Case("bfloat16", "top_left", 512, 512, 64, 2, K=1, B=1, mask="additive"), 64, None),
+            (Case("bfloat16", "none", 1024, 1000, 128, 2, K=2, B=1), 128, 2, None),
+            (Case("float16", "top_left", 1024, 1024, 64, 2, K=1, B=2, dropout=0.25), 64, 3, None),
+            (
+                Case("bfloat16", "lower_right", 700, 1500, 128, 4, K=1, B=2, extra="lengths"),
+                128,
+                2,
+                (400, 64),
+            ),
+            (Case("float16", "none", 512, 700, 256, 1, K=1, B=1, extra="softcap"), 64, 2, None),
+            (Case("bfloat16", "top_left", 512, 512, 64, 2, K=1, B=1, mask="additive"), 64, 4, None),
         ],
-        ids=["plain", "causal_dropout", "window_lengths", "softcap_h256", "causal_bias"],
+        ids=["plain", "causal_dropout_ring3", "window_lengths", "softcap_h256", "causal_bias_ring4"],
     )
-    def test_overlapped_forward(self, monkeypatch, case, block_kv, window):
+    def test_overlapped_forward(self, monkeypatch, case, block_kv, stages, window):
         """``Config(overlap=True)`` compiled: each block's softmax runs while the previous block's
         ``P V`` is in flight (what the interpreter cannot run); forward and gradients."""
         if not mosaic_flash.overlap_available():
@@ -253,7 +258,7 @@ class TestMosaicFlashCompiled(_Compiled):
         if reasons and all("ptxas" in r for r in reasons):
             pytest.skip(reasons[0])  # causal / windows on a CUDA 12.8 / 12.9 runtime
         assert not reasons, reasons
-        config = mosaic_flash.Config(block_kv=block_kv, overlap=True)
+        config = mosaic_flash.Config(block_kv=block_kv, stages=stages, overlap=True)
         self._check_with(monkeypatch, args, config=config)
 
     def test_large_soft_cap_saturates_accurately(self):

@@ -536,32 +536,39 @@ def test_overlapped_forward_matches_the_reference(case, config, change):
         impl = staticmethod(run)
 
     Check().check(args, grads=False)
-    if change == "empty_batches":
-        out, lse = jax.jit(run)(args)
-        assert float(jnp.abs(out[:2].astype(jnp.float32)).max()) == 0.0
-        assert bool(jnp.all(jnp.isneginf(lse[:2])))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_overlapped_forward_lowers_for_cuda(causal):
-    """``Config(overlap=True)`` lowers for CUDA (a fixed block range, and a causal one with lengths):
-    its accumulator read leaves one WGMMA group in flight (``wgmma.wait_group ... 1``, legible in the
-    module from jax 0.11.2), which the default kernel never does; where this JAX lacks that read,
-    ``forward`` refuses the config."""
-    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
-    k = jnp.zeros((2, 384, 2, 128), jnp.bfloat16)
-    kw = dict(is_causal=True, q_seq_lengths=jnp.asarray([256, 100], jnp.int32)) if causal else {}
+@pytest.mark.parametrize("extra", ["none", "causal_lengths", "bias_dropout_softcap", "window_h256"])
+def test_overlapped_forward_lowers_for_cuda(extra):
+    """``Config(overlap=True)`` lowers for CUDA (a fixed block range; causal with lengths; a bias with
+    dropout and a soft cap; a window at head dim 256): its accumulator read leaves one WGMMA group in
+    flight (``wgmma.wait_group ... 1``, legible in the module from jax 0.11.2), which the default
+    kernel never does."""
+    if not mosaic_flash.overlap_available():
+        pytest.skip("this JAX has no plgpu.wgmma_accumulator_load")
+    H = 256 if extra == "window_h256" else 128
+    q = jnp.zeros((2, 256, 4, H), jnp.bfloat16)
+    k = jnp.zeros((2, 384, 2, H), jnp.bfloat16)
+    kw = {
+        "none": {},
+        "causal_lengths": dict(is_causal=True, q_seq_lengths=jnp.asarray([256, 100], jnp.int32)),
+        "bias_dropout_softcap": dict(
+            bias=jnp.zeros((1, 4, 256, 384), jnp.bfloat16),
+            dropout_rate=0.1,
+            dropout_rng=jax.random.key(0),
+            logits_soft_cap=30.0,
+        ),
+        "window_h256": dict(window=(100, 30)),
+    }[extra]
     args = base.make_args(q, k, k, **kw)
+    block_kv = 128 if extra in ("none", "causal_lengths") else 64
 
-    def forward(config):
+    def forward(overlap):
+        config = mosaic_flash.Config(block_kv=block_kv, overlap=overlap)
         return lambda q, k, v: mosaic_flash.forward(args.replace(q=q, k=k, v=v), config=config)
 
-    if not mosaic_flash.overlap_available():
-        with pytest.raises(ValueError, match="overlap"):
-            forward(_OVERLAP)(q, k, k)
-        return
-    text = _export(forward(_OVERLAP), ["cuda"], q, k, k).mlir_module()
-    default = _export(forward(None), ["cuda"], q, k, k).mlir_module()
+    text = _export(forward(True), ["cuda"], q, k, k).mlir_module()
+    default = _export(forward(False), ["cuda"], q, k, k).mlir_module()
     assert text.count("custom_call @mosaic_gpu") == 1 and text != default
     if jax.__version_info__ >= (0, 11, 2):  # the wait's inline PTX is legible in this JAX's module
         assert "wait_group.sync.aligned 1" in text and "wait_group.sync.aligned 1" not in default
@@ -569,7 +576,7 @@ def test_overlapped_forward_lowers_for_cuda(causal):
 
 def test_overlap_is_in_the_search_space_where_it_applies():
     """The sweep tries ``overlap`` with the 64- and 128-key tiles where it changes the kernel (not with
-    segment ids or a boolean mask); ``Config.overlap`` is validated."""
+    segment ids or a boolean mask), unless told not to; ``Config.overlap`` is validated."""
     args = make_case(Case("bfloat16", "none", 256, 256, 128, 1, K=1, B=1))
     space = mosaic_flash.Config.search_space(args)
     if mosaic_flash.overlap_available():
@@ -580,6 +587,7 @@ def test_overlap_is_in_the_search_space_where_it_applies():
         assert not any(c.overlap for c in space)
     masked = make_case(Case("bfloat16", "none", 256, 256, 128, 1, K=1, B=1, extra="segments"))
     assert not any(c.overlap for c in mosaic_flash.Config.search_space(masked))
+    assert not any(c.overlap for c in mosaic_flash.Config.search_space(args, overlap=False))
     with pytest.raises(TypeError, match="overlap"):
         mosaic_flash.Config(overlap=1)
 
