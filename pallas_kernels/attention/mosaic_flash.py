@@ -665,33 +665,45 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
             def _():
                 plgpu.barrier_wait(k_loaded.at[slot_of(blocks.start)])
 
-            def step(j, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = slot_of(j)
+            def scores(slot):
+                """``Q K^T`` of the keys in ``slot`` (the schedule's first turn taken while the tensor
+                cores multiply), awaited."""
 
                 def qk_product(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                     schedule_turn()
                     return acc_ref[...]
 
-                qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
+                return pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+
+            def logits(j, slot, qk, masked):
+                """Block ``j``'s (in ``slot``) base-2 logits from its ``Q K^T`` (read after the keys'
+                release): the soft cap, the bias and, where ``masked``, -inf where a pair is not
+                visible. The bias, key ids and mask tiles are read before the values are released
+                (their guard)."""
                 bias = None
-                if s.bias is not None:  # read, like the key ids, before the values are released
+                if s.bias is not None:
                     plgpu.barrier_wait(bias_loaded.at[slot])
                     bias = bias_smem[slot, pl.ds(wg * bq, bq)]
                 qk, _ = _logits2(qk, s, bias)
-
                 if masked:
                     kv_seg = tile_mask = None
                     if s.segments:
                         plgpu.barrier_wait(kvseg_loaded.at[slot])
                         kv_seg = _load_rows(kvseg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                    if s.mask is not None:  # read, like the key ids, before the values are released
+                    if s.mask is not None:
                         plgpu.barrier_wait(mask_loaded.at[slot])
                         tile_mask = mask_smem[slot, pl.ds(wg * bq, bq)]
                     keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, kv_seg, q_len, kv_len, mask=tile_mask)
                     qk = jnp.where(keep, qk, -jnp.inf)
+                return qk
+
+            def step(j, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = slot_of(j)
+                qk = scores(slot)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                qk = logits(j, slot, qk, masked)
 
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
                 m_use = m_new
@@ -760,20 +772,6 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
 
                 return carry
 
-            def logits(j, qk, masked):
-                """Block ``j``'s base-2 logits from its ``Q K^T`` (read after the keys' release):
-                the soft cap, the bias and, where ``masked``, -inf where a pair is not visible."""
-                slot = slot_of(j)
-                bias = None
-                if s.bias is not None:
-                    plgpu.barrier_wait(bias_loaded.at[slot])
-                    bias = bias_smem[slot, pl.ds(wg * bq, bq)]
-                qk, _ = _logits2(qk, s, bias)
-                if masked:
-                    keep = _keep(s, q_start, j * bk, (bq, bk), q_seg, None, q_len, kv_len)
-                    qk = jnp.where(keep, qk, -jnp.inf)
-                return qk
-
             def softmax(j, qk, m_i, l_i, masked):
                 """The online softmax of block ``j``'s logits: ``(P in the inputs' dtype, the new
                 row max, the new row sum, the factor that rescales the accumulator)``."""
@@ -817,15 +815,9 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 acc, m_i, l_i, _ = carry
                 j = blocks.start
                 slot = slot_of(j)
-
-                def qk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                    schedule_turn()
-                    return acc_ref[...]
-
-                qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+                qk = scores(slot)
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                p_lo, m_new, l_i, _ = softmax(j, logits(j, qk, True), m_i, l_i, True)  # acc is 0
+                p_lo, m_new, l_i, _ = softmax(j, logits(j, slot, qk, True), m_i, l_i, True)  # acc is 0
                 l_i, m_new, p_lo = lax.optimization_barrier((l_i, m_new, p_lo))
                 next_turn(j)
                 return acc, m_new, l_i, p_lo
@@ -836,30 +828,23 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 # the accumulator rescaled.
                 acc, m_i, l_i, p_prev = carry
                 slot, prev = slot_of(j), slot_of(j - 1)
-                k_t = k_smem.at[slot].transpose((1, 0))
                 if interpret:  # the same order of steps, each product awaited (see pv_staged)
-
-                    def qk_product(acc_ref):
-                        plgpu.wgmma(acc_ref, qo_smem, k_t)
-                        schedule_turn()
-                        return acc_ref[...]
-
-                    qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+                    qk = scores(slot)
                     plgpu.barrier_wait(v_loaded.at[prev])
                     acc = pv_staged(acc, p_prev, prev)
                     plgpu.barrier_arrive(k_consumed.at[slot])
-                    p_lo, m_new, l_new, alpha = softmax(j, logits(j, qk, masked), m_i, l_i, masked)
+                    p_lo, m_new, l_new, alpha = softmax(j, logits(j, slot, qk, masked), m_i, l_i, masked)
                 else:
 
                     def products(refs):
                         acc_ref, qk_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-                        plgpu.wgmma(qk_ref, qo_smem, k_t)
+                        plgpu.wgmma(qk_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
                         plgpu.barrier_wait(v_loaded.at[prev])  # (block j's keys multiply meanwhile)
                         plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
                         schedule_turn()
                         qk = plgpu.wgmma_accumulator_load(qk_ref, wait_n=1)  # P V still in flight
                         plgpu.barrier_arrive(k_consumed.at[slot])
-                        outs = softmax(j, logits(j, qk, masked), m_i, l_i, masked)
+                        outs = softmax(j, logits(j, slot, qk, masked), m_i, l_i, masked)
                         for ref, value in zip((p_ref, m_ref, l_ref, alpha_ref), outs):
                             ref[...] = value
 
