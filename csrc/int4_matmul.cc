@@ -76,10 +76,14 @@ struct QRow {
   float recip;
 };
 
-// KleidiAI qai8dx, exactly as torch's reference kernels write it.
-void QuantizeRow(const float* x, int64_t K, bool channelwise, QRow* r) {
+// KleidiAI qai8dx, exactly as torch's reference kernels write it. The range
+// scan differs between torch's float32 kernel (std::max(x, acc): a NaN x
+// replaces acc, the next element replaces the NaN) and its bfloat16 one
+// (skip_nan: a NaN x leaves acc as it was).
+void QuantizeRow(const float* x, int64_t K, bool channelwise, bool skip_nan, QRow* r) {
   float mx = -FLT_MAX, mn = FLT_MAX;
   for (int64_t k = 0; k < K; ++k) {
+    if (skip_nan && std::isnan(x[k])) continue;
     mx = std::max(x[k], mx);
     mn = std::min(x[k], mn);
   }
@@ -1028,14 +1032,14 @@ void DynQuantRows16(const std::vector<QRow>& rows, const uint8_t* w, const float
 
 void DynQuantMatmul(const float* x, const uint8_t* w, const float* scales,
                     const float* bias, float* out, int64_t M, int64_t N,
-                    int64_t K, int64_t groupsize) {
+                    int64_t K, int64_t groupsize, bool skip_nan) {
   if (M == 0 || N == 0) return;
   const bool channelwise = groupsize == K;
   const int64_t G = K / groupsize;
   const int64_t nb = K / 32;
   const int64_t per_group = groupsize / 32;
   std::vector<QRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, &rows[m]);
+  for (int64_t m = 0; m < M; ++m) QuantizeRow(x + m * K, K, channelwise, skip_nan, &rows[m]);
 #if JB_X86
   const GroupSumsFn group_sums = g_group_sums.load();
   // The group path folds -zp into int8 dots: a zero point outside -128..127
@@ -2267,7 +2271,7 @@ ffi::Error DynQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (e.failure()) return e;
   DynQuantMatmul(x.typed_data(), w.typed_data(), scales.typed_data(),
                  has_bias ? bias.typed_data() : nullptr, out->typed_data(), M, N,
-                 K, groupsize);
+                 K, groupsize, /*skip_nan=*/false);
   return ffi::Error::Success();
 }
 
@@ -2300,7 +2304,7 @@ ffi::Error DynQuantBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi:
   const std::vector<float> xf = WidenBf16(x.typed_data(), M * K);
   std::vector<float> acc(M * N);
   DynQuantMatmul(xf.data(), w.typed_data(), scales.typed_data(), has_bias ? bias.typed_data() : nullptr,
-                 acc.data(), M, N, K, groupsize);
+                 acc.data(), M, N, K, groupsize, /*skip_nan=*/true);
   uint16_t* o = out->typed_data();
   for (int64_t i = 0; i < M * N; ++i) {
     uint32_t bits;

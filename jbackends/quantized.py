@@ -14,8 +14,9 @@ leading batch dims, any layout:
 * `int4_matmul(x, packed, *, compute_dtype=None)`: weight-only (W4A16 /
   W4A32), no activation quantization, more accurate.
 * `engine` (flag ``quantized_engine``): "auto" (Pallas on GPU, the C++/XLA
-  kernels on CPU), "pallas" (the Pallas kernels; interpreted on CPU, for
-  testing), "xla" (XLA-compiled paths only: the C++ FFI kernel on CPU when
+  kernels on CPU), "pallas" (the Pallas kernels only; interpreted on CPU, for
+  testing; a call they cannot run raises NotImplementedError rather than
+  fall back), "xla" (XLA-compiled paths only: the C++ FFI kernel on CPU when
   built, else pure XLA). The platform part is decided **per lowering
   platform** (`jax.lax.platform_dependent`), so ``jax.export(...,
   platforms=["cuda"])`` from a CPU host carries the Pallas (Triton) kernel.
@@ -185,13 +186,23 @@ def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choic
 def _lowering_branches(
     op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call, run_options: dict
 ) -> jax.Array:
-    """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them."""
+    """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them.
+
+    Raises NotImplementedError when no implementation the ``quantized_engine`` flag allows can run the
+    call on the default backend's platform (only possible under ``quantized_engine='pallas'``, which
+    never falls back). Another platform with none gets no branch of its own: it lowers the default's.
+    """
     flags = _trace_flags()
+    here = _dispatch.default_platform()
     branches, chosen_all, rejected = {}, [], {}
     for platform in _LOWERING:
         choice = _choose(flags.quantized_engine, call, platform)
-        chosen_all.append(f"{choice.chosen.name}@{platform}")
         rejected.update({f"{k}@{platform}": v for k, v in choice.reasons.items()})
+        if choice.chosen is None:
+            if platform == here or (platform == "other" and here not in _LOWERING):
+                raise NotImplementedError(_nothing_runs(op, flags.quantized_engine, choice))
+            continue
+        chosen_all.append(f"{choice.chosen.name}@{platform}")
         branches[platform] = (lambda impl: lambda a, p: impl.run(a, p, **run_options))(choice.chosen)
     _verbose.report_dispatch(
         op,
@@ -200,8 +211,16 @@ def _lowering_branches(
         (tuple(x.shape), tuple(packed.weight.shape)),
         (str(x.dtype), "uint4"),
     )
-    default = branches.pop("other")
+    default = branches.pop("other", None) or branches.pop(here)
     return _dispatch.by_platform(branches, default, x, packed)
+
+
+def _nothing_runs(op: str, engine: str, choice: _dispatch.Choice) -> str:
+    why = "; ".join(f"{name}: {reason}" for name, reason in choice.reasons.items())
+    return (
+        f"{op}: no int4 implementation allowed by quantized_engine={engine!r} can run this call on "
+        f"{choice.platform} ({why}); set quantized_engine='auto' to let another engine run it"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,19 +231,25 @@ class Explanation:
       op: ``"dyn_quant_matmul_4bit"`` or ``"int4_matmul"``.
       platform: the lowering platform explained.
       implementation: the name of the implementation that would run (``"pallas"``, ``"cpp"``, ``"xla"``,
-        ``"pallas_interpret"``).
-      technology: what it is built with.
+        ``"pallas_interpret"``), or None where none the ``quantized_engine`` flag allows can (the call
+        then raises NotImplementedError; ``reasons`` says why).
+      technology: what it is built with ("" when none runs).
       reasons: implementation name -> why it does not run, for every other one on this platform.
     """
 
     op: str
     platform: str
-    implementation: str
+    implementation: str | None
     technology: str
     reasons: Mapping[str, str]
 
     def __str__(self) -> str:
-        head = f"{self.op} on {self.platform}: {self.implementation} ({self.technology})"
+        runs = (
+            "nothing can run it"
+            if self.implementation is None
+            else f"{self.implementation} ({self.technology})"
+        )
+        head = f"{self.op} on {self.platform}: {runs}"
         return "\n".join([head] + [f"  not {k}: {v}" for k, v in self.reasons.items()])
 
 
@@ -255,8 +280,8 @@ def explain(
     return Explanation(
         op=op,
         platform=plat,
-        implementation=choice.chosen.name,
-        technology=choice.chosen.technology,
+        implementation=None if choice.chosen is None else choice.chosen.name,
+        technology="" if choice.chosen is None else choice.chosen.technology,
         reasons=dict(choice.reasons),
     )
 
@@ -280,9 +305,12 @@ def dyn_quant_matmul_4bit(
     fallback takes bfloat16 channel-wise only).
 
     **NaN and inf** give torch's x86 answer on every engine, which is finite:
-    torch finds a row's range with ``std::max`` / ``std::min``, which forget
-    everything before a NaN, so the range comes from the elements after the
-    row's last NaN (``[0, 0]`` when the NaN is last); a NaN or infinite
+    for float32 input torch finds a row's range with ``std::max`` /
+    ``std::min``, which forget everything before a NaN, so the range comes
+    from the elements after the row's last NaN (``[0, 0]`` when the NaN is
+    last); for bfloat16 input torch's bfloat16 kernel keeps its running
+    range over a NaN, so the range comes from its elements other than NaN
+    (bfloat16 rule, any groupsize here); a NaN or infinite
     element, or one beyond the int32 range once scaled, quantizes to
     ``INT32_MIN + zero_point`` clamped (-128, or 127 when the zero point is
     negative); a row whose range holds an infinity has scale 0, so its

@@ -421,7 +421,7 @@ DECLARATIONS: tuple[Flag, ...] = (
     Flag(
         "quantized_engine",
         "auto",
-        "int4 matmul engine: 'auto' (Pallas on GPU, XLA/C++ on CPU), 'pallas', 'xla'.",
+        "int4 matmul engine: 'auto' (Pallas on GPU, XLA/C++ on CPU), 'pallas' (only Pallas; no fallback), 'xla'.",
         _choice("auto", "pallas", "xla"),
         torch=("torch.backends.quantized.engine",),
         mirrors=(("quantized", "attr", "engine"),),

@@ -87,6 +87,8 @@ def check_sizes(packed: Any, groupsize: Any, in_features: Any, out_features: Any
     _base.check_packed(packed)
     given = dict(groupsize=groupsize, in_features=in_features, out_features=out_features)
     for name, v in given.items():
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):  # torch: int args
+            raise TypeError(f"`{name}` must be an int; got {type(v).__name__} {v!r}")
         if getattr(packed, name) != v:
             raise ValueError(
                 f"{name}={v!r} does not match the packed weight's {name}={getattr(packed, name)}"
@@ -103,7 +105,13 @@ def check_implementation(implementation: Any) -> str | None:
 
 def check_compute_dtype(compute_dtype: Any) -> None:
     """`int4_matmul`'s ``compute_dtype``: None, float32, bfloat16 or float16."""
-    if compute_dtype is not None and jnp.dtype(compute_dtype) not in (
+    if compute_dtype is None:
+        return
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (
         jnp.dtype(jnp.float32),
         jnp.dtype(jnp.bfloat16),
         jnp.dtype(jnp.float16),

@@ -144,14 +144,15 @@ def implementations(platform: str) -> tuple[Implementation, ...]:
 
 def engine_filter(engine: str, platform: str) -> Mapping[str, str]:
     """What the ``quantized_engine`` flag excludes (name -> reason): 'auto' interprets no GPU kernel;
-    'pallas' forces the Pallas kernels (interpreted off GPU; the C++ kernel is never used then);
-    'xla' never uses them (the C++ kernel still runs on CPU)."""
+    'pallas' forces the Pallas kernels (interpreted off GPU): neither the C++ kernel nor XLA runs then,
+    and a call the Pallas kernels cannot run is an error, never a fallback; 'xla' never uses them (the
+    C++ kernel still runs on CPU)."""
     if engine == "xla":
         return {PALLAS.name: "quantized_engine='xla'", PALLAS_INTERPRET.name: "quantized_engine='xla'"}
     if engine == "pallas":
-        return (
-            {}
-            if platform in GPU_LOWERING
-            else {PALLAS.name: f"no GPU when lowering for {platform}: interpreted"}
-        )
+        forced = "quantized_engine='pallas' (only the Pallas kernels may run)"
+        excluded = {CPP.name: forced, XLA.name: forced}
+        if platform not in GPU_LOWERING:
+            excluded[PALLAS.name] = f"no GPU when lowering for {platform}: interpreted"
+        return excluded
     return {PALLAS_INTERPRET.name: "the GPU kernels are interpreted only with quantized_engine='pallas'"}

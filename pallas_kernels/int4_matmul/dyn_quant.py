@@ -29,19 +29,23 @@ def _round_half_away(y: jax.Array) -> jax.Array:
     return t + jnp.where(jnp.abs(y - t) >= 0.5, jnp.sign(y), 0).astype(y.dtype)
 
 
-def _torch_row_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _torch_row_range(x: jax.Array, skip_nan: bool = False) -> tuple[jax.Array, jax.Array]:
     """The ``(min, max)`` torch's kernel finds scanning a row with ``std::min`` / ``std::max``.
 
-    ``max0 = std::max(x[k], max0)`` is ``x[k] < max0 ? max0 : x[k]``: a NaN
-    replaces the running value and the next element replaces the NaN, so the
-    scan only sees the elements after the row's last NaN (none: ``+inf`` /
-    ``-inf`` here, which the ``min(0, .)`` / ``max(0, .)`` that follow turn
-    into 0, as torch's NaN does).
+    float32 input: ``max0 = std::max(x[k], max0)`` is ``x[k] < max0 ? max0 :
+    x[k]``: a NaN replaces the running value and the next element replaces the
+    NaN, so the scan only sees the elements after the row's last NaN (none:
+    ``+inf`` / ``-inf`` here, which the ``min(0, .)`` / ``max(0, .)`` that
+    follow turn into 0, as torch's NaN does). bfloat16 input (``skip_nan``):
+    torch's bfloat16 kernel keeps the running value over a NaN, so the range
+    is that of the row's other elements.
     """
-    K = x.shape[-1]
     idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    last_nan = jnp.max(jnp.where(jnp.isnan(x), idx, -1), axis=-1, initial=-1)
-    seen = idx > last_nan[..., None]
+    if skip_nan:
+        seen = ~jnp.isnan(x)
+    else:
+        last_nan = jnp.max(jnp.where(jnp.isnan(x), idx, -1), axis=-1, initial=-1)
+        seen = idx > last_nan[..., None]
     mn = jnp.min(jnp.where(seen, x, np.inf), axis=-1, initial=np.inf)
     mx = jnp.max(jnp.where(seen, x, -np.inf), axis=-1, initial=-np.inf)
     return mn, mx
@@ -59,7 +63,9 @@ def _x86_to_int32(y: jax.Array) -> jax.Array:
 
 
 def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """KleidiAI ``qai8dx`` per row of ``x[..., K]`` (float32 math), as torch's x86 kernel runs it.
+    """KleidiAI ``qai8dx`` per row of ``x[..., K]`` (float32 math), as torch's x86 kernels run it
+    (its float32 kernel for float32 ``x``, its bfloat16 one for bfloat16 ``x``: they differ only in how
+    a NaN enters the row's range).
 
     Returns ``(qa int32 [..., K] in -128..127, zp int32 [...], recip f32 [...])``
     with ``x ~= (qa - zp) * recip``. The zero-point test is written as torch
@@ -68,14 +74,15 @@ def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, ja
 
     Non-finite input follows torch bit for bit (`_torch_row_range`,
     `_x86_to_int32`): the row's range comes from the elements after its last
-    NaN; a NaN, an infinity or a value beyond int32 after scaling quantizes to
+    NaN (float32) or from its elements other than NaN (bfloat16); a NaN, an infinity or a value beyond int32 after scaling quantizes to
     INT32_MIN + zp (integer wrap-around) clamped, i.e. -128 when ``zp >= 0``
     and 127 when ``zp < 0``; a NaN zero point (a row holding -inf or +inf:
     scale 0) is INT32_MIN. The output stays finite.
     """
+    skip_nan = x.dtype == jnp.bfloat16
     x = x.astype(jnp.float32)
     qmin, qmax = jnp.float32(-128), jnp.float32(127)
-    mn, mx = _torch_row_range(x)
+    mn, mx = _torch_row_range(x, skip_nan)
     rmin = jnp.minimum(jnp.float32(0), mn)
     rmax = jnp.maximum(jnp.float32(0), mx)
     scale = jnp.where(rmin == rmax, jnp.float32(1), (qmax - qmin) / (rmax - rmin))

@@ -53,9 +53,12 @@ def _cmin(a, b):  # (std::min)(a, b)
     return b if b < a else a
 
 
-def _torch_quantize_row(row, channelwise):
+def _torch_quantize_row(row, channelwise, skip_nan=False):
+    """skip_nan: torch's bfloat16 kernel, whose range scan keeps its running value over a NaN."""
     max0, min0 = F32(np.finfo(F32).max) * F32(-1), F32(np.finfo(F32).max)
     for v in row:
+        if skip_nan and math.isnan(v):
+            continue
         max0 = _cmax(F32(v), max0)
         min0 = _cmin(F32(v), min0)
     qmin, qmax = F32(-128), F32(127)
@@ -75,14 +78,14 @@ def _torch_quantize_row(row, channelwise):
     return qa, zp, recip
 
 
-def _torch_dyn_quant_matmul(x, q, scales, groupsize):
+def _torch_dyn_quant_matmul(x, q, scales, groupsize, skip_nan=False):
     """torch's reference kernels (no bias: torch's x86 packing refuses one)."""
     M, K = x.shape
     N = q.shape[0]
     channelwise = groupsize == K
     out = np.zeros((M, N), F32)
     for m in range(M):
-        qa, zp, recip = _torch_quantize_row(x[m], channelwise)
+        qa, zp, recip = _torch_quantize_row(x[m], channelwise, skip_nan)
         qa = np.asarray(qa, np.int64)
         for n in range(N):
             if channelwise:
@@ -138,6 +141,35 @@ def test_nonfinite_rows_follow_torch_on_every_engine(K, g):
     assert np.linalg.norm(want[7:] - ref) / np.linalg.norm(ref) < 0.1
 
 
+@pytest.mark.parametrize("K,g", [(96, 96), (128, 128), (128, 32)])
+def test_nonfinite_bfloat16_rows_follow_torchs_bfloat16_kernel(K, g):
+    """bfloat16 input: torch's bfloat16 kernel leaves a NaN out of the row's range (its float32 kernel
+    keeps only what follows the last NaN), on every engine; checked against torch itself where it
+    has the op (channel-wise only there)."""
+    M, N = 9, 12
+    x = np.asarray(jnp.asarray(_nonfinite_rows(M, K, seed=K + g + 1), jnp.bfloat16).astype(jnp.float32))
+    w = np.random.default_rng(g + 1).standard_normal((N, K)).astype(F32)
+    q8, s = Q.quantize_4bit(jnp.asarray(w), g)
+    p = Q.dyn_quant_pack_4bit_weight(q8, s, None, g, K, N)
+    want = _torch_dyn_quant_matmul(x, np.asarray(base.unpack_nibbles(q8)), np.asarray(s), g, skip_nan=True)
+    want = np.asarray(base.truncate_to_bfloat16(jnp.asarray(want)).astype(jnp.float32))
+    as_f32 = _torch_dyn_quant_matmul(x, np.asarray(base.unpack_nibbles(q8)), np.asarray(s), g)
+    assert not np.array_equal(want[:4], np.asarray(base.truncate_to_bfloat16(jnp.asarray(as_f32[:4]))))
+    xb = jnp.asarray(x, jnp.bfloat16)
+    for impl in ENGINES:
+        got = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl))(xb, p)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=impl)
+    torch = pytest.importorskip("torch")
+    if g != K or not hasattr(torch.ops.aten, "_dyn_quant_matmul_4bit"):
+        return
+    tp = torch.ops.aten._dyn_quant_pack_4bit_weight(
+        torch.tensor(np.asarray(q8)), torch.tensor(np.asarray(s, F32)), None, g, K, N
+    )
+    theirs = torch.ops.aten._dyn_quant_matmul_4bit(torch.tensor(x).bfloat16(), tp, g, K, N)
+    np.testing.assert_array_equal(theirs.float().numpy(), want)
+
+
 def test_nonfinite_rows_large_m_paths():
     """The prefill formulations (XLA GEMM form, Pallas fused tiles) agree with the decode ones."""
     K, N, g = 128, 16, 32
@@ -167,6 +199,7 @@ def test_torch_emulation_matches_on_finite_rows():
 def test_nan_semantics_in_docstring():
     doc = " ".join(Q.dyn_quant_matmul_4bit.__doc__.split())
     assert "the elements after the row's last NaN" in doc and "straight-through estimator" in doc
+    assert "its elements other than NaN (bfloat16" in doc
 
 
 def test_infinite_range_gives_the_bias():

@@ -146,6 +146,53 @@ def test_cpu_auto_uses_cpp():
         assert "jb_int4_dyn_quant_matmul_f32" not in f.lower(x, p).as_text()
 
 
+@pytest.mark.parametrize("op", ["dyn_quant_matmul_4bit", "int4_matmul"])
+def test_forced_pallas_engine_never_falls_back(op, monkeypatch):
+    """quantized_engine='pallas' forces the Pallas kernels: a call they cannot run raises (with every
+    engine's reason, and explain() says nothing runs it) instead of running the C++ kernel or XLA."""
+    from pallas_kernels import triton_backend
+
+    def call(x, p, K, N, g):
+        if op == "int4_matmul":
+            return Q.int4_matmul(x, p)
+        return Q.dyn_quant_matmul_4bit(x, p, g, K, N)
+
+    x, p = make_case(2, 128, 16, 32, False)
+    with jb.with_backends(quantized_engine="pallas"):
+        want = Q.dyn_quant_matmul_4bit(x, p, 32, 128, 16, implementation="pallas_interpret")
+        if op == "int4_matmul":
+            want = Q.int4_matmul(x, p, implementation="pallas_interpret")
+        got = jax.jit(lambda a: call(a, p, 128, 16, 32))(x)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # channel-wise K = 48: no Pallas kernel takes it
+        q48, s48 = Q.quantize_4bit(jnp.ones((8, 48)), 48)
+        p48 = Q.dyn_quant_pack_4bit_weight(q48, s48, None, 48, 48, 8)
+        x48 = jnp.ones((2, 48))
+        assert Q.explain(x48, p48, op=op, platform="cpu").implementation is None
+        assert "nothing can run it" in str(Q.explain(x48, p48, op=op, platform="cpu"))
+        with pytest.raises(NotImplementedError, match="quantized_engine='pallas'"):
+            jax.jit(lambda a: call(a, p48, 48, 8, 48))(x48)
+        # a JAX without Pallas Triton: an error, not the C++ kernel
+        monkeypatch.setattr(triton_backend, "missing", lambda: ["no Pallas Triton (test)"])
+        with pytest.raises(NotImplementedError, match="no Pallas Triton"):
+            jax.jit(lambda a: call(a, p, 128, 16, 32))(x + 1)
+    assert Q.explain(x48, p48, op=op, platform="cpu").implementation in ("cpp", "xla")
+
+
+def test_argument_types_named_in_errors():
+    x, p = make_case(1, 64, 8, 32, False)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        Q.int4_matmul(x, p, compute_dtype="garbage")
+    for bad in (dict(groupsize=32.0), dict(in_features=True), dict(out_features=np.float32(8))):
+        kw = dict(groupsize=32, in_features=64, out_features=8) | bad
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            Q.dyn_quant_matmul_4bit(x, p, kw["groupsize"], kw["in_features"], kw["out_features"])
+    np.testing.assert_array_equal(  # numpy ints are ints
+        np.asarray(Q.dyn_quant_matmul_4bit(x, p, np.int64(32), 64, 8)),
+        np.asarray(Q.dyn_quant_matmul_4bit(x, p, 32, 64, 8)),
+    )
+
+
 def test_int4_matmul_weight_only_public():
     x, p = make_case(3, 128, 24, 64, True, lead=(2,))
     w = np.asarray(Q.dequantize_4bit(p), np.float64)
