@@ -38,6 +38,7 @@
 // for the current path. The backward takes float32.
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -38,10 +38,22 @@ JB_TGT inline void BiasMaskRow(const Problem& p, int64_t b, int64_t n, int64_t t
   if (p.bias) {
     const int64_t bb = p.bias_B == 1 ? 0 : b, bn = p.bias_N == 1 ? 0 : n;
     const float* br = p.bias + ((bb * p.bias_N + bn) * p.T + t) * p.S + c0;
-    const Vf l2e = Set1(kLog2e);
+    // bias * log2(e), kept finite where the bias is: finfo(float32).min (the usual additive padding
+    // mask) times log2(e) would be -inf, and a row of it would look fully masked where jax.nn and
+    // torch give the mean of V. max(min(b, -FLT_MAX), x) and min(max(b, FLT_MAX), .) leave x alone
+    // unless it overflowed past a finite b; an infinite b stays infinite, and a NaN x stays NaN (the
+    // second operand is what maxps / minps return when either is NaN).
+    const Vf l2e = Set1(kLog2e), lo = Set1(-FLT_MAX), hi = Set1(FLT_MAX);
     int64_t c = 0;
-    for (; c + kW <= cv; c += kW) Store(s + c, Add(Load(s + c), Mul(l2e, Load(br + c))));
-    for (; c < cv; ++c) s[c] += kLog2e * br[c];
+    for (; c + kW <= cv; c += kW) {
+      const Vf bv = Load(br + c);
+      const Vf b2 = Min(Max(bv, hi), Max(Min(bv, lo), Mul(l2e, bv)));
+      Store(s + c, Add(Load(s + c), b2));
+    }
+    for (; c < cv; ++c) {
+      const float b2 = kLog2e * br[c];
+      s[c] += std::isfinite(br[c]) ? std::min(std::max(b2, -FLT_MAX), FLT_MAX) : b2;
+    }
   }
   if (p.mask) {
     const int64_t mb = p.mask_B == 1 ? 0 : b, mn = p.mask_N == 1 ? 0 : n;

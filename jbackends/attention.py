@@ -225,7 +225,8 @@ def scaled_dot_product_attention(
       dropout_p: dropout probability on the attention weights, in ``[0, 1)``.
       is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
         (anything else is a ``TypeError``, as in torch).
-      scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too).
+      scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too), or a
+        traced float scalar (folded into ``query``: differentiable).
       enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
       dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``);
         required when ``dropout_p > 0``.
@@ -291,7 +292,8 @@ def dot_product_attention(
       value: ``[B, S, K, Hv]``.
       bias: additive float bias broadcastable to ``[B, N, T, S]``.
       mask: bool mask broadcastable to ``[B, N, T, S]`` (True = attend), or a :class:`CausalBias`.
-      scale: logits scale, default ``1 / sqrt(H)``.
+      scale: logits scale, default ``1 / sqrt(H)``; a traced float scalar (a learned temperature)
+        is folded into ``query`` (differentiable), as jax.nn takes it.
       is_causal: top-left causal mask.
       query_seq_lengths: int ``[B]``: query rows at index ``>= length`` are masked (output 0).
       key_value_seq_lengths: int ``[B]``: keys at index ``>= length`` are masked.

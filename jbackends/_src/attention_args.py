@@ -68,6 +68,8 @@ def torch_to_args(
             raise ValueError(f"`{name}` batch dims {tuple(x.shape[:-3])} differ from query's {batch_shape}")
     Hq, L, E = query.shape[-3:]
     Hk, S = key.shape[-3], key.shape[-2]
+    if not isinstance(enable_gqa, (bool, np.bool_)):  # torch: TypeError; bool("no") would enable it
+        raise TypeError(f"`enable_gqa` must be a bool; got {type(enable_gqa).__name__} {enable_gqa!r}")
     if Hq != Hk and not enable_gqa:
         raise ValueError(
             f"query has {Hq} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention"

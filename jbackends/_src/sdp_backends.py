@@ -33,7 +33,8 @@ RUNNABLE = (
     SDPBackend.CUDNN_ATTENTION,
 )
 
-#: The order enabled backends are tried in when the flags set none (torch's default priority).
+#: The order enabled backends are tried in when the flags set none: jbackends' own, not torch's (torch
+#: tries MATH before CUDNN; here cuDNN, a fused kernel, comes before the materialised MATH path).
 DEFAULT_ORDER = (
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,

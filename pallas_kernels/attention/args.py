@@ -16,7 +16,7 @@ import numpy as np
 
 Array = Any
 
-__all__ = ["AttentionArgs", "Statics", "make_args", "check_prng_key", "SUPPORTED_DTYPES"]
+__all__ = ["AttentionArgs", "Statics", "make_args", "check_prng_key", "SUPPORTED_DTYPES", "float64_reasons"]
 
 SUPPORTED_DTYPES = (
     jnp.dtype(jnp.float32),
@@ -24,6 +24,16 @@ SUPPORTED_DTYPES = (
     jnp.dtype(jnp.float16),
     jnp.dtype(jnp.float64),
 )
+
+
+def float64_reasons(args: "AttentionArgs", what: str) -> list:
+    """``[reason]`` where ``args`` holds float64 inputs (or a float64 bias) for a kernel that computes in
+    float32, ``what`` (so the dispatcher runs MATH, which keeps float64; a forced backend says why)."""
+    f64 = jnp.dtype(jnp.float64)
+    if jnp.dtype(args.q.dtype) == f64 or (args.bias is not None and jnp.dtype(args.bias.dtype) == f64):
+        return [f"{what} computes in float32; float64 inputs run on MATH (full precision)"]
+    return []
+
 
 _ARRAY_FIELDS = (
     "q",
@@ -313,7 +323,9 @@ def make_args(
     """Validates BTNH attention inputs and returns the canonical :class:`AttentionArgs`.
 
     Raises ``ValueError`` / ``TypeError`` naming the offending argument. Length values can only be
-    range-checked when they are concrete (outside ``jit``).
+    range-checked when they are concrete (outside ``jit``). A traced ``scale`` (a learned temperature,
+    ``1 / jnp.sqrt(...)`` under ``jit``) is folded into the queries (``q * scale``, in q's dtype; the
+    kernels then take scale 1): the same logits, differentiable in ``scale``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -366,7 +378,12 @@ def make_args(
         # torch's answer (uniform weights); 1 / sqrt(0) would make it 0 * inf = NaN.
         scale = 1.0 / math.sqrt(H) if H > 0 else 1.0
     if isinstance(scale, jax.core.Tracer):
-        raise TypeError("`scale` must be a Python float, not a traced value")
+        if np.shape(scale) != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(
+                f"a traced `scale` must be a float scalar; got {scale.dtype}{list(np.shape(scale))}"
+            )
+        q = (q * scale).astype(q.dtype)
+        scale = 1.0
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         if not (hasattr(scale, "shape") and np.shape(scale) == ()):
             raise TypeError(f"`scale` must be a float; got {type(scale).__name__} {scale!r}")

@@ -37,7 +37,14 @@ Example:
 
 from __future__ import annotations
 
-from pallas_kernels.attention.args import SUPPORTED_DTYPES, AttentionArgs, Statics, check_prng_key, make_args
+from pallas_kernels.attention.args import (
+    SUPPORTED_DTYPES,
+    AttentionArgs,
+    Statics,
+    check_prng_key,
+    float64_reasons,
+    make_args,
+)
 from pallas_kernels.attention.masking import (
     dropout_keep_from_row_hash,
     dropout_keep_from_seed,
@@ -87,6 +94,7 @@ __all__ = [
     "differentiable_backward",
     "dropout_threshold",
     "SUPPORTED_DTYPES",
+    "float64_reasons",
     "unsupported",
     "attention",
     "manual_axis_type",

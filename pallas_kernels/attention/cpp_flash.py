@@ -319,6 +319,7 @@ def unsupported(args: base.AttentionArgs, platform: str = "cpu") -> list:
         reasons.append("the C++ flash kernel needs head dims >= 1 (the XLA code handles 0)")
     if not jnp.issubdtype(args.q.dtype, jnp.floating):
         reasons.append(f"the C++ flash kernel needs float inputs; got {args.q.dtype}")
+    reasons += base.float64_reasons(args, "the C++ flash kernel")
     return reasons
 
 

@@ -102,8 +102,20 @@ def dense_prep(x, st, Tp, Sp, value):
     return x
 
 
+def base2_bias(bias):
+    """``bias * log2(e)`` in float32, finite where ``bias`` is: a bias below ``-finfo.max / log2(e)``
+    (``finfo(float32).min``, the usual additive padding mask) would otherwise become ``-inf``, and a
+    row of it would look fully masked (NaN, or 0) where jax.nn / torch give the mean of V."""
+    b = bias.astype(jnp.float32)
+    big = float(jnp.finfo(jnp.float32).max)
+    return jnp.where(jnp.isfinite(b), jnp.clip(b * LOG2E, -big, big), b * LOG2E)
+
+
 def _tile_starts(shape, b, kh, i, j, bq, bk):
-    starts = [0, 0, 0, 0, 0]
+    # int32 throughout: under jax_enable_x64 a Python 0 would become int64 next to the int32 indices
+    # (dynamic_slice wants one index type).
+    zero = jnp.int32(0)
+    starts = [zero] * 5
     sizes = [1, 1, shape[2], 1, 1]
     if shape[0] > 1:
         starts[0] = b
@@ -113,7 +125,7 @@ def _tile_starts(shape, b, kh, i, j, bq, bk):
         starts[3], sizes[3] = i * bq, bq
     if shape[4] > 1:
         starts[4], sizes[4] = j * bk, bk
-    return starts, sizes
+    return [jnp.asarray(x, jnp.int32) for x in starts], sizes
 
 
 def dense_tile(xp, b, kh, i, j, bq, bk):
@@ -213,7 +225,7 @@ def block_logits(st, qb, kb, b, kh, i, j, bq, bk, structural, data):
         s = (st.softcap * LOG2E) * t
     s5 = s.reshape(B, K, G, bq, bk)
     if data.get("bias") is not None:
-        s5 = s5 + dense_tile(data["bias"], b, kh, i, j, bq, bk).astype(jnp.float32) * LOG2E
+        s5 = s5 + base2_bias(dense_tile(data["bias"], b, kh, i, j, bq, bk))
     rows = (i * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
     cols = (j * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
     m = None

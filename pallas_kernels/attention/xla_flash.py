@@ -133,7 +133,7 @@ class Config:
 def unsupported(args: base.AttentionArgs, platform: str) -> list:
     """Reasons this implementation cannot run ``args`` (empty if it can). Runs on any platform."""
     del platform
-    reasons = []
+    reasons = base.float64_reasons(args, "the blockwise XLA flash code")
     if args.bias is not None:
         reasons.append("FLASH takes no additive bias / float attn_mask (EFFICIENT_ATTENTION or MATH do)")
     if args.mask is not None:

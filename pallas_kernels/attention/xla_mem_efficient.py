@@ -42,8 +42,8 @@ class Config(xla_flash.Config):
 
 def unsupported(args: base.AttentionArgs, platform: str) -> list:
     """Reasons this implementation cannot run ``args`` (empty if it can). Runs on any platform."""
-    del args, platform
-    return []
+    del platform
+    return base.float64_reasons(args, "the blockwise XLA memory-efficient code")
 
 
 def attention(args: base.AttentionArgs, *, config: Optional[xla_flash.Config] = None, **opts):

@@ -42,6 +42,41 @@ def test_is_causal_must_be_a_bool_in_both_apis(bad):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_enable_gqa_must_be_a_bool(bad):
+    q, kv = rand((1, 4, 8, 4)), rand((1, 2, 8, 4), seed=1)
+    with pytest.raises(TypeError, match="enable_gqa"):  # bool("no") would have enabled it
+        A.scaled_dot_product_attention(q, kv, kv, enable_gqa=bad)
+
+
+def test_masks_and_float64_under_x64():
+    """Under jax_enable_x64: the blockwise XLA code with a mask (EFFICIENT, and the default path with
+    dropout) runs (its tile offsets were int64 next to int32 loop indices); float64 inputs run on MATH
+    at float64 precision (the kernels compute in float32), and a forced EFFICIENT says so."""
+    with jax.enable_x64(True):
+        q = rand((1, 2, 9, 4))
+        mask = jnp.asarray(np.random.default_rng(0).random((9, 9)) > 0.3).at[:, 0].set(True)
+        with A.sdpa_kernel(A.SDPBackend.EFFICIENT_ATTENTION):
+            got = A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            with pytest.raises(RuntimeError, match="float64 inputs run on MATH"):
+                A.scaled_dot_product_attention(*[q.astype(jnp.float64)] * 3)
+        with A.sdpa_kernel(A.SDPBackend.MATH):
+            want = A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+        out = A.scaled_dot_product_attention(
+            q, q, q, attn_mask=mask, dropout_p=0.1, dropout_rng=jax.random.key(0)
+        )
+        assert out.shape == q.shape and np.isfinite(np.asarray(out)).all()
+        q64 = q.astype(jnp.float64) + 1e-9 * rand((1, 2, 9, 4), seed=2).astype(jnp.float64)
+        got64 = jax.jit(lambda q: A.scaled_dot_product_attention(q, q, q, is_causal=True))(q64)
+        qn = np.asarray(q64)[0]  # float64 numpy reference
+        s = np.einsum("hld,hsd->hls", qn, qn) / 2.0 + np.triu(np.full((9, 9), -np.inf), 1)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        ref = np.einsum("hls,hsd->hld", p / p.sum(-1, keepdims=True), qn)
+        assert got64.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got64)[0], ref, atol=1e-12, rtol=1e-12)
+
+
 # ---- g: scale ---------------------------------------------------------------------------------------
 
 

@@ -486,15 +486,79 @@ def test_upstream_float64_mask_under_debug_infs(name):
     with jax.enable_x64(True):
         T, S, K, N, H = 5, 7, 3, 6, 11
         mask = jnp.arange(S) <= S // 2
+        call = functools.partial(
+            jb.dot_product_attention,
+            jnp.zeros((T, N, H), jnp.float64),
+            jnp.zeros((S, K, H), jnp.float64),
+            jnp.zeros((S, K, H), jnp.float64),
+            mask=mask,
+        )
+        if name == "efficient":  # it computes in float32: float64 runs on MATH, a forced one says why
+            with backend(name), pytest.raises(RuntimeError, match="float64 inputs run on MATH"):
+                call()
+            name = "math"
         with backend(name), jax.debug_infs(True):
-            out = jb.dot_product_attention(
-                jnp.zeros((T, N, H), jnp.float64),
-                jnp.zeros((S, K, H), jnp.float64),
-                jnp.zeros((S, K, H), jnp.float64),
-                mask=mask,
-            )
+            out = call()
             out.block_until_ready()
         assert out.dtype == jnp.float64 and out.shape == (T, N, H)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_traced_scale_like_jaxnn(name):
+    """jax.nn takes a traced ``scale`` (``1 / jnp.sqrt(...)`` under jit, a learned temperature): so does
+    jb (folded into the queries), with the same output and the same gradient in the scale."""
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (2, 9, 4, 8))
+    k = jax.random.normal(ks[1], (2, 11, 2, 8))
+    v = jax.random.normal(ks[2], (2, 11, 2, 8))
+
+    def loss(f):
+        return lambda t, q: jnp.sum(jnp.sin(f(q, k, v, scale=t, is_causal=True)))
+
+    want = jax.grad(loss(jaxnn), argnums=(0, 1))(jnp.float32(0.4), q)
+    with backend(name):
+        got = jax.jit(jax.grad(loss(jb.dot_product_attention), argnums=(0, 1)))(jnp.float32(0.4), q)
+        out = jax.jit(lambda q: jb.dot_product_attention(q, k, v, scale=1.0 / jnp.sqrt(q.shape[-1])))(q)
+        with pytest.raises(TypeError, match="scale"):
+            jax.jit(lambda t: jb.dot_product_attention(q, k, v, scale=t))(jnp.ones(2))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jaxnn(q, k, v)), atol=2e-6, rtol=2e-6)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["math", "flash_cpp", "efficient"])
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_finfo_min_padding_bias_like_jaxnn(name, bias_dtype):
+    """The usual additive padding mask, ``finfo.min`` on the padded keys: a padded query row (every key
+    at finfo.min) is the mean of V as in jax.nn, not NaN (finfo.min * log2(e) overflowed to -inf in
+    the base-2 kernels, and such a row looked fully masked); a row mixing finfo.min and -inf attends to
+    the finfo.min keys only. Gradients where the padded rows' cotangent is 0 (a loss that ignores
+    them), as in training."""
+    B, T, S, N, H = 2, 37, 29, 2, 16
+    ks = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k = jax.random.normal(ks[1], (B, S, N, H))
+    v = jax.random.normal(ks[2], (B, S, N, H))
+    q_ok = jnp.arange(T)[None, :] < jnp.array([30, T])[:, None]
+    k_ok = jnp.arange(S)[None, :] < jnp.array([20, S])[:, None]
+    low = jnp.finfo(bias_dtype).min
+    bias = jnp.where(q_ok[:, :, None] & k_ok[:, None, :], 0.0, low)[:, None].astype(bias_dtype)
+    bias = bias.at[0, 0, 33, :3].set(-jnp.inf)  # a padded row mixing -inf and finfo.min
+    ct = jnp.where(q_ok[:, :, None, None], jax.random.normal(ks[3], (B, T, N, H)), 0.0)
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v, bias=bias) * ct)
+
+    want = jaxnn(q, k, v, bias=bias)
+    want_g = jax.grad(loss(jaxnn), argnums=(0, 1, 2))(q, k, v)
+    with backend(name):
+        got = jax.jit(lambda q, k, v: jb.dot_product_attention(q, k, v, bias=bias))(q, k, v)
+        got_g = jax.jit(jax.grad(loss(jb.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
+    assert np.isfinite(np.asarray(want)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    for a, b in zip(got_g, want_g):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=5e-5)
 
 
 @pytest.mark.parametrize("name", ["math", "efficient"])
