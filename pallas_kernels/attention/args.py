@@ -27,10 +27,10 @@ SUPPORTED_DTYPES = (
 
 
 def float64_reasons(args: "AttentionArgs", what: str) -> list:
-    """``[reason]`` where ``args`` holds float64 inputs (or a float64 bias) for a kernel that computes in
-    float32, ``what`` (so the dispatcher runs MATH, which keeps float64; a forced backend says why)."""
-    f64 = jnp.dtype(jnp.float64)
-    if jnp.dtype(args.q.dtype) == f64 or (args.bias is not None and jnp.dtype(args.bias.dtype) == f64):
+    """``[reason]`` where ``args`` holds float64 q, k, v for a kernel that computes in float32, ``what``
+    (so the dispatcher runs MATH, which keeps float64; a forced backend says why). A float64 bias with
+    float32 inputs (``jnp.where(mask, 0.0, -1e9)`` under x64) is not a reason: the output is float32."""
+    if jnp.dtype(args.q.dtype) == jnp.dtype(jnp.float64):
         return [f"{what} computes in float32; float64 inputs run on MATH (full precision)"]
     return []
 

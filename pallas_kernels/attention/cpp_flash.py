@@ -18,8 +18,8 @@ bfloat16 q, k and v go to the kernel as they are. On a CPU with AMX-BF16 (Intel 
 and later) the forward runs both matmuls on AMX tiles: bf16 products summed in float32, the softmax
 in float32, its probabilities rounded to bf16 for ``p @ v`` (as torch's and cuDNN's bf16 kernels
 do; :func:`amx` says whether it runs, :func:`set_amx` turns it off). Elsewhere, and for the
-backward, they are widened to float32 (exactly). Other float dtypes are computed in float32 (cast
-once) and cast back.
+backward, they are widened to float32 (exactly). float16 is computed in float32 (cast once) and
+cast back; float64 is refused (the dispatcher runs MATH, which keeps float64).
 
 Peak temporary memory is ``O((T + S) * (H + Hv))`` (packed copies of k and v, plus a dQ buffer per
 thread when there are fewer (batch, kv head) pairs than threads can share), never ``O(T * S)``

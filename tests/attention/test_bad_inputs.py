@@ -58,6 +58,13 @@ def test_masks_and_float64_under_x64():
         mask = jnp.asarray(np.random.default_rng(0).random((9, 9)) > 0.3).at[:, 0].set(True)
         with A.sdpa_kernel(A.SDPBackend.EFFICIENT_ATTENTION):
             got = A.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            bias64 = jnp.where(mask, 0.0, -1e9)  # float64 under x64, with float32 inputs: still runs
+            assert bias64.dtype == jnp.float64
+            np.testing.assert_allclose(
+                np.asarray(A.scaled_dot_product_attention(q, q, q, attn_mask=bias64)),
+                np.asarray(got),
+                atol=1e-6,
+            )
             with pytest.raises(RuntimeError, match="float64 inputs run on MATH"):
                 A.scaled_dot_product_attention(*[q.astype(jnp.float64)] * 3)
         with A.sdpa_kernel(A.SDPBackend.MATH):
