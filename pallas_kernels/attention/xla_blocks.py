@@ -112,10 +112,9 @@ def base2_bias(bias):
 
 
 def _tile_starts(shape, b, kh, i, j, bq, bk):
-    # int32 throughout: under jax_enable_x64 a Python 0 would become int64 next to the int32 indices
-    # (dynamic_slice wants one index type).
-    zero = jnp.int32(0)
-    starts = [zero] * 5
+    # int32 throughout (below): under jax_enable_x64 a Python 0 would become int64 next to the int32
+    # indices (dynamic_slice wants one index type).
+    starts = [0] * 5
     sizes = [1, 1, shape[2], 1, 1]
     if shape[0] > 1:
         starts[0] = b
