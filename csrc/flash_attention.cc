@@ -227,14 +227,17 @@ struct BwdCtx {
   const Problem& p;
   // Per query head bn = b * N + n, packed once: qs[bn][t][0:Hp] = q * scale * log2(e),
   // dos[bn][t][0:Hv] = dO (both zero padded), lse2[bn][t] = lse * log2(e) (+inf where the row
-  // sees nothing, so that P = 0), dl[bn][t] = delta.
-  const float *qs, *dos, *lse2, *dl, *kt, *kp, *vt;
+  // sees nothing, so that P = 0), lo2[bn][t] = 0, dl[bn][t] = delta; P = 2^((s - lse2) - lo2).
+  // Rows whose lse2 is too large for log2(l) to survive in it have (lse2, lo2) replaced by their
+  // exact (m, log2(l)) (see ExactRowStats).
+  const float *qs, *dos, *lse2, *lo2, *dl, *kt, *kp, *vt;
   float *dk, *dv;
 };
 
 // Packs query head bn for the backward (see BwdCtx).
 void PackQueries(const Problem& p, const float* q, const float* dout, const float* lse,
-                 const float* delta, float* qs, float* dos, float* lse2, float* dl, int64_t bn) {
+                 const float* delta, float* qs, float* dos, float* lse2, float* lo2, float* dl,
+                 int64_t bn) {
   const int64_t b = bn / p.N, n = bn % p.N;
   for (int64_t t = 0; t < p.T; ++t) {
     const float* qsrc = q + ((b * p.T + t) * p.N + n) * p.H;
@@ -246,6 +249,7 @@ void PackQueries(const Problem& p, const float* q, const float* dout, const floa
     for (int64_t d = p.Hv; d < p.Hvp; ++d) dd[d] = 0.f;
     const float L = lse[bn * p.T + t];
     lse2[bn * p.T + t] = L == -kInf ? kInf : L * kLog2e;
+    lo2[bn * p.T + t] = 0.f;
     dl[bn * p.T + t] = delta[bn * p.T + t];
   }
 }

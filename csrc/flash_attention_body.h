@@ -261,6 +261,55 @@ void Forward(const Problem& p, const float* q, const float* k, const float* v, f
                 [&](int64_t task, int id) { FwdTask<F32Mats>(x, scratch[id], task); });
 }
 
+// The backward's P = 2^(s - lse2) needs lse2 = m + log2(l) to hold log2(l), and a float holds it
+// only to half an ulp of lse2: past 2^8 that error exceeds float32 rounding, and a row of large
+// logits loses l altogether (a padding bias of -1e9: lse2 ~ -1.44e9, whose ulp is 128, so P was 1
+// where it is 1/S, and the gradients of that row S times too large). Rows with |lse2| >= this
+// have (m, log2(l)) recomputed (ExactRowStats).
+constexpr float kExactStatsFrom = 256.f;
+
+// Rows [t0, t0 + R) of query head (b, n) (R <= bq): their base-2 max m and log2 of l = sum
+// 2^(s - m) over the keys each sees, from the scores as BwdKeyBlock forms them (so that s - m is
+// exact where a row is largest), into m[r] and lo2[r]; a row that sees no key is left alone.
+// s: bq * bk floats of scratch.
+JB_TGT void ExactRowStats(const Problem& p, const float* qs, const float* kt, int64_t b, int64_t n,
+                          int64_t t0, int64_t R, float* s, float* m, float* lo2) {
+  std::vector<int64_t> lo(R), hi(R);
+  std::vector<float> mr(R, -kInf), l(R, 0.f);
+  int64_t first = p.S, last = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    RowRange(p, b, t0 + r, &lo[r], &hi[r]);
+    if (hi[r] > lo[r]) first = std::min(first, lo[r]), last = std::max(last, hi[r]);
+  }
+  const float* ktb = kt + (b * p.K + n / p.G) * p.H * p.Sp;
+  const float* qr = qs + ((b * p.N + n) * p.T + t0) * p.Hp;
+  for (int64_t c0 = first / p.bk * p.bk; c0 < last; c0 += p.bk) {
+    const int64_t nc = std::min(p.bk, p.Sp - c0);
+    Gemm<false>(R, nc, p.H, qr, p.Hp, 1, ktb + c0 * p.H, 16, 16 * p.H, s, p.bk);
+    if (p.cap2 > 0.f) SoftCap(p.cap2, R, nc, s, p.bk);
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s + r * p.bk;
+      if (p.bias || p.mask) BiasMaskRow(p, b, n, t0 + r, c0, nc, sr);
+      if (lo[r] > c0 || hi[r] < c0 + nc || p.q_seg) MaskRow(p, b, t0 + r, lo[r], hi[r], c0, nc, sr);
+      Vf mx = Set1(-kInf);
+      for (int64_t c = 0; c < nc; c += kW) mx = Max(mx, Load(sr + c));
+      const float m_new = std::max(mr[r], HMax(mx));
+      if (m_new == -kInf) continue;
+      const Vf mv = Set1(m_new);
+      Vf sum = Zero();
+      for (int64_t c = 0; c < nc; c += kW) sum = Add(sum, Exp2(Sub(Load(sr + c), mv)));
+      l[r] = (mr[r] == -kInf ? 0.f : l[r] * std::exp2(mr[r] - m_new)) + HSum(sum);
+      mr[r] = m_new;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (l[r] > 0.f && std::isfinite(l[r])) {
+      m[r] = mr[r];
+      lo2[r] = std::log2(l[r]);
+    }
+  }
+}
+
 // Key block j of (batch b, kv head kh): dK / dV of its keys, dQ into dqb.
 // delta = rowsum(dO * O) - dlse; lse of the forward (natural log).
 JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, int64_t kh,
@@ -286,6 +335,7 @@ JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, 
       const float* qs = x.qs + row0 * p.Hp;
       const float* dos = x.dos + row0 * p.Hvp;
       const float* lse2 = x.lse2 + row0;
+      const float* lo2 = x.lo2 + row0;
       const float* dl = x.dl + row0;
       float* pm = sc.pm.data();
       float* ds = sc.ds.data();
@@ -310,13 +360,13 @@ JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, 
         float* db = p.dbias ? p.dbias + (((p.dbias_B == 1 ? 0 : b) * p.dbias_N +
                                           (p.dbias_N == 1 ? 0 : n)) * p.T + t0 + r) * p.S + c0
                             : nullptr;
-        const Vf l2 = Set1(lse2[r]);
+        const Vf l2 = Set1(lse2[r]), r2 = Set1(lo2[r]);
         const Vf dlv = Set1(dl[r]);
         if (p.cap2 > 0.f) {
           // dS also carries the soft cap's derivative (dcap).
           for (int64_t c = 0; c < nc; c += kW) {
             const Vf d = Load(sc.dcap.data() + c);
-            const Vf e = Exp2(Sub(Load(pr + c), l2));
+            const Vf e = Exp2(Sub(Sub(Load(pr + c), l2), r2));
             const Vf g = Mul(e, Sub(Load(dr + c), dlv));
             Store(pr + c, e);
             if (db) Store(sc.gb.data() + c, g);  // the bias gradient: before the cap's factor
@@ -324,7 +374,7 @@ JB_TGT void BwdKeyBlock(const BwdCtx& x, BwdScratch& sc, float* dqb, int64_t b, 
           }
         } else {
           for (int64_t c = 0; c < nc; c += kW) {
-            const Vf e = Exp2(Sub(Load(pr + c), l2));
+            const Vf e = Exp2(Sub(Sub(Load(pr + c), l2), r2));
             Store(pr + c, e);
             Store(dr + c, Mul(e, Sub(Load(dr + c), dlv)));
           }
@@ -370,9 +420,31 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   const auto qs = jb::NewAligned<float>(heads * p.T * p.Hp);
   const auto dos = jb::NewAligned<float>(heads * p.T * p.Hvp);
   const auto lse2 = jb::NewAligned<float>(heads * p.T), dl = jb::NewAligned<float>(heads * p.T);
+  const auto lo2 = jb::NewAligned<float>(heads * p.T);
   ParallelTasks(heads, threads, [&](int64_t bn, int) {
-    PackQueries(p, q, dout, lse, delta, qs.get(), dos.get(), lse2.get(), dl.get(), bn);
+    PackQueries(p, q, dout, lse, delta, qs.get(), dos.get(), lse2.get(), lo2.get(), dl.get(), bn);
   });
+  {  // Runs of up to bq consecutive rows whose lse2 is too large (see kExactStatsFrom).
+    std::vector<jb::AlignedVector<float>> rows(threads, jb::AlignedVector<float>(p.bq * p.bk));
+    ParallelTasks(heads, threads, [&](int64_t bn, int id) {
+      float* l2 = lse2.get() + bn * p.T;
+      // Rows whose cotangent is 0 (dO and delta; a loss that ignores padded rows) are left alone:
+      // their P only ever multiplies 0.
+      const auto big = [&](int64_t t) {
+        if (!std::isfinite(l2[t]) || std::fabs(l2[t]) < kExactStatsFrom) return false;
+        const float* d = dos.get() + (bn * p.T + t) * p.Hvp;
+        return dl[bn * p.T + t] != 0.f || std::any_of(d, d + p.Hv, [](float x) { return x != 0.f; });
+      };
+      for (int64_t t = 0; t < p.T; ++t) {
+        if (!big(t)) continue;
+        int64_t R = 1;
+        while (R < p.bq && t + R < p.T && big(t + R)) ++R;
+        ExactRowStats(p, qs.get(), kt.get(), bn / p.N, bn % p.N, t, R, rows[id].data(), l2 + t,
+                      lo2.get() + bn * p.T + t);
+        t += R - 1;
+      }
+    });
+  }
   // Work goes by owners: sets of (batch, kv head) groups of which one task writes every dK / dV
   // row, dQ row and dbias entry (of a key block). Each group is its own owner, unless the bias's
   // gradient is summed over the batches and / or heads it broadcasts over: then the groups that
@@ -381,7 +453,7 @@ void Backward(const Problem& p, const float* q, const float* k, const float* v,
   const int64_t ob = shared ? p.dbias_B : p.B;             // owners along the batch
   const int64_t ok = shared && p.dbias_N == 1 ? 1 : p.K;  // owners along the kv heads
   const int64_t owners = ob * ok;
-  const BwdCtx x{p, qs.get(), dos.get(), lse2.get(), dl.get(), kt.get(), kp.get(),
+  const BwdCtx x{p, qs.get(), dos.get(), lse2.get(), lo2.get(), dl.get(), kt.get(), kp.get(),
                  vt.get(), dk, dv};
   const auto key_block = [&](BwdScratch& sc, float* dqb, int64_t o, int64_t j) {
     const int64_t b0 = ob == p.B ? o / ok : 0, b1 = ob == p.B ? b0 + 1 : p.B;

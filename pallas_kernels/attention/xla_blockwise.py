@@ -67,16 +67,38 @@ def prepare(args: base.AttentionArgs, config):
 
 def forward(st, q, k, v, bias, aux):
     """Forward of the engine: ``(out, lse)``; FlashAttention-2 algorithm 1 (see :mod:`xla_flash`)."""
-    # One (batch, kv head, query block) per scan step: the matmuls are plain 2-D GEMMs
-    # ([G * bq, H] x [H, bk]), which XLA CPU runs markedly faster than the same work batched.
     cdt = jnp.dtype(st.cdt)
     bq, bk = st.bq, st.bk
     qb_all = blk.q_blocks((q.astype(cdt) * jnp.asarray(blk.q_scale(st), cdt)), st, bq)
-    kb_all = blk.kv_blocks(k.astype(cdt), bk)
-    vb_all = blk.kv_blocks(v.astype(cdt), bk)
-    d = blk.data_blocks(st, bias, aux, bq, bk)
+    m, l, acc = _softmax_rows(
+        st,
+        qb_all,
+        blk.kv_blocks(k.astype(cdt), bk),
+        blk.kv_blocks(v.astype(cdt), bk),
+        blk.data_blocks(st, bias, aux, bq, bk),
+        aux,
+        bq,
+        bk,
+        blk.varying_axes(q, k, v, bias, aux),
+    )
+    if st.dropout_rate > 0:
+        acc = acc * (1.0 / (1.0 - st.dropout_rate))
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
+    lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * blk.LN2)
+    out = blk.q_unblock(out, st, bq).astype(st.dtype)
+    return out, blk.row_unblock(lse, st, bq)
+
+
+def _softmax_rows(st, qb_all, kb_all, vb_all, d, aux, bq, bk, axes):
+    """The online softmax of every query block over the key blocks it sees: ``(m, l, acc)`` blocked
+    ([B, K, nq, G * bq] and [B, K, nq, G * bq, Hv]): the base-2 row max, the row sum of 2^(s - m),
+    and P V (dropout applied, unscaled). Without ``vb_all`` (None) only m and l are computed, and
+    acc is None."""
+    cdt = jnp.dtype(st.cdt)
+    # One (batch, kv head, query block) per scan step: the matmuls are plain 2-D GEMMs
+    # ([G * bq, H] x [H, bk]), which XLA CPU runs markedly faster than the same work batched.
     B, K, nq, R = st.B, st.K, qb_all.shape[2], st.G * bq
-    axes = blk.varying_axes(q, k, v, bias, aux)
+    values = vb_all is not None
 
     def q_block(_, xs):
         t, qb = xs
@@ -85,7 +107,7 @@ def forward(st, q, k, v, bias, aux):
 
         def step(structural):
             def body(j, carry):
-                m_prev, l_prev, acc = carry
+                m_prev, l_prev, acc = carry if values else (*carry, None)
                 s, _ = blk.block_logits(
                     st,
                     qb,
@@ -104,6 +126,8 @@ def forward(st, q, k, v, bias, aux):
                 p = jnp.exp2(s - m_use[..., None])
                 alpha = jnp.exp2(m_prev - m_use)
                 l_new = alpha * l_prev + jnp.sum(p, axis=-1)
+                if not values:
+                    return m_new, l_new
                 if st.dropout_rate > 0:
                     p = jnp.where(blk.dropout_keep(st, aux["seed"], b, kh, i, j, bq, bk), p, 0.0)
                 pv = jnp.einsum(
@@ -118,30 +142,47 @@ def forward(st, q, k, v, bias, aux):
             return body
 
         jlo, ulo, uhi, jhi = blk.fwd_ranges(st, i, bq, bk)
-        carry = blk.vary(
-            (
-                jnp.full((1, 1, R), -jnp.inf, jnp.float32),
-                jnp.zeros((1, 1, R), jnp.float32),
-                jnp.zeros((1, 1, R, st.Hv), jnp.float32),
-            ),
-            axes,
+        carry = (jnp.full((1, 1, R), -jnp.inf, jnp.float32), jnp.zeros((1, 1, R), jnp.float32))
+        if values:
+            carry += (jnp.zeros((1, 1, R, st.Hv), jnp.float32),)
+        carry = blk.banded_loop(
+            jlo, ulo, uhi, jhi, step, blk.vary(carry, axes), st.structural or st.S % bk > 0
         )
-        carry = blk.banded_loop(jlo, ulo, uhi, jhi, step, carry, st.structural or st.S % bk > 0)
-        m, l, acc = carry
-        if st.dropout_rate > 0:
-            acc = acc * (1.0 / (1.0 - st.dropout_rate))
-        out = acc / jnp.where(l == 0, 1.0, l)[..., None]
-        lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * blk.LN2)
-        return None, (out[0, 0], lse[0, 0])
+        return None, tuple(x[0, 0] for x in carry)
 
     n = B * K * nq
-    _, (ob, lseb) = lax.scan(q_block, None, (jnp.arange(n, dtype=jnp.int32), qb_all.reshape(n, R, st.H)))
-    out = blk.q_unblock(ob.reshape(B, K, nq, R, st.Hv), st, bq).astype(st.dtype)
-    lse = blk.row_unblock(lseb.reshape(B, K, nq, R), st, bq)
-    return out, lse
+    _, rows = lax.scan(q_block, None, (jnp.arange(n, dtype=jnp.int32), qb_all.reshape(n, R, st.H)))
+    m, l, *acc = (x.reshape(B, K, nq, *x.shape[1:]) for x in rows)
+    return m, l, (acc[0] if values else None)
 
 
 # ---- backward ----------------------------------------------------------------------------------
+
+#: The backward's P = 2^(s - lse2) needs lse2 = m + log2(l) to hold log2(l), and a float holds it only
+#: to half an ulp of lse2: past 2^8 that error exceeds float32 rounding, and a row of large logits
+#: loses l altogether (a padding bias of -1e9: lse2 ~ -1.44e9, whose ulp is 128, so P was 1 where it
+#: is 1/S and that row's gradients S times too large). Rows with |lse2| >= this have (m, log2(l))
+#: recomputed (:func:`_exact_stats`); the C++ kernel does the same (ExactRowStats).
+EXACT_STATS_FROM = 256.0
+
+
+def _exact_stats(st, lse_all, live, qb_all, kb_all, d, aux, bq, bk, axes):
+    """``(ref, lo)``, blocked rows with P = 2^((s - ref) - lo): ``(lse2, 0)``, except rows whose
+    |lse2| >= :data:`EXACT_STATS_FROM` and whose cotangent is not 0 (``live``; a loss that ignores
+    padded rows never uses their P), which get their exact ``(m, log2(l))``. The recompute (one more
+    pass of q k^T) runs only when such a row exists (``lax.cond``; under ``vmap`` both run)."""
+    big = live & jnp.isfinite(lse_all) & (jnp.abs(lse_all) >= EXACT_STATS_FROM)
+
+    def exact():
+        m, l, _ = _softmax_rows(st, qb_all, kb_all, None, d, aux, bq, bk, axes)
+        use = big & (l > 0) & jnp.isfinite(l)
+        lo = jnp.log2(jnp.where(use, l, 1.0))
+        return blk.vary((jnp.where(use, m, lse_all), jnp.where(use, lo, 0.0)), axes)
+
+    def keep():
+        return blk.vary((lse_all, jnp.zeros_like(lse_all)), axes)
+
+    return lax.cond(jnp.any(big), exact, keep)
 
 
 def backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
@@ -164,6 +205,9 @@ def backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     d = blk.data_blocks(st, bias, aux, bq, bk)
     B, K, nk = st.B, st.K, kb_all.shape[2]
     axes = blk.varying_axes(q, k, v, bias, aux, out, lse, g_out, g_lse)
+    live = jnp.any(g_out != 0, axis=-1).transpose(0, 2, 1) | (delta != 0)  # rows whose P is used
+    live = blk.row_blocks(live, st, bq, False)
+    lse_all, lo_all = _exact_stats(st, lse_all, live, qb_all, kb_all, d, aux, bq, bk, axes)
     dq0 = blk.vary(jnp.zeros(qb_all.shape, jnp.float32), axes)
     db0 = None if d["bias"] is None else blk.vary(jnp.zeros(d["bias"].shape, jnp.float32), axes)
 
@@ -179,7 +223,9 @@ def backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
                 qb, dob = qb_all[b, kh, i][None, None], do_all[b, kh, i][None, None]
                 td = blk.tile_data(d, b, i, j)
                 s, t = blk.block_logits(st, qb, kb, b, kh, i, j, bq, bk, structural, td)
-                p = jnp.exp2(s - lse_all[b, kh, i][None, None, :, None])
+                p = jnp.exp2(
+                    (s - lse_all[b, kh, i][None, None, :, None]) - lo_all[b, kh, i][None, None, :, None]
+                )
                 dp = jnp.einsum(
                     "bkrv,bkcv->bkrc", dob, vb, precision=blk.HIGHEST, preferred_element_type=jnp.float32
                 )

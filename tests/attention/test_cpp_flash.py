@@ -613,3 +613,26 @@ def test_amx_switch():
     args = make_case(Case("bfloat16", "top_left", 40, 40, 32, 2))
     hlo = jax.jit(lambda a: cpp_flash.attention(a)[0]).lower(args).as_text()
     assert cpp_flash.FORWARD_BF16_TARGET in hlo and cpp_flash.FORWARD_TARGET not in hlo
+
+
+@pytest.mark.parametrize("low", [-1e9, -3e38, -300.0])
+@pytest.mark.usefixtures("isa")
+def test_rows_of_large_negative_logits_keep_their_gradients(low, two_threads):
+    """Query rows whose every key carries a large negative bias (the padded rows of
+    ``jnp.where(mask, 0, -1e9)``), under a cotangent that does not ignore them: gradients (dbias
+    included) as the reference's. The backward's P = 2^(s - lse2) lost log2(l) in lse2 ~ -1.44e9
+    (ulp 128): P was 1 where it is 1/S, and those rows' gradients S times too large."""
+    del two_threads
+    key = jax.random.split(jax.random.key(3), 4)
+    B, T, S = 2, 45, 70
+    q = jax.random.normal(key[0], (B, T, 2, 32))
+    k = jax.random.normal(key[1], (B, S, 1, 32))
+    v = jax.random.normal(key[2], (B, S, 1, 24))
+    rows = jnp.arange(T)[None, :] < jnp.array([30, T])[:, None]
+    bias = jnp.where(rows[:, None, :, None], jax.random.normal(key[3], (B, 1, T, S)), low)
+    bias = bias.at[0, 0, 40, :5].set(-jnp.inf)  # a large row that also has masked keys
+    args = base.make_args(q, k, v, bias=bias)
+    _check(args, CFG)
+    got = grads_of(functools.partial(cpp_flash.attention, config=CFG), args, jit=True)[3]
+    want = grads_of(base.reference, args, jit=True)[3]
+    assert_close(got, want, 5e-5 * float(jnp.abs(want).max() + 1), "dbias")
