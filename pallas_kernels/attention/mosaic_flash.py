@@ -101,6 +101,7 @@ __all__ = ["Config", "BwdConfig", "attention", "forward", "backward", "unsupport
 
 GPU_PLATFORMS = gpu.GPU_PLATFORMS
 _LOG2E = math.log2(math.e)
+_FLT_MAX = float(jnp.finfo(jnp.float32).max)
 _LN2 = math.log(2.0)
 _HEAD_DIMS = (64, 128, 256)
 _DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -315,7 +316,11 @@ def _logits2(qk, s: _Shape, bias=None):
         if s.softcap is not None:
             t = 1.0 - 2.0 / (jnp.exp2(qk * (2.0 * _LOG2E * s.scale / s.softcap)) + 1.0)
             logits = t * s.softcap
-        return (logits + bias.astype(jnp.float32)) * _LOG2E, t
+        x = logits + bias.astype(jnp.float32)
+        # Kept finite where x is: finfo.min (the usual additive padding mask) times log2(e) would be
+        # -inf, and a row of it would look fully masked where jax.nn gives the mean of V. max(min(x,
+        # -FLT_MAX), .) changes nothing else; x = -inf stays -inf and a NaN stays NaN.
+        return jnp.maximum(jnp.minimum(x, -_FLT_MAX), x * _LOG2E), t
     if s.softcap is None:
         return qk, None
     # tanh(x) = 1 - 2 / (e^(2x) + 1) through exp2: with approx_math a compiled jnp.tanh is

@@ -343,18 +343,7 @@ class TestMosaicFlashCompiled(_Compiled):
 
 @pytest.mark.parametrize(
     "path",
-    [
-        "default",
-        "efficient",
-        pytest.param(
-            "mosaic",
-            marks=pytest.mark.xfail(
-                reason="mosaic_flash._logits2 scales (logits + bias) by log2(e) unclamped: finfo.min "
-                "overflows to -inf (fixed on CPU 2026-11-28, not yet here)",
-                strict=False,
-            ),
-        ),
-    ],
+    ["default", "efficient", "mosaic"],
 )
 def test_finfo_min_padding_bias_on_the_gpu_matches_jax_nn(path):
     """The usual additive padding mask (bf16 finfo.min on padded keys and queries): a padded row is the

@@ -170,6 +170,33 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
+    def test_finfo_min_padding_bias_like_jax_nn(self):
+        """The usual additive padding mask (bf16 ``finfo.min`` on padded keys and queries): a padded row
+        is the mean of V as in jax.nn (``(logits + bias) * log2(e)`` overflowed to -inf, and such a row
+        looked fully masked). Gradients where the padded rows' cotangent is 0, as in training (the
+        backward rebuilds P from the float32 LSE alone: docs/attention.md)."""
+        rng = np.random.default_rng(5)
+        B, T, N, H = 1, 128, 1, 64
+        q, k, v = (jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.bfloat16) for _ in range(3))
+        ok = jnp.arange(T) < 80
+        bias = jnp.where(ok[:, None] & ok[None, :], 0.0, jnp.finfo(jnp.bfloat16).min)[None, None]
+        bias = bias.astype(jnp.bfloat16)
+        ct = jnp.where(ok[None, :, None, None], jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32), 0.0)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+        def loss(f):
+            return lambda q, k, v: jnp.sum(f32(f(q, k, v)) * ct)
+
+        ours = lambda q, k, v: self.impl(base.make_args(q, k, v, bias=bias))[0]  # noqa: E731
+        theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=f32(bias))  # noqa: E731
+        np.testing.assert_allclose(
+            np.asarray(f32(ours(q, k, v))), np.asarray(theirs(f32(q), f32(k), f32(v))), atol=1e-2, rtol=1e-2
+        )
+        got = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+        want = jax.grad(loss(theirs), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(f32(a)), np.asarray(b), atol=3e-2, rtol=3e-2)
+
     def test_fully_masked_rows_give_zero_output_and_grads(self):
         """Rows a bottom-right diagonal leaves without a key: output 0, LSE -inf, zero finite grads."""
         args = make_case(Case("float16", "lower_right", 256, 100, 64, 1, K=1, B=1))
