@@ -34,6 +34,7 @@ Array = Any
 GPU_PLATFORMS = gpu.GPU_PLATFORMS
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+_FLT_MAX = float(jnp.finfo(jnp.float32).max)
 _MAX_HEAD_DIM = 256
 _KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -242,6 +243,13 @@ def scores(spec: Spec, q, k, rows, cols, *, bias_tile=None, mask=None):
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     return s, t
+
+
+def base2(x):
+    """``x * log2(e)``, kept finite where ``x`` is: a ``finfo.min`` bias (the usual additive padding
+    mask) would otherwise become ``-inf``, and a row of it would look fully masked where jax.nn gives
+    the mean of V. ``-inf`` stays ``-inf`` and NaN stays NaN."""
+    return jnp.maximum(jnp.minimum(x, -_FLT_MAX), x * LOG2E)
 
 
 def dropout_keep(spec: Spec, seed_ref, b, n, rows, cols):

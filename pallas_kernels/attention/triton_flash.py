@@ -59,6 +59,7 @@ from pallas_kernels.attention.triton_common import (
     LN2,
     LOG2E,
     Spec,
+    base2,
     block,
     call_operands,
     check_config,
@@ -156,7 +157,7 @@ def _fwd_kernel(
                 key_bounds=not interior,
             )
         s, _ = scores(spec, q, k, rows, cols, bias_tile=bias_tile, mask=mask)
-        s = s * LOG2E
+        s = s * LOG2E if bias_tile is None else base2(s)
         # Online softmax (FlashAttention-2, section 3.1.1), in base 2. `m_safe` stays finite for rows
         # that have only seen masked keys so far, so exp2(-inf - m_safe) = 0 instead of NaN.
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))

@@ -134,7 +134,10 @@ def _bwd_kernel(
             force_bounds=ragged_q,
         )
         s, t = common.scores(spec, q, k, rows, cols, bias_tile=bias_tile, mask=mask)
-        p = jnp.exp2((s - lse[:, None]) * _LOG2E)
+        if bias_tile is None:
+            p = jnp.exp2((s - lse[:, None]) * _LOG2E)
+        else:  # in the forward's base 2, kept finite (common.base2: finfo.min padding biases)
+            p = jnp.exp2(common.base2(s) - common.base2(lse)[:, None])
         dp = plgpu.dot(do, v, trans_b=True, precision=spec.precision)
         if spec.dropout_rate > 0:
             keep = common.dropout_keep(spec, seed_ref, b, kh * G + g, rows, cols)

@@ -526,7 +526,7 @@ def test_traced_scale_like_jaxnn(name):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["math", "flash_cpp", "efficient"])
+@pytest.mark.parametrize("name", ["math", "flash_cpp", "efficient", "pallas_efficient"])
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 def test_finfo_min_padding_bias_like_jaxnn(name, bias_dtype):
     """The usual additive padding mask, ``finfo.min`` on the padded keys: a padded query row (every key
