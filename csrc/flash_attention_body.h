@@ -262,15 +262,18 @@ void Forward(const Problem& p, const float* q, const float* k, const float* v, f
 }
 
 // The backward's P = 2^(s - lse2) needs lse2 = m + log2(l) to hold log2(l), and a float holds it
-// only to half an ulp of lse2: past 2^8 that error exceeds float32 rounding, and a row of large
-// logits loses l altogether (a padding bias of -1e9: lse2 ~ -1.44e9, whose ulp is 128, so P was 1
-// where it is 1/S, and the gradients of that row S times too large). Rows with |lse2| >= this
-// have (m, log2(l)) recomputed (ExactRowStats).
+// only to half an ulp of lse2: P's relative error grows with |lse2| (~1e-5 at 256), and a row of
+// large logits loses l altogether (a padding bias of -1e9: lse2 ~ -1.44e9, whose ulp is 128, so P
+// was 1 where it is 1/S, and the gradients of that row S times too large). Rows with |lse2| >= this
+// (a tolerance choice) have (m, log2(l)) recomputed (ExactRowStats).
 constexpr float kExactStatsFrom = 256.f;
 
 // Rows [t0, t0 + R) of query head (b, n) (R <= bq): their base-2 max m and log2 of l = sum
 // 2^(s - m) over the keys each sees, from the scores as BwdKeyBlock forms them (so that s - m is
-// exact where a row is largest), into m[r] and lo2[r]; a row that sees no key is left alone.
+// exact where a row is largest), into m[r] and lo2[r], in place of the lse2 in m[r] (and 0 in
+// lo2[r]) where m + log2(l) agrees with that lse2 to 2^-20 of it. Elsewhere the row is left alone:
+// a row that sees no key, and one whose lse2 covers keys this call does not see (a ring's
+// backward passes each key shard the global lse), whose local statistics are not its softmax's.
 // s: bq * bk floats of scratch.
 JB_TGT void ExactRowStats(const Problem& p, const float* qs, const float* kt, int64_t b, int64_t n,
                           int64_t t0, int64_t R, float* s, float* m, float* lo2) {
@@ -303,9 +306,11 @@ JB_TGT void ExactRowStats(const Problem& p, const float* qs, const float* kt, in
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    if (l[r] > 0.f && std::isfinite(l[r])) {
+    if (!(l[r] > 0.f) || !std::isfinite(l[r])) continue;
+    const float r2 = std::log2(l[r]);
+    if (std::fabs(mr[r] + r2 - m[r]) <= std::fabs(m[r]) * 0x1p-20f) {
       m[r] = mr[r];
-      lo2[r] = std::log2(l[r]);
+      lo2[r] = r2;
     }
   }
 }

@@ -159,10 +159,11 @@ def _softmax_rows(st, qb_all, kb_all, vb_all, d, aux, bq, bk, axes):
 # ---- backward ----------------------------------------------------------------------------------
 
 #: The backward's P = 2^(s - lse2) needs lse2 = m + log2(l) to hold log2(l), and a float holds it only
-#: to half an ulp of lse2: past 2^8 that error exceeds float32 rounding, and a row of large logits
-#: loses l altogether (a padding bias of -1e9: lse2 ~ -1.44e9, whose ulp is 128, so P was 1 where it
-#: is 1/S and that row's gradients S times too large). Rows with |lse2| >= this have (m, log2(l))
-#: recomputed (:func:`_exact_stats`); the C++ kernel does the same (ExactRowStats).
+#: to half an ulp of lse2: P's relative error grows with |lse2| (~1e-5 at 256), and a row of large
+#: logits loses l altogether (a padding bias of -1e9: lse2 ~ -1.44e9, whose ulp is 128, so P was 1
+#: where it is 1/S and that row's gradients S times too large). Rows with |lse2| >= this (a tolerance
+#: choice) have (m, log2(l)) recomputed (:func:`_exact_stats`); the C++ kernel does the same
+#: (ExactRowStats).
 EXACT_STATS_FROM = 256.0
 
 
@@ -170,13 +171,16 @@ def _exact_stats(st, lse_all, live, qb_all, kb_all, d, aux, bq, bk, axes):
     """``(ref, lo)``, blocked rows with P = 2^((s - ref) - lo): ``(lse2, 0)``, except rows whose
     |lse2| >= :data:`EXACT_STATS_FROM` and whose cotangent is not 0 (``live``; a loss that ignores
     padded rows never uses their P), which get their exact ``(m, log2(l))``. The recompute (one more
-    pass of q k^T) runs only when such a row exists (``lax.cond``; under ``vmap`` both run)."""
+    pass of q k^T, over every row) runs only when such a row exists (``lax.cond``; under ``vmap`` both
+    run). The exact pair replaces lse2 only where ``m + log2(l)`` agrees with it to 2^-20 of it: a
+    ring's backward passes each key shard the global lse, which the shard's own statistics are not."""
     big = live & jnp.isfinite(lse_all) & (jnp.abs(lse_all) >= EXACT_STATS_FROM)
 
     def exact():
         m, l, _ = _softmax_rows(st, qb_all, kb_all, None, d, aux, bq, bk, axes)
         use = big & (l > 0) & jnp.isfinite(l)
         lo = jnp.log2(jnp.where(use, l, 1.0))
+        use &= jnp.abs(m + lo - lse_all) <= jnp.abs(lse_all) * 2.0**-20
         return blk.vary((jnp.where(use, m, lse_all), jnp.where(use, lo, 0.0)), axes)
 
     def keep():
