@@ -6,6 +6,12 @@ and float64 left off (references upcast explicitly with numpy where they need it
 The ``gpu`` lane: tests marked ``@pytest.mark.gpu`` run compiled kernels on a CUDA GPU and are
 skipped where JAX sees none. On a GPU machine run them with
 ``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu`` (the default here is ``cpu``).
+
+The ``extended`` cases: the big parameter grids below are thinned in the default run (the README's
+test line, which CI runs in three environments, must stay near 15 minutes on 2 cores): of each test
+named in ``THINNED`` the default run keeps every k-th parametrized case, in collection order, and
+deselects the rest. ``python -m pytest --extended`` (or ``JBACKENDS_EXTENDED_TESTS=1``) runs every
+case; run it after touching a kernel, and before a release.
 """
 
 import os
@@ -22,8 +28,106 @@ import pytest  # noqa: E402
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        default=False,
+        help="run every case of the thinned parameter grids (tests/conftest.py THINNED)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs compiled kernels on a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "extended: a case the default run leaves out (run with --extended)")
+
+
+THINNED = {  # test (node id without its parameters) -> k: keep every k-th case; 0: none
+    "tests/attention/test_jaxnn_dropin.py::test_grad_of_grad_matches_math_on_every_backend": 5,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_mask_modes_with_gradients": 5,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_gqa_vmap_and_lse_cotangent": 4,
+    "tests/attention/test_jaxnn_dropin.py::test_extensions_fully_masked_rows_give_mean_of_v": 4,
+    "tests/attention/test_jaxnn_dropin.py::test_lengths_and_structural_masks_fully_masked_rows_match_jaxnn": 4,
+    "tests/attention/test_jaxnn_dropin.py::test_residual_gradient_is_jaxnn_zero_and_true_on_request": 4,
+    "tests/attention/test_jaxnn_dropin.py::test_residual_in_input_dtype_and_vjp_with_that_cotangent": 4,
+    "tests/attention/test_jaxnn_dropin.py::test_padded_rows_gradients_like_jaxnn": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_bias_gradient": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_zero_option_and_torch_api_give_zeros": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_finfo_min_padding_bias_like_jaxnn": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_bool_mask_fully_masked_rows_match_jaxnn_with_grads": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_traced_scale_like_jaxnn": 2,
+    "tests/attention/test_jaxnn_dropin.py::test_cudnn_second_order_matches_math": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_local_window_without_mask": 2,
+    "tests/attention/test_math.py::TestMath::test_grid": 4,
+    "tests/attention/test_xla_flash.py::TestXlaFlash::test_grid": 4,
+    "tests/attention/test_cpp_flash.py::TestCpuFlash::test_grid": 4,
+    "tests/attention/test_xla_mem_efficient.py::TestXlaMemEfficient::test_grid": 3,
+    "tests/int4/test_pallas_triton.py::test_swap_ab_and_byte_planes_compute_the_same_product": 3,
+    "tests/int4/test_pallas_triton.py::test_w4a16_search_space_options_near_float64": 3,
+    "tests/attention/test_pallas_parity.py::test_mem_efficient": 3,
+    "tests/attention/test_pallas_parity.py::test_flash": 3,
+    "tests/attention/test_pallas_parity.py::test_decode": 2,
+    "tests/attention/test_mosaic_flash.py::test_forward_and_gradient_lower_for_cuda": 4,
+    "tests/test_gpu_benchmarks.py::test_tune_gpu_mosaic_cases_plumbing": 0,
+    "tests/test_gpu_benchmarks.py::test_gpu_session_script_limits_and_bad_settings": 2,
+    "tests/attention/test_bad_inputs.py::test_empty_dimensions_give_torchs_result_on_every_backend": 4,
+    "tests/attention/test_xla_mem_efficient.py::test_bias_broadcast_patterns_and_bias_grad": 3,
+    "tests/int4/test_impls.py::test_cpp_weight_only_bfloat16": 4,
+    "tests/test_sharding.py::test_sequence_split_runs_a_ring": 3,
+    "tests/test_sharding.py::test_sharded_inputs_stay_sharded_with_no_all_gather": 3,
+    "tests/int4/test_impls.py::test_cpp_group_path_every_isa": 4,
+    "tests/attention/test_pallas_base.py::TestPallasDecodeInterpret::test_grid": 3,
+    "tests/attention/test_xla_flash.py::test_block_skipping_matches_reference": 3,
+    "tests/attention/test_cpp_flash.py::test_bias_and_mask_broadcasts": 3,
+    "tests/attention/test_cpp_flash.py::test_threaded_paths_match_reference": 3,
+    "tests/attention/test_cpp_flash.py::test_broadcast_bias_gradient_is_summed_in_the_kernel": 3,
+    "tests/attention/test_cpp_flash.py::test_rows_of_large_negative_logits_keep_their_gradients": 3,
+    "tests/attention/test_cpp_flash.py::test_own_threads_match_xla_pool": 3,
+    "tests/test_flags.py::test_bad_input": 3,
+    "tests/int4/test_edge_cases.py::test_nonfinite_rows_follow_torch_on_every_engine": 2,
+    "tests/attention/test_pallas_base.py::TestPallasFlashInterpret::test_grid": 2,
+    "tests/attention/test_pallas_base.py::TestPallasMemEfficientInterpret::test_grid": 3,
+    "tests/int4/test_impls.py::TestXla::test_bit_exact": 3,
+    "tests/attention/test_bad_inputs.py::test_any_finite_scale_is_accepted_like_torch": 3,
+    "tests/int4/test_pallas_triton.py::test_w4a8_heuristic_configs_bit_exact": 3,
+    "tests/int4/test_pallas_triton.py::test_w4a8_windows_wider_than_the_group": 2,
+    "tests/attention/test_cpp_flash.py::test_block_ranges_match_reference": 3,
+    "tests/int4/test_impls.py::test_cpp_weight_only_float32_blocked": 4,
+    "tests/int4/test_edge_cases.py::test_int4_linear_keeps_the_layer_dtype": 4,
+    "tests/int4/test_edge_cases.py::test_dyn_quant_grad_is_straight_through_on_every_engine": 2,
+    "tests/attention/test_cpp_flash.py::test_soft_cap_matches_reference": 2,
+    "tests/int4/test_impls.py::test_cpp_weight_only_one_row_integer_dots": 2,
+    "tests/attention/test_mosaic_flash.py::test_overlapped_forward_lowers_for_cuda": 2,
+    "tests/int4/test_impls.py::TestPallasInterpret::test_bit_exact": 3,
+    "tests/attention/test_pallas_parity.py::test_decode_split_counts_agree": 3,
+    "tests/int4/test_edge_cases.py::test_nonfinite_bfloat16_rows_follow_torchs_bfloat16_kernel": 2,
+    "tests/int4/test_reference.py::test_reference_equals_numpy_float64": 2,
+    "tests/test_sharding.py::test_int4_keeps_row_and_feature_sharding": 2,
+    "tests/attention/test_pallas_export.py::test_forward_and_backward_lower_to_triton_for_cuda": 2,
+    "tests/test_gpu_benchmarks.py::test_tune_gpu_smoke": 0,
+    "tests/test_gpu_benchmarks.py::test_attention_gpu_feature_rows_of_the_mosaic_kernel": 0,
+    "tests/int4/test_impls.py::test_long_channelwise_rows_exact": 0,
+}
+
+
+def _thin(config, items):
+    """Marks the cases THINNED leaves out ``extended`` and, without --extended, deselects them."""
+    run_all = config.getoption("--extended") or os.environ.get("JBACKENDS_EXTENDED_TESTS") == "1"
+    seen, keep, dropped = {}, [], []
+    for item in items:
+        key = item.nodeid.split("[", 1)[0]
+        k = THINNED.get(key)
+        if k is not None:
+            i = seen[key] = seen.get(key, -1) + 1
+            if k == 0 or i % k:
+                item.add_marker(pytest.mark.extended)
+                if not run_all:
+                    dropped.append(item)
+                    continue
+        keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -45,6 +149,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
+    _thin(config, items)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu on a GPU machine)")
