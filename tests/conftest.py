@@ -9,9 +9,9 @@ skipped where JAX sees none. On a GPU machine run them with
 
 The ``extended`` cases: the big parameter grids below are thinned in the default run (the README's
 test line, which CI runs in three environments, must stay near 15 minutes on 2 cores): of each test
-named in ``THINNED`` the default run keeps every k-th parametrized case, in collection order, and
-deselects the rest. ``python -m pytest --extended`` (or ``JBACKENDS_EXTENDED_TESTS=1``) runs every
-case; run it after touching a kernel, and before a release.
+named in ``THINNED`` the default run keeps every k-th parametrized case (in collection order) and
+the first case of each backend (ISA, engine), and deselects the rest. ``python -m pytest --extended`` (or
+``JBACKENDS_EXTENDED_TESTS=1``) runs every case; run it after touching a kernel, and before a release.
 """
 
 import os
@@ -42,27 +42,27 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "extended: a case the default run leaves out (run with --extended)")
 
 
-THINNED = {  # test (node id without its parameters) -> k: keep every k-th case; 0: none
-    "tests/attention/test_jaxnn_dropin.py::test_grad_of_grad_matches_math_on_every_backend": 5,
-    "tests/attention/test_jaxnn_dropin.py::test_upstream_mask_modes_with_gradients": 5,
-    "tests/attention/test_jaxnn_dropin.py::test_upstream_gqa_vmap_and_lse_cotangent": 4,
+THINNED = {  # test (node id without its parameters) -> k: every k-th case (see _thin); 0: none
+    "tests/attention/test_jaxnn_dropin.py::test_grad_of_grad_matches_math_on_every_backend": 12,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_mask_modes_with_gradients": 12,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_gqa_vmap_and_lse_cotangent": 9,
     "tests/attention/test_jaxnn_dropin.py::test_extensions_fully_masked_rows_give_mean_of_v": 4,
     "tests/attention/test_jaxnn_dropin.py::test_lengths_and_structural_masks_fully_masked_rows_match_jaxnn": 4,
     "tests/attention/test_jaxnn_dropin.py::test_residual_gradient_is_jaxnn_zero_and_true_on_request": 4,
-    "tests/attention/test_jaxnn_dropin.py::test_residual_in_input_dtype_and_vjp_with_that_cotangent": 4,
-    "tests/attention/test_jaxnn_dropin.py::test_padded_rows_gradients_like_jaxnn": 3,
-    "tests/attention/test_jaxnn_dropin.py::test_upstream_bias_gradient": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_residual_in_input_dtype_and_vjp_with_that_cotangent": 7,
+    "tests/attention/test_jaxnn_dropin.py::test_padded_rows_gradients_like_jaxnn": 14,
+    "tests/attention/test_jaxnn_dropin.py::test_upstream_bias_gradient": 4,
     "tests/attention/test_jaxnn_dropin.py::test_zero_option_and_torch_api_give_zeros": 3,
-    "tests/attention/test_jaxnn_dropin.py::test_finfo_min_padding_bias_like_jaxnn": 3,
+    "tests/attention/test_jaxnn_dropin.py::test_finfo_min_padding_bias_like_jaxnn": 9,
     "tests/attention/test_jaxnn_dropin.py::test_bool_mask_fully_masked_rows_match_jaxnn_with_grads": 3,
     "tests/attention/test_jaxnn_dropin.py::test_traced_scale_like_jaxnn": 2,
     "tests/attention/test_jaxnn_dropin.py::test_cudnn_second_order_matches_math": 3,
     "tests/attention/test_jaxnn_dropin.py::test_upstream_local_window_without_mask": 2,
     "tests/attention/test_math.py::TestMath::test_grid": 4,
     "tests/attention/test_xla_flash.py::TestXlaFlash::test_grid": 4,
-    "tests/attention/test_cpp_flash.py::TestCpuFlash::test_grid": 4,
+    "tests/attention/test_cpp_flash.py::TestCpuFlash::test_grid": 8,
     "tests/attention/test_xla_mem_efficient.py::TestXlaMemEfficient::test_grid": 3,
-    "tests/int4/test_pallas_triton.py::test_swap_ab_and_byte_planes_compute_the_same_product": 3,
+    "tests/int4/test_pallas_triton.py::test_swap_ab_and_byte_planes_compute_the_same_product": 6,
     "tests/int4/test_pallas_triton.py::test_w4a16_search_space_options_near_float64": 3,
     "tests/attention/test_pallas_parity.py::test_mem_efficient": 3,
     "tests/attention/test_pallas_parity.py::test_flash": 3,
@@ -72,15 +72,15 @@ THINNED = {  # test (node id without its parameters) -> k: keep every k-th case;
     "tests/test_gpu_benchmarks.py::test_gpu_session_script_limits_and_bad_settings": 2,
     "tests/attention/test_bad_inputs.py::test_empty_dimensions_give_torchs_result_on_every_backend": 4,
     "tests/attention/test_xla_mem_efficient.py::test_bias_broadcast_patterns_and_bias_grad": 3,
-    "tests/int4/test_impls.py::test_cpp_weight_only_bfloat16": 4,
+    "tests/int4/test_impls.py::test_cpp_weight_only_bfloat16": 12,
     "tests/test_sharding.py::test_sequence_split_runs_a_ring": 3,
-    "tests/test_sharding.py::test_sharded_inputs_stay_sharded_with_no_all_gather": 3,
-    "tests/int4/test_impls.py::test_cpp_group_path_every_isa": 4,
+    "tests/test_sharding.py::test_sharded_inputs_stay_sharded_with_no_all_gather": 6,
+    "tests/int4/test_impls.py::test_cpp_group_path_every_isa": 12,
     "tests/attention/test_pallas_base.py::TestPallasDecodeInterpret::test_grid": 3,
     "tests/attention/test_xla_flash.py::test_block_skipping_matches_reference": 3,
-    "tests/attention/test_cpp_flash.py::test_bias_and_mask_broadcasts": 3,
-    "tests/attention/test_cpp_flash.py::test_threaded_paths_match_reference": 3,
-    "tests/attention/test_cpp_flash.py::test_broadcast_bias_gradient_is_summed_in_the_kernel": 3,
+    "tests/attention/test_cpp_flash.py::test_bias_and_mask_broadcasts": 6,
+    "tests/attention/test_cpp_flash.py::test_threaded_paths_match_reference": 7,
+    "tests/attention/test_cpp_flash.py::test_broadcast_bias_gradient_is_summed_in_the_kernel": 6,
     "tests/attention/test_cpp_flash.py::test_rows_of_large_negative_logits_keep_their_gradients": 3,
     "tests/attention/test_cpp_flash.py::test_own_threads_match_xla_pool": 3,
     "tests/test_flags.py::test_bad_input": 3,
@@ -109,43 +109,40 @@ THINNED = {  # test (node id without its parameters) -> k: keep every k-th case;
     "tests/int4/test_impls.py::test_long_channelwise_rows_exact": 0,
 }
 
+# Parameters naming a backend, an ISA, an engine or a kernel: each of their values keeps a case.
+_COVERED_AXES = frozenset({"name", "impl", "isa", "engine", "kernel", "backend"})
+
 
 def _thin(config, items):
-    """Marks the cases THINNED leaves out ``extended`` and, without --extended, deselects them."""
+    """Marks the cases THINNED leaves out ``extended`` and, without --extended, deselects them.
+
+    Of a thinned test the default run keeps every k-th case (collection order) and, on top, the first
+    case of each backend / ISA / engine not yet kept (the parameters named in _COVERED_AXES): a plain
+    stride could fall in step with that parameter's period and leave a backend out. A test whose only
+    parameter is the backend keeps every k-th backend (its other backends run with --extended)."""
     run_all = config.getoption("--extended") or os.environ.get("JBACKENDS_EXTENDED_TESTS") == "1"
-    seen, keep, dropped = {}, [], []
+    groups = {}
     for item in items:
         key = item.nodeid.split("[", 1)[0]
-        k = THINNED.get(key)
-        if k is not None:
-            i = seen[key] = seen.get(key, -1) + 1
-            if k == 0 or i % k:
+        if key in THINNED:
+            groups.setdefault(key, []).append(item)
+    left_out = set()
+    for key, group in groups.items():
+        k, seen = THINNED[key], set()
+        params = [getattr(item, "callspec", None) for item in group]
+        params = [{(n, repr(v)) for n, v in c.params.items()} if c else set() for c in params]
+        names = {n for vals in params for n, _ in vals}
+        axes = _COVERED_AXES if len(names) > 1 else ()  # a list of backends alone: the stride
+        for i, (item, vals) in enumerate(zip(group, params)):
+            values = {(n, v) for n, v in vals if n in axes}
+            if k and (i % k == 0 or not values <= seen):
+                seen |= values
+            else:
+                left_out.add(item)
                 item.add_marker(pytest.mark.extended)
-                if not run_all:
-                    dropped.append(item)
-                    continue
-        keep.append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Names the environment (CI runs the suite on the oldest and the newest JAX we support)."""
-    import importlib.metadata as md
-    import platform
-
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return "absent"
-
-    pkgs = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "flax", "chex", "opt_einsum"))
-    devices = ", ".join(sorted({d.platform for d in jax.devices()}))
-    terminalreporter.write_line(
-        f"environment: Python {platform.python_version()}, {pkgs}; devices: {devices}"
-    )
+    if left_out and not run_all:
+        config.hook.pytest_deselected(items=[it for it in items if it in left_out])
+        items[:] = [it for it in items if it not in left_out]
 
 
 def pytest_collection_modifyitems(config, items):
