@@ -10,8 +10,8 @@ skipped where JAX sees none. On a GPU machine run them with
 The ``extended`` cases: the big parameter grids below are thinned in the default run (the README's
 test line, which CI runs in three environments, must stay near 15 minutes on 2 cores): of each test
 named in ``THINNED`` the default run keeps every k-th parametrized case (in collection order) and
-the first case of each backend (ISA, engine), and deselects the rest. ``python -m pytest --extended`` (or
-``JBACKENDS_EXTENDED_TESTS=1``) runs every case; run it after touching a kernel, and before a release.
+the first case of each backend (ISA, engine, dtype, ...: see ``_thin``), and deselects the rest.
+``python -m pytest --extended`` (or ``JBACKENDS_EXTENDED_TESTS=1``) runs every case; run it after touching a kernel, and before a release.
 """
 
 import os
@@ -69,7 +69,6 @@ THINNED = {  # test (node id without its parameters) -> k: every k-th case (see 
     "tests/attention/test_pallas_parity.py::test_decode": 2,
     "tests/attention/test_mosaic_flash.py::test_forward_and_gradient_lower_for_cuda": 4,
     "tests/test_gpu_benchmarks.py::test_tune_gpu_mosaic_cases_plumbing": 0,
-    "tests/test_gpu_benchmarks.py::test_gpu_session_script_limits_and_bad_settings": 2,
     "tests/attention/test_bad_inputs.py::test_empty_dimensions_give_torchs_result_on_every_backend": 4,
     "tests/attention/test_xla_mem_efficient.py::test_bias_broadcast_patterns_and_bias_grad": 3,
     "tests/int4/test_impls.py::test_cpp_weight_only_bfloat16": 12,
@@ -82,7 +81,6 @@ THINNED = {  # test (node id without its parameters) -> k: every k-th case (see 
     "tests/attention/test_cpp_flash.py::test_threaded_paths_match_reference": 7,
     "tests/attention/test_cpp_flash.py::test_broadcast_bias_gradient_is_summed_in_the_kernel": 6,
     "tests/attention/test_cpp_flash.py::test_rows_of_large_negative_logits_keep_their_gradients": 3,
-    "tests/attention/test_cpp_flash.py::test_own_threads_match_xla_pool": 3,
     "tests/test_flags.py::test_bad_input": 3,
     "tests/int4/test_edge_cases.py::test_nonfinite_rows_follow_torch_on_every_engine": 2,
     "tests/attention/test_pallas_base.py::TestPallasFlashInterpret::test_grid": 2,
@@ -109,17 +107,21 @@ THINNED = {  # test (node id without its parameters) -> k: every k-th case (see 
     "tests/int4/test_impls.py::test_long_channelwise_rows_exact": 0,
 }
 
-# Parameters naming a backend, an ISA, an engine or a kernel: each of their values keeps a case.
+# Parameters naming a backend, an ISA, an engine or a kernel: in a grid over more parameters, each of
+# their values keeps a case, and so does each value of a small axis (at most _SMALL_AXIS values: a
+# dtype, a flag, a bias kind). A test whose only parameter is the backend keeps every k-th backend and
+# the CPU default path's (_DEFAULT_BACKENDS).
 _COVERED_AXES = frozenset({"name", "impl", "isa", "engine", "kernel", "backend"})
+_SMALL_AXIS = 4
+_DEFAULT_BACKENDS = frozenset({"flash_cpp", "cpp"})
 
 
 def _thin(config, items):
     """Marks the cases THINNED leaves out ``extended`` and, without --extended, deselects them.
 
     Of a thinned test the default run keeps every k-th case (collection order) and, on top, the first
-    case of each backend / ISA / engine not yet kept (the parameters named in _COVERED_AXES): a plain
-    stride could fall in step with that parameter's period and leave a backend out. A test whose only
-    parameter is the backend keeps every k-th backend (its other backends run with --extended)."""
+    case of each value not yet kept of the axes the comment above _COVERED_AXES names: a plain stride can
+    fall in step with a parameter's period and leave a backend or a dtype out."""
     run_all = config.getoption("--extended") or os.environ.get("JBACKENDS_EXTENDED_TESTS") == "1"
     groups = {}
     for item in items:
@@ -131,18 +133,45 @@ def _thin(config, items):
         k, seen = THINNED[key], set()
         params = [getattr(item, "callspec", None) for item in group]
         params = [{(n, repr(v)) for n, v in c.params.items()} if c else set() for c in params]
-        names = {n for vals in params for n, _ in vals}
-        axes = _COVERED_AXES if len(names) > 1 else ()  # a list of backends alone: the stride
-        for i, (item, vals) in enumerate(zip(group, params)):
-            values = {(n, v) for n, v in vals if n in axes}
-            if k and (i % k == 0 or not values <= seen):
-                seen |= values
+        values = {}
+        for vals in params:
+            for n, v in vals:
+                values.setdefault(n, set()).add(v)
+        if len(values) > 1:
+            axes = {n for n, vs in values.items() if n in _COVERED_AXES or len(vs) <= _SMALL_AXIS}
+            cover = [{(n, v) for n, v in vals if n in axes} for vals in params]
+        else:  # one parameter (the backend, or a list of cases): the default path's case
+            cover = [
+                {(n, v) for n, v in vals if n in _COVERED_AXES and v.strip("'") in _DEFAULT_BACKENDS}
+                for vals in params
+            ]
+        for i, (item, want) in enumerate(zip(group, cover)):
+            if k and (i % k == 0 or not want <= seen):
+                seen |= want
             else:
                 left_out.add(item)
                 item.add_marker(pytest.mark.extended)
     if left_out and not run_all:
         config.hook.pytest_deselected(items=[it for it in items if it in left_out])
         items[:] = [it for it in items if it not in left_out]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Names the environment (CI runs the suite on the oldest and the newest JAX we support)."""
+    import importlib.metadata as md
+    import platform
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "absent"
+
+    pkgs = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "flax", "chex", "opt_einsum"))
+    devices = ", ".join(sorted({d.platform for d in jax.devices()}))
+    terminalreporter.write_line(
+        f"environment: Python {platform.python_version()}, {pkgs}; devices: {devices}"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
