@@ -11,7 +11,8 @@ The ``extended`` cases: the big parameter grids below are thinned in the default
 test line, which CI runs in three environments, must stay near 15 minutes on 2 cores): of each test
 named in ``THINNED`` the default run keeps every k-th parametrized case (in collection order) and
 the first case of each backend (ISA, engine, dtype, ...: see ``_thin``), and deselects the rest.
-``python -m pytest --extended`` (or ``JBACKENDS_EXTENDED_TESTS=1``) runs every case; run it after touching a kernel, and before a release.
+``python -m pytest --extended`` (or ``JBACKENDS_EXTENDED_TESTS=1``) runs every case; run it after touching
+a kernel, and before a release.
 """
 
 import os
@@ -107,13 +108,19 @@ THINNED = {  # test (node id without its parameters) -> k: every k-th case (see 
     "tests/int4/test_impls.py::test_long_channelwise_rows_exact": 0,
 }
 
-# Parameters naming a backend, an ISA, an engine or a kernel: in a grid over more parameters, each of
-# their values keeps a case, and so does each value of a small axis (at most _SMALL_AXIS values: a
-# dtype, a flag, a bias kind). A test whose only parameter is the backend keeps every k-th backend and
-# the CPU default path's (_DEFAULT_BACKENDS).
+# Parameters naming a backend, an ISA, an engine or a kernel: in a grid over more parameters, each
+# of their values keeps a case, and so does each value of a small axis (at most _SMALL_AXIS values,
+# not numbers: a dtype, a flag, a bias kind). A test whose only parameter is the backend keeps every
+# k-th backend and the CPU default path's (_DEFAULT_BACKENDS).
 _COVERED_AXES = frozenset({"name", "impl", "isa", "engine", "kernel", "backend"})
 _SMALL_AXIS = 4
 _DEFAULT_BACKENDS = frozenset({"flash_cpp", "cpp"})
+
+
+def _small_axis(values):
+    """A parameter with few values that are not numbers (sizes are thinned by the stride alone)."""
+    numeric = all(v.lstrip("-").replace(".", "", 1).isdigit() for v in values)
+    return len(values) <= _SMALL_AXIS and not numeric
 
 
 def _thin(config, items):
@@ -138,7 +145,7 @@ def _thin(config, items):
             for n, v in vals:
                 values.setdefault(n, set()).add(v)
         if len(values) > 1:
-            axes = {n for n, vs in values.items() if n in _COVERED_AXES or len(vs) <= _SMALL_AXIS}
+            axes = {n for n, vs in values.items() if n in _COVERED_AXES or _small_axis(vs)}
             cover = [{(n, v) for n, v in vals if n in axes} for vals in params]
         else:  # one parameter (the backend, or a list of cases): the default path's case
             cover = [
