@@ -35,9 +35,9 @@ def blockwise_attention(args: base.AttentionArgs, config):
 
 def prepare(args: base.AttentionArgs, config):
     """The engine's static record and its data operands, from ``args`` (global or one shard's)."""
-    q, k, v = args.q, args.k, args.v
+    q, k = args.q, args.k
     B, T, N, H = q.shape
-    S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+    S = k.shape[1]
     bq, bk = min(config.block_q, T), min(config.block_k, S)
     bq_b, bk_b = config.bwd
     bq_b, bk_b = min(bq_b, T), min(bk_b, S)
@@ -193,7 +193,7 @@ def backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     """Backward of the engine: ``(dq, dk, dv, dbias)``; FlashAttention-2 algorithm 2."""
     cdt = jnp.dtype(st.cdt)
     bq, bk = st.bq_b, st.bk_b
-    G, R = st.G, st.G * bq
+    G = st.G
     qb_all = blk.q_blocks((q.astype(cdt) * jnp.asarray(blk.q_scale(st), cdt)), st, bq)
     kb_all = blk.kv_blocks(k.astype(cdt), bk)
     vb_all = blk.kv_blocks(v.astype(cdt), bk)
