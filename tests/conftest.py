@@ -131,8 +131,8 @@ def _thin(config, items):
     """Marks the cases THINNED leaves out ``extended`` and, without --extended, deselects them.
 
     Of a thinned test the default run keeps every k-th case (collection order) and, on top, the first
-    case of each value not yet kept of the axes the comment above _COVERED_AXES names: a plain stride can
-    fall in step with a parameter's period and leave a backend or a dtype out."""
+    case of each value not yet kept of the axes the comment above _COVERED_AXES names: a plain stride
+    can fall in step with a parameter's period and leave a backend or a dtype out."""
     run_all = config.getoption("--extended") or os.environ.get("JBACKENDS_EXTENDED_TESTS") == "1"
     groups = {}
     for item in items:
