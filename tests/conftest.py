@@ -43,7 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "extended: a case the default run leaves out (run with --extended)")
 
 
-THINNED = {  # node id without parameters -> k: every k-th case (_thin); 0: none. test_thinned_grids.py checks keys
+THINNED = {  # node id without parameters -> k: every k-th case (_thin), 0: none; test_thinned_grids checks
     "tests/attention/test_jaxnn_dropin.py::test_grad_of_grad_matches_math_on_every_backend": 12,
     "tests/attention/test_jaxnn_dropin.py::test_upstream_mask_modes_with_gradients": 12,
     "tests/attention/test_jaxnn_dropin.py::test_upstream_gqa_vmap_and_lse_cotangent": 9,
