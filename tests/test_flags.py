@@ -729,6 +729,31 @@ def test_scope_without_precision_leaves_users_jax_precision_alone():
     assert _precision_in_jaxpr() == "default"
 
 
+def test_precision_default_leaves_users_jax_precision_alone_in_a_trace(defaults):
+    """A precision set as a process default goes to JAX's *global* matmul precision, and a trace pins it
+    at its first flag read; a user's own ``jax.default_matmul_precision(...)`` around the trace stands
+    for every dot of it, before and after that read (the pin once replaced it mid-trace)."""
+    a = jnp.ones((4, 4))
+
+    def fn(x):
+        before = x @ x
+        trace_flags()  # what jb's attention, einsum, conv and int4 ops do at trace time
+        return before + x @ x
+
+    def precisions():
+        eqns = jax.make_jaxpr(fn)(a).eqns
+        return [str(e.params["precision"]) for e in eqns if e.primitive.name == "dot_general"]
+
+    jb.set_float32_matmul_precision("highest")
+    assert precisions() == [str((jax.lax.Precision.HIGHEST,) * 2)] * 2  # the bridge, pinned
+    with jax.default_matmul_precision("bfloat16"):
+        got = precisions()
+        hlo = jax.jit(fn).lower(a).as_text()
+    assert len(got) == 2 and got[0] == got[1] and "HIGHEST" not in got[0], got
+    assert "HIGHEST" not in hlo
+    assert precisions() == [str((jax.lax.Precision.HIGHEST,) * 2)] * 2
+
+
 # ------------------------------------------------------------------------------------- mirror details
 
 

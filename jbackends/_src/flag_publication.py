@@ -160,6 +160,13 @@ def retire_since(lo: int | None, keep: tuple | None) -> None:
             _retire(pub.gkey, keep)
 
 
+def _unset() -> Any:
+    """JAX's marker of a config whose thread-local value is not set (the global value is in force)."""
+    from jax._src.config import config_ext
+
+    return config_ext.unset
+
+
 class TraceRecord:
     """A top-level trace in progress in one thread, and the publication it pinned."""
 
@@ -174,7 +181,12 @@ class TraceRecord:
         scope owns it), follow the pinned publication until `release`."""
         self.saved = DEFAULTS_KEY._obj.swap_local(self.pub.gkey)
         if self.pub.jax_precision is not None and not getattr(thread_state, "precision_owned", False):
-            self.saved_precision = (_jax_config.default_matmul_precision.swap_local(self.pub.jax_precision),)
+            state = _jax_config.default_matmul_precision
+            previous = state.swap_local(self.pub.jax_precision)
+            if previous is _unset():  # only the global (bridged) precision was in force: pin it
+                self.saved_precision = (previous,)
+            else:  # the user's own `jax.default_matmul_precision(...)` in this thread stands
+                state.set_local(previous)
 
     def release(self) -> None:
         DEFAULTS_KEY._obj.set_local(self.saved)
