@@ -9,8 +9,10 @@ Constraints (jax 0.10, cuDNN 9):
 * float16 / bfloat16 inputs; head dim a multiple of 8 and ``<= 128`` (``<= 256`` from sm90);
   equal q/k and v head dims.
 * No dropout (jax's cuDNN API has no stateless-dropout key that matches the other backends), no
-  logits soft cap, no segment ids, no arbitrary boolean mask (an additive ``bias`` is fine; with a
-  bias the backward needs even ``T`` and ``S``).
+  logits soft cap, no segment ids, no arbitrary boolean mask (an additive ``bias`` is fine).
+* Odd ``T`` or ``S``: jax's cuDNN forward takes them, its training path refuses them (with or
+  without a bias), so a differentiated call runs on inputs padded to even lengths
+  (:func:`_even_lengths`).
 * Causal only with the top-left diagonal on square attention (``T == S``, ``diag_offset == 0``).
 * Sliding windows: only left windows ``(left, 0)`` with ``diag_offset == 0``. jax's cuDNN path with
   ``local_window_size=(left, 0)`` and ``is_causal=False`` silently attends to the future (the bug fixed
@@ -103,11 +105,6 @@ def unsupported(
             reasons.append(f"cuDNN attention supports only left windows (left, 0); got window={args.window}")
         if args.diag_offset != 0 or args.q_len != args.kv_len:
             reasons.append("cuDNN sliding windows need T == S with the top-left diagonal")
-    if args.bias is not None and (args.q_len % 2 or args.kv_len % 2):
-        reasons.append(
-            f"cuDNN attention with a bias needs even T and S for the backward "
-            f"(got T={args.q_len}, S={args.kv_len})"
-        )
     if cudnn_version is not None and cudnn_version < 8904:
         reasons.append(f"cuDNN attention needs cuDNN >= 8.9.4 (got {cudnn_version})")
     return reasons
@@ -143,7 +140,15 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
         )
 
     out, lse = _with_reference_derivative(
-        call, args, args.q, args.k, args.v, args.bias, args.q_seq_lengths, args.kv_seq_lengths
+        call,
+        args,
+        args.q,
+        args.k,
+        args.v,
+        args.bias,
+        args.q_seq_lengths,
+        args.kv_seq_lengths,
+        train_call=_even_lengths(call, args),
     )
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32))
     # The backend contract (output 0, LSE -inf, no gradient for rows without a key: the jbackends
@@ -155,29 +160,67 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
     return out, lse
 
 
-def _with_reference_derivative(call, args: base.AttentionArgs, *xs):
+def _even_lengths(call, args: base.AttentionArgs):
+    """``call`` for a differentiated call: JAX's cuDNN training path refuses an odd ``T`` or ``S``
+    with "Unsupported sequence length" (its check for a bias sees the placeholder bias JAX always
+    passes), so there the queries (and the keys, values and bias) are padded by one row to even
+    lengths and the outputs sliced back. The extra query's output is dropped (its cotangent is 0, so
+    it adds nothing to dk / dv); the extra key is seen by no real query: causal calls here are
+    square and top-left (``unsupported``; windows run causal), so only the extra query sees it,
+    and otherwise it lies beyond ``key_value_seq_lengths`` (set to ``S`` when not given)."""
+    T, S = args.q_len, args.kv_len
+    pad_t, pad_s = T % 2, S % 2
+    if not (pad_t or pad_s):
+        return call
+    masked_by_causality = args.causal or args.window is not None
+
+    def pad(x, axis, n):
+        return jnp.pad(x, [(0, n if d == axis else 0) for d in range(x.ndim)]) if n else x
+
+    def padded(q, k, v, bias, q_len, kv_len):
+        q, k, v = pad(q, 1, pad_t), pad(k, 1, pad_s), pad(v, 1, pad_s)
+        if bias is not None:  # a broadcast (size 1) dimension stays broadcast
+            bias = pad(bias, 2, pad_t if bias.shape[2] != 1 else 0)
+            bias = pad(bias, 3, pad_s if bias.shape[3] != 1 else 0)
+        if pad_s and not masked_by_causality and kv_len is None:
+            kv_len = jnp.full((q.shape[0],), S, jnp.int32)
+        out, lse = call(q, k, v, bias, q_len, kv_len)
+        return out[:, :T], lse[:, :T]  # jax's residual LSE is [B, T, N]
+
+    return padded
+
+
+def _with_reference_derivative(call, args: base.AttentionArgs, *xs, train_call=None):
     """``call(*xs)`` (``xs = (q, k, v, bias, q_len, kv_len)``) with cuDNN's own gradient, whose
     derivative in turn is the reference's (:func:`base.reference_vjp`), as for every other fast
     backend: JAX's cuDNN backward is a custom call with no derivative, so grad of grad and
-    Hessian-vector products (reverse over reverse) differentiate the same function in plain jnp."""
+    Hessian-vector products (reverse over reverse) differentiate the same function in plain jnp.
+
+    ``train_call`` (default ``call``), the same function, gives the outputs and cuDNN's vjp when the
+    call is differentiated (:func:`_even_lengths`)."""
     # The static part of the call only (the arrays travel as arguments: no closed-over tracers).
     # The bridge takes no mask, segment ids or dropout key (`unsupported`), so these are all.
     template = args.replace(q=None, k=None, v=None, bias=None, q_seq_lengths=None, kv_seq_lengths=None)
+    train_call = call if train_call is None else train_call
 
-    @jax.custom_vjp
-    def g(*xs):
-        return call(*xs)
+    def differentiable(primal):
+        g = jax.custom_vjp(primal)
+        g.defvjp(g_fwd, g_bwd)
+        return g
 
     def g_fwd(*xs):
-        # The outputs come from `g` itself and cuDNN's vjp is taken on constants: under an outer
-        # differentiation (reverse over reverse) nothing here is differentiated through cuDNN's
-        # forward rule, which has no derivative of its own.
-        _, vjp = jax.vjp(call, *jax.lax.stop_gradient(xs))  # a pytree of cuDNN's residuals
-        return g(*xs), (xs, vjp)
+        # The outputs come from `g_train` itself (the same call as the vjp's forward, so XLA computes
+        # it once) and cuDNN's vjp is taken on constants: under an outer differentiation (reverse
+        # over reverse) nothing here is differentiated through cuDNN's forward rule, which has no
+        # derivative of its own.
+        _, vjp = jax.vjp(train_call, *jax.lax.stop_gradient(xs))  # a pytree of cuDNN's residuals
+        return g_train(*xs), (xs, vjp)
 
     def g_bwd(res, ct):
         xs, vjp = res
         return backward(xs, vjp, ct)
+
+    g, g_train = differentiable(call), differentiable(train_call)
 
     @jax.custom_vjp
     def backward(xs, vjp, ct):
@@ -199,6 +242,5 @@ def _with_reference_derivative(call, args: base.AttentionArgs, *xs):
         none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
         return (dq, dk, dv, dbias, none(q_len), none(kv_len)), none(vjp), (dg_out, jnp.zeros_like(g_lse))
 
-    g.defvjp(g_fwd, g_bwd)
     backward.defvjp(backward_fwd, backward_bwd)
     return g(*xs)

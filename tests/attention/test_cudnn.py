@@ -1,7 +1,12 @@
 """The cuDNN bridge's reasons, as dispatch sees them from a CPU-only machine. The bridge itself runs on
 the shared grid in the GPU lane (`test_gpu_lane.py`, a grid that reaches cuDNN's envelope)."""
 
+import re
+
+import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels.attention import base, cudnn
 from tests.attention.attention_base import Case, make_case
@@ -21,3 +26,118 @@ def test_never_runs_on_cpu_and_says_why():
     assert any(
         "<= 128" in r for r in cudnn.unsupported(base.make_args(y, y, y), "cuda", compute_capability=8.0)
     )
+
+
+def _stand_in(args):
+    """The bridge's call with jax.nn's XLA path in cuDNN's place (same arguments, an LSE-shaped second
+    output [B, T, N] that depends on the row): what runs on this CPU-only machine."""
+    window, causal = (None, args.causal) if args.window is None else ((args.window[0], 0), True)
+
+    def call(q, k, v, bias, q_len, kv_len):
+        out = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            scale=args.scale,
+            is_causal=causal,
+            query_seq_lengths=q_len,
+            key_value_seq_lengths=kv_len,
+            local_window_size=window,
+            implementation="xla",
+        )
+        return out, jnp.sum(jnp.float32(out), axis=-1)
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "T, S, causal, window, bias_shape, kv_lengths",
+    [
+        (37, 37, False, None, None, None),
+        (37, 37, True, None, None, None),
+        (37, 37, False, (5, 0), None, None),
+        (1, 63, False, None, None, None),
+        (1, 64, False, None, (1, 4, 1, 64), None),
+        (36, 37, False, None, (2, 4, 36, 37), None),
+        (37, 37, True, None, (1, 4, 37, 37), None),
+        (37, 37, False, None, (2, 1, 1, 37), None),
+        (38, 37, False, None, (2, 4, 38, 37), [20, 30]),
+    ],
+)
+def test_odd_lengths_train_on_padded_inputs(T, S, causal, window, bias_shape, kv_lengths):
+    """JAX's cuDNN training path refuses odd T or S, so the bridge differentiates a call padded to even
+    lengths (the extra key masked by causality or by the key lengths): its outputs and gradients are the
+    unpadded call's, checked with jax.nn's XLA path standing in for cuDNN."""
+    ks = jax.random.split(jax.random.key(T + 100 * S), 5)
+    q = jax.random.normal(ks[0], (2, T, 4, 16))
+    k, v = (jax.random.normal(x, (2, S, 2, 16)) for x in ks[1:3])
+    bias = None if bias_shape is None else jax.random.normal(ks[3], bias_shape)
+    kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+    args = base.make_args(q, k, v, bias=bias, is_causal=causal, kv_seq_lengths=kv_len)
+    if window is not None:
+        args = args.replace(window=window)
+    call = _stand_in(args)
+    padded = cudnn._even_lengths(call, args)
+    assert padded is not call
+    ct = jax.random.normal(ks[4], (2, T, 4, 16))
+
+    def grads(f):
+        (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, b, None, kv_len), q, k, v, bias)
+        return (out, lse) + tuple(g for g in vjp((ct, jnp.ones_like(lse))) if g is not None)
+
+    with jax.default_matmul_precision("highest"):
+        want, got = jax.jit(lambda: (grads(call), grads(padded)))()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, want):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=name)
+    x = jnp.ones((1, 64, 2, 16))
+    assert cudnn._even_lengths(call, base.make_args(x, x, x)) is call  # even lengths: unchanged
+
+
+@pytest.fixture
+def cudnn_runtime_described(monkeypatch):
+    """JAX's cuDNN attention checks the local cuDNN at trace time; describe a cuDNN 9.10 on an sm90
+    device (as an H100 host would) so that its custom calls lower here, for CUDA."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda c: tuple(map(int, c.split("."))) <= (9, 0))
+    monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: c == "9.0")
+
+
+@pytest.mark.parametrize(
+    "T, S, causal, bias",
+    [(1025, 1025, False, False), (65, 65, True, True), (1, 4097, False, False), (64, 64, False, True)],
+)
+def test_odd_length_gradients_lower_to_cudnns_backward(cudnn_runtime_described, T, S, causal, bias):
+    """Lowered for CUDA, the gradient of an odd-length call is cuDNN's backward (JAX's own cuDNN
+    training path raises "Unsupported sequence length" there)."""
+    from jax import export
+
+    from pallas_kernels import gpu
+
+    q = jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1, 4, T, S), jnp.bfloat16) if bias else None
+
+    def loss(q, k, v, b):
+        out, _ = cudnn.attention(base.make_args(q, k, v, bias=b, is_causal=causal))
+        return jnp.sum(out.astype(jnp.float32))
+
+    names = ["__cudnn$fmha" + a + "Softmax" + c for a in ("", "ScaleBias") for c in ("", "Backward")]
+    checks = [export.DisabledSafetyCheck.custom_call(n) for n in names]
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        exp = export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"], disabled_checks=checks)
+        text = exp(q, k, k, b).mlir_module()
+    if T % 2 or S % 2:
+        with gpu.cuda_target("NVIDIA H100 80GB HBM3"), pytest.raises(NotImplementedError, match="sequence"):
+            jax.jit(
+                jax.grad(
+                    lambda q, k, v: jnp.sum(
+                        jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+                    ).astype(jnp.float32)
+                )
+            ).trace(q, k, k)  # JAX alone (the reason for the padding)
+    assert re.search(r"custom_call @__cudnn\$fmha(ScaleBias)?SoftmaxBackward", text), text[:2000]
+    assert len(re.findall(r"custom_call @__cudnn\$fmha(?:ScaleBias)?Softmax\(", text)) == 1  # one forward

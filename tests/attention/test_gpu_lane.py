@@ -65,8 +65,8 @@ class TestTritonDecodeCompiled(DecodeTestBase):
         super().test_grid(case)
 
 
-# cuDNN's envelope (half precision, head dims multiples of 8, causal only square and top-left, a bias
-# only with even lengths, no mask / dropout / soft cap / segment ids): a grid that reaches it.
+# cuDNN's envelope (half precision, head dims multiples of 8, causal only square and top-left, no mask /
+# dropout / soft cap / segment ids): a grid that reaches it. Odd lengths train on padded inputs.
 CUDNN_GRID = [
     Case(dt, causal, T, T, H, g, mask, extra=extra, jit=jit)
     for dt, causal, T, H, g, mask, extra, jit in (
@@ -79,7 +79,16 @@ CUDNN_GRID = [
         ("float16", "top_left", 64, 128, 1, "none", "lengths", True),
         ("bfloat16", "top_left", 128, 64, 2, "none", "window", True),
         ("bfloat16", "none", 256, 256, 1, "none", None, True),
+        ("bfloat16", "none", 37, 64, 2, "none", None, True),  # odd T = S: padded for the backward
+        ("float16", "top_left", 65, 128, 1, "none", None, True),
+        ("bfloat16", "none", 37, 64, 1, "additive", None, True),
+        ("bfloat16", "top_left", 65, 64, 2, "additive", None, False),
+        ("float16", "none", 37, 64, 2, "none", "lengths", True),
+        ("bfloat16", "top_left", 65, 64, 2, "none", "window", True),
     )
+] + [
+    Case("bfloat16", "none", 1, 333, 128, 4, K=2),  # decode, odd key count
+    Case("float16", "none", 45, 128, 64, 2, K=1, mask="additive"),
 ]
 
 
