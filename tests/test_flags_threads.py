@@ -11,6 +11,7 @@ Each test is bounded (small shapes, a few seconds); `JBACKENDS_STRESS_TRACES` ra
 """
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -451,3 +452,54 @@ def test_default_matmul_precision_is_pinned_with_the_trace(defaults):
         jb.set_float32_matmul_precision(name)
         wrong = [s.shape for s in shapes if precisions(traced.trace(s)) != [expected[name]] * 2]
         assert wrong == [], (name, len(wrong))
+
+
+def test_one_scope_object_entered_by_overlapping_threads_and_tasks():
+    """A `with_backends` object reused (module-level) may be entered by several threads or asyncio tasks
+    at once: each exit restores its own context's flags, and nothing leaks into later work on a pooled
+    thread (the object once kept one stack of tokens for all of them: the first thread out reset the
+    second one's token)."""
+    scope = jb.with_backends(flash=False, deterministic=True)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with scope:
+            first_in.set()
+            assert second_in.wait(timeout=30)
+            seen = jb.current_flags()
+        first_out.set()  # leaves while the second thread is still inside
+        return (seen.flash, seen.deterministic), jb.current_flags().flash
+
+    def second():
+        assert first_in.wait(timeout=30)
+        with scope:
+            second_in.set()
+            assert first_out.wait(timeout=30)
+            seen = jb.current_flags()
+        return (seen.flash, seen.deterministic), jb.current_flags().flash
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = [f.result(timeout=60) for f in [pool.submit(first), pool.submit(second)]]
+        later = [
+            f.result(timeout=60) for f in [pool.submit(lambda: jb.current_flags().flash) for _ in range(4)]
+        ]
+    assert results == [((False, True), True)] * 2
+    assert later == [True] * 4
+
+    async def in_task(mine, other):
+        with scope:
+            mine.set()
+            await other.wait()
+            seen = jb.current_flags().flash
+        return seen, jb.current_flags().flash
+
+    async def main():
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(in_task(a, b), in_task(b, a))
+
+    assert asyncio.run(main()) == [(False, True)] * 2
+    with scope:  # nested reuse in one context
+        with scope:
+            pass
+        assert not jb.current_flags().flash
+    assert jb.current_flags().flash

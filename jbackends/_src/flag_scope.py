@@ -7,6 +7,7 @@ ContextVar of scoped overrides and re-syncs this thread's jit key.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import warnings
@@ -151,6 +152,14 @@ def flags_frozen() -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+# The tokens of the scopes entered in this context (thread, asyncio task), innermost last, each with
+# its `with_backends` object: one object may be entered by several threads or tasks at once (a
+# module-level scope reused), so its exit resets the token this context's entry got.
+_SCOPE_TOKENS: contextvars.ContextVar = globals().get("_SCOPE_TOKENS") or contextvars.ContextVar(
+    "jbackends_scope_tokens", default=()
+)
+
+
 class with_backends:
     """Override backend flags for a scope: a context manager and a decorator.
 
@@ -176,11 +185,10 @@ class with_backends:
       ValueError: a value outside the allowed set (the message lists it).
     """
 
-    __slots__ = ("_updates", "_stack")
+    __slots__ = ("_updates",)
 
     def __init__(self, **flags: Any):
         self._updates = _validate(flags, "with_backends", _state.effective(_state.OVERRIDES.get()))
-        self._stack: list = []
 
     def __enter__(self) -> Any:
         new = dict(_state.OVERRIDES.get())
@@ -193,12 +201,18 @@ class with_backends:
                 "(they become XLA compiler options of the top-level jit)",
                 stacklevel=2,
             )
-        self._stack.append(token)
+        _SCOPE_TOKENS.set(_SCOPE_TOKENS.get() + ((self, token),))
         _state.set_thread_key()  # the jit key and JAX's matmul precision follow the ContextVar
         return _state.current_flags()
 
     def __exit__(self, *exc) -> None:
-        _state.OVERRIDES.reset(self._stack.pop())
+        entries = _SCOPE_TOKENS.get()
+        mine = [i for i, (scope, _) in enumerate(entries) if scope is self]
+        if not mine:
+            raise RuntimeError("with_backends: __exit__ without an __enter__ of this scope in this context")
+        i = mine[-1]
+        _SCOPE_TOKENS.set(entries[:i] + entries[i + 1 :])
+        _state.OVERRIDES.reset(entries[i][1])
         _state.set_thread_key()
 
     def __call__(self, fun: Callable) -> Callable:
