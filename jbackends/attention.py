@@ -167,7 +167,7 @@ def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority:
         cudnn=SDPBackend.CUDNN_ATTENTION in chosen,
     )
     if set_priority and chosen:
-        kw["sdpa_priority"] = tuple(int(b) for b in chosen)
+        kw["sdpa_priority"] = tuple(dict.fromkeys(int(b) for b in chosen))  # a repeat: its first place
         kw["sdpa_prefer_faster"] = False  # the user's order, not a measured one
     return with_backends(**kw)
 

@@ -508,6 +508,15 @@ def test_bad_input(kwargs, exc, match):
 def test_sdpa_priority_is_canonicalised():
     with jb.with_backends(sdpa_priority=["MATH", 1]):
         assert jb.current_flags().sdpa_priority == (0, 1, 2, 3)
+    with jb.with_backends(sdpa_priority=[np.int64(3), np.int32(0)]):  # NumPy integers, as plain ints
+        assert jb.current_flags().sdpa_priority == (3, 0, 1, 2)
+    with pytest.raises(ValueError, match="listed twice"):  # the flag itself wants a permutation
+        jb.with_backends(sdpa_priority=[0, 0])
+    # torch's sdpa_kernel takes a repeated backend: its first place counts.
+    SDP = jb.SDPBackend
+    with jb.attention.sdpa_kernel([SDP.CUDNN_ATTENTION, SDP.MATH, SDP.CUDNN_ATTENTION], set_priority=True):
+        f = jb.current_flags()
+        assert f.sdpa_priority[:2] == (3, 0) and f.cudnn and f.math and not f.flash
 
 
 def test_mirror_setter_validates(defaults):

@@ -109,7 +109,7 @@ def _parse_sdpa_priority(name: str, value: Any) -> tuple[int, ...]:
                     f"flag {name!r}: unknown SDPA backend {item!r}; expected SDPBackend members "
                     f"{list(_SDP_NAMES.values())}"
                 )
-        elif isinstance(item, int) and not isinstance(item, bool) or hasattr(item, "value"):
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool) or hasattr(item, "value"):
             code = int(getattr(item, "value", item))
         else:
             raise TypeError(f"flag {name!r} expects SDPBackend members, got {type(item).__name__} {item!r}")
