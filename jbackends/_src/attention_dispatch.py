@@ -150,10 +150,12 @@ def decide(
     *,
     only: Optional[int] = None,
     device_info: Optional[Mapping[str, Any]] = None,
+    unlowerable: Optional[Mapping[int, str]] = None,
 ) -> Decision:
     """Chooses the backend for ``args`` on ``platform`` under ``flags`` (a ``BackendFlags``).
 
     ``only`` forces one backend (an explicit ``implementation=``), ignoring the enable flags.
+    ``unlowerable`` maps backends this lowering cannot hold to the reason (:func:`run`).
     """
     order = tuple(b for b in flags.sdpa_priority if b in NAMES)
     order = order + tuple(int(b) for b in DEFAULT_ORDER if int(b) not in order)
@@ -170,6 +172,9 @@ def decide(
             continue
         if only is None and not getattr(flags, FLAG_OF[b]):
             reasons[b] = f"disabled by the flags ({FLAG_OF[b]}=False)"
+            continue
+        if unlowerable and b in unlowerable:
+            reasons[b] = unlowerable[b]
             continue
         if b == CUDNN and not flags.cudnn_enabled:
             reasons[b] = "disabled by the flags (cudnn_enabled=False, torch.backends.cudnn.enabled)"
@@ -197,6 +202,28 @@ def decide(
     )
 
 
+def _unlowerable(platform: str, required: Sequence[str]) -> dict:
+    """Backends that a lowering for ``platform`` cannot hold, with the reason; ``explain()`` does not
+    apply these (it describes the call on a machine of that platform).
+
+    * cuDNN in a lowering for several platforms (``platforms=("cpu", "cuda")``): JAX's cuDNN attention
+      primitives lower for CUDA only, and every platform's branch is lowered for all of them.
+    * cuDNN where JAX cannot trace it (no cuDNN runtime here, e.g. a CUDA export from a CPU-only
+      machine): the export carries the next backend's kernel instead of no CUDA kernel at all.
+    """
+    if platform != "cuda":
+        return {}
+    if len(set(required)) > 1 and platform in required:
+        return {
+            CUDNN: "not in a lowering for several platforms "
+            f"({', '.join(required)}): JAX's cuDNN attention lowers for CUDA only"
+        }
+    from pallas_kernels.attention import cudnn  # noqa: PLC0415 - only when lowering for CUDA
+
+    why = cudnn.runtime_unavailable()
+    return {CUDNN: why} if why else {}
+
+
 def run(
     args: base.AttentionArgs,
     flags: Any,
@@ -218,7 +245,14 @@ def run(
     """
     decisions = []
     for p in tuple(platforms) + tuple(optional_platforms):
-        d = decide(args, flags, p, only=only, device_info=local_device_info(p))
+        d = decide(
+            args,
+            flags,
+            p,
+            only=only,
+            device_info=local_device_info(p),
+            unlowerable=_unlowerable(p, platforms),
+        )
         if d.chosen is None:
             if p in optional_platforms:
                 continue

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import gpu
 from pallas_kernels.attention import base
 
-__all__ = ["attention", "unsupported", "GPU_PLATFORMS"]
+__all__ = ["attention", "unsupported", "runtime_unavailable", "GPU_PLATFORMS"]
 
 GPU_PLATFORMS = gpu.GPU_PLATFORMS
 
@@ -108,6 +108,21 @@ def unsupported(
     if cudnn_version is not None and cudnn_version < 8904:
         reasons.append(f"cuDNN attention needs cuDNN >= 8.9.4 (got {cudnn_version})")
     return reasons
+
+
+def runtime_unavailable() -> Optional[str]:
+    """Why JAX cannot trace its cuDNN attention on this machine (it reads the local cuDNN version at
+    trace time: a CPU-only machine has none), or None when it can."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # noqa: PLC0415
+
+    try:
+        fa.check_cudnn_version()
+    except Exception as e:  # noqa: BLE001 - RuntimeError("cuDNN is not detected.") and kin
+        return (
+            f"JAX cannot lower cuDNN attention on this machine ({e}); "
+            "a CUDA export made here uses another backend"
+        )
+    return None
 
 
 def attention(args: base.AttentionArgs, *, config=None, **opts):

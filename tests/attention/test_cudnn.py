@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jbackends as jb
 from pallas_kernels.attention import base, cudnn
 from tests.attention.attention_base import Case, make_case
 
@@ -141,3 +142,55 @@ def test_odd_length_gradients_lower_to_cudnns_backward(cudnn_runtime_described, 
             ).trace(q, k, k)  # JAX alone (the reason for the padding)
     assert re.search(r"custom_call @__cudnn\$fmha(ScaleBias)?SoftmaxBackward", text), text[:2000]
     assert len(re.findall(r"custom_call @__cudnn\$fmha(?:ScaleBias)?Softmax\(", text)) == 1  # one forward
+
+
+def _cuda_export(f, platforms, *args):
+    from jax import export
+
+    from pallas_kernels import gpu
+
+    names = ["__gpu$xla.gpu.triton"]
+    names += ["__cudnn$fmha" + a + "Softmax" + c for a in ("", "ScaleBias") for c in ("", "Backward")]
+    checks = [export.DisabledSafetyCheck.custom_call(n) for n in names]
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        text = export.export(jax.jit(f), platforms=platforms, disabled_checks=checks)(*args).mlir_module()
+    return set(re.findall(r"custom_call @([\w$.]+)", text))
+
+
+_Q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+
+
+def _gpu_kernel(calls) -> bool:
+    return any("mosaic_gpu" in c or "triton" in c for c in calls)
+
+
+@pytest.mark.skipif(cudnn.runtime_unavailable() is None, reason="this machine has a cuDNN runtime")
+def test_cuda_export_without_a_cudnn_runtime_carries_the_next_kernel():
+    """explain() describes a GPU machine (cuDNN first), but JAX cannot trace its cuDNN attention here: the
+    CUDA export carries the next backend's GPU kernel, not the XLA path (it once dropped the branch)."""
+    from pallas_kernels import gpu
+
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        assert jb.explain(_Q, _Q, _Q, platform="cuda", is_causal=True).chosen == jb.SDPBackend.CUDNN_ATTENTION
+
+    def loss(q, k, v):
+        return jnp.sum(jb.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+
+    for f in (lambda q, k, v: jb.dot_product_attention(q, k, v, is_causal=True), jax.grad(loss, (0, 1, 2))):
+        calls = _cuda_export(f, ["cuda"], _Q, _Q, _Q)
+        assert _gpu_kernel(calls) and not any("cudnn" in c for c in calls), calls
+
+
+def test_call_for_cpu_and_cuda_keeps_cudnn_out_and_lowers_for_both(cudnn_runtime_described):
+    """JAX's cuDNN primitives lower for CUDA only: a call given platforms=("cpu", "cuda") runs the next
+    backend on CUDA, and its export for both platforms lowers (with cuDNN it raised)."""
+
+    def f(q, k, v):
+        return jb.dot_product_attention(q, k, v, is_causal=True, platforms=("cpu", "cuda"))
+
+    with jb.with_backends(flash_cpu_kernel="xla"):  # a portable CPU branch
+        calls = _cuda_export(f, ["cpu", "cuda"], _Q, _Q, _Q)
+        assert _gpu_kernel(calls) and not any("cudnn" in c for c in calls), calls
+        # A CUDA-only call keeps cuDNN (the runtime described here).
+        g = lambda q, k, v: jb.dot_product_attention(q, k, v, is_causal=True, platforms=("cuda",))  # noqa: E731
+        assert "__cudnn$fmhaSoftmax" in _cuda_export(g, ["cuda"], _Q, _Q, _Q)
