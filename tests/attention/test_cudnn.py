@@ -191,6 +191,9 @@ def test_call_for_cpu_and_cuda_keeps_cudnn_out_and_lowers_for_both(cudnn_runtime
     with jb.with_backends(flash_cpu_kernel="xla"):  # a portable CPU branch
         calls = _cuda_export(f, ["cpu", "cuda"], _Q, _Q, _Q)
         assert _gpu_kernel(calls) and not any("cudnn" in c for c in calls), calls
+
         # A CUDA-only call keeps cuDNN (the runtime described here).
-        g = lambda q, k, v: jb.dot_product_attention(q, k, v, is_causal=True, platforms=("cuda",))  # noqa: E731
+        def g(q, k, v):
+            return jb.dot_product_attention(q, k, v, is_causal=True, platforms=("cuda",))
+
         assert "__cudnn$fmhaSoftmax" in _cuda_export(g, ["cuda"], _Q, _Q, _Q)
