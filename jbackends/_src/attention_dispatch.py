@@ -173,13 +173,13 @@ def decide(
         if only is None and not getattr(flags, FLAG_OF[b]):
             reasons[b] = f"disabled by the flags ({FLAG_OF[b]}=False)"
             continue
-        if unlowerable and b in unlowerable:
-            reasons[b] = unlowerable[b]
-            continue
         if b == CUDNN and not flags.cudnn_enabled:
             reasons[b] = "disabled by the flags (cudnn_enabled=False, torch.backends.cudnn.enabled)"
             continue
         c = backend_choice(args, b, platform, flags, device_info)
+        if unlowerable and b in unlowerable and c.chosen is not None and chosen is None:  # not here
+            reasons[b] = unlowerable[b]
+            continue
         if chosen is not None:
             if c.chosen is None:
                 reasons[b] = _backend_reason(c, b)

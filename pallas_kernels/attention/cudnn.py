@@ -9,7 +9,8 @@ Constraints (jax 0.10, cuDNN 9):
 * float16 / bfloat16 inputs; head dim a multiple of 8 and ``<= 128`` (``<= 256`` from sm90);
   equal q/k and v head dims.
 * No dropout (jax's cuDNN API has no stateless-dropout key that matches the other backends), no
-  logits soft cap, no segment ids, no arbitrary boolean mask (an additive ``bias`` is fine).
+  logits soft cap, no segment ids, no arbitrary boolean mask (an additive ``bias`` is fine, over every
+  query and key: jax's cuDNN path takes no bias broadcast over ``T`` or ``S``).
 * Odd ``T`` or ``S``: jax's cuDNN forward takes them, its training path refuses them (with or
   without a bias), so a differentiated call runs on inputs padded to even lengths
   (:func:`_even_lengths`).
@@ -105,6 +106,11 @@ def unsupported(
             reasons.append(f"cuDNN attention supports only left windows (left, 0); got window={args.window}")
         if args.diag_offset != 0 or args.q_len != args.kv_len:
             reasons.append("cuDNN sliding windows need T == S with the top-left diagonal")
+    if args.bias is not None and tuple(args.bias.shape[2:]) != (args.q_len, args.kv_len):
+        reasons.append(
+            "cuDNN attention (through jax.nn) needs a bias over every query and key "
+            f"([..., T, S] = [..., {args.q_len}, {args.kv_len}]); got bias.shape={tuple(args.bias.shape)}"
+        )
     if cudnn_version is not None and cudnn_version < 8904:
         reasons.append(f"cuDNN attention needs cuDNN >= 8.9.4 (got {cudnn_version})")
     return reasons
@@ -118,10 +124,7 @@ def runtime_unavailable() -> Optional[str]:
     try:
         fa.check_cudnn_version()
     except Exception as e:  # noqa: BLE001 - RuntimeError("cuDNN is not detected.") and kin
-        return (
-            f"JAX cannot lower cuDNN attention on this machine ({e}); "
-            "a CUDA export made here uses another backend"
-        )
+        return f"JAX cannot lower cuDNN attention on this machine ({e})"
     return None
 
 
@@ -194,11 +197,11 @@ def _even_lengths(call, args: base.AttentionArgs):
 
     def padded(q, k, v, bias, q_len, kv_len):
         q, k, v = pad(q, 1, pad_t), pad(k, 1, pad_s), pad(v, 1, pad_s)
-        if bias is not None:  # a broadcast (size 1) dimension stays broadcast
-            bias = pad(bias, 2, pad_t if bias.shape[2] != 1 else 0)
-            bias = pad(bias, 3, pad_s if bias.shape[3] != 1 else 0)
-        if pad_s and not masked_by_causality and kv_len is None:
-            kv_len = jnp.full((q.shape[0],), S, jnp.int32)
+        if bias is not None:  # over every query and key (`unsupported`; T or S may be 1)
+            bias = pad(bias, 2, pad_t if bias.shape[2] == T else 0)
+            bias = pad(bias, 3, pad_s if bias.shape[3] == S else 0)
+        if pad_s and not masked_by_causality:  # lengths past S (traced, unchecked) stop at S
+            kv_len = jnp.full((q.shape[0],), S, jnp.int32) if kv_len is None else jnp.minimum(kv_len, S)
         out, lse = call(q, k, v, bias, q_len, kv_len)
         return out[:, :T], lse[:, :T]  # jax's residual LSE is [B, T, N]
 

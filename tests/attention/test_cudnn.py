@@ -94,6 +94,45 @@ def test_odd_lengths_train_on_padded_inputs(T, S, causal, window, bias_shape, kv
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=name)
     x = jnp.ones((1, 64, 2, 16))
     assert cudnn._even_lengths(call, base.make_args(x, x, x)) is call  # even lengths: unchanged
+    if kv_lengths is not None and not causal and window is None and S % 2:
+        # Traced lengths are not range-checked: one past S must not reach the padded key.
+        over = jnp.asarray([S + 3, S], jnp.int32)
+        got = jax.jit(lambda: padded(q, k, v, bias, None, over))()
+        want = jax.jit(lambda: call(q, k, v, bias, None, over))()
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
+
+
+def test_bias_broadcast_over_queries_or_keys_is_refused_with_its_reason():
+    """jax's cuDNN path checks that the bias spans T and S (its layout check), forward included."""
+    x = jnp.ones((2, 16, 2, 64), jnp.bfloat16)
+    for shape in [(2, 2, 1, 16), (1, 1, 16, 1), (2, 1, 1, 16)]:
+        args = base.make_args(x, x, x, bias=jnp.zeros(shape, jnp.bfloat16))
+        assert any("over every query and key" in r for r in cudnn.unsupported(args, "cuda")), shape
+    full = base.make_args(x, x, x, bias=jnp.zeros((1, 1, 16, 16), jnp.bfloat16))
+    assert cudnn.unsupported(full, "cuda", compute_capability=9.0) == []
+
+
+def test_a_forced_cudnn_that_cannot_lower_names_the_right_reason():
+    """The reason a lowering cannot hold cuDNN comes after the flags' and the call's own reasons."""
+    from pallas_kernels import gpu
+
+    error = jb.attention.NoAvailableBackendError
+    x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+
+    def trace(x, **kw):
+        return jax.jit(lambda x: jb.dot_product_attention(x, x, x, platforms=("cuda",), **kw)).trace(x)
+
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        with pytest.raises(error, match="float16/bfloat16") as e:
+            trace(x.astype(jnp.float32), implementation="cudnn")
+        assert "cannot lower" not in str(e.value)
+        only_cudnn = jb.attention.sdpa_kernel([jb.SDPBackend.CUDNN_ATTENTION])
+        with only_cudnn, jb.with_backends(cudnn_enabled=False), pytest.raises(error) as e:
+            trace(x)
+        assert "in priority order:\n  (none)" in str(e.value) and "cannot lower" not in str(e.value)
+        if cudnn.runtime_unavailable() is not None:  # this machine: no cuDNN runtime
+            with pytest.raises(error, match="cannot lower cuDNN attention on this machine"):
+                trace(x, implementation="cudnn")
 
 
 @pytest.fixture
@@ -109,7 +148,14 @@ def cudnn_runtime_described(monkeypatch):
 
 @pytest.mark.parametrize(
     "T, S, causal, bias",
-    [(1025, 1025, False, False), (65, 65, True, True), (1, 4097, False, False), (64, 64, False, True)],
+    [
+        (1025, 1025, False, False),
+        (65, 65, True, True),
+        (1, 4097, False, False),
+        (1, 64, False, True),
+        (64, 63, False, True),
+        (64, 64, False, True),
+    ],
 )
 def test_odd_length_gradients_lower_to_cudnns_backward(cudnn_runtime_described, T, S, causal, bias):
     """Lowered for CUDA, the gradient of an odd-length call is cuDNN's backward (JAX's own cuDNN
