@@ -20,19 +20,25 @@ def _functions(tree) -> dict:
     return {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def _parametrized(func) -> bool:
-    """A parametrize decorator, or an argument (a fixture with params, as the int4 grids use)."""
-    args = [a.arg for a in func.args.args if a.arg not in ("self", "request")]
-    return bool(args) or any("parametrize" in ast.unparse(d) for d in func.decorator_list)
+def _parametrized(func, fixtures_with_params: set) -> bool:
+    """A parametrize decorator, or an argument that is a fixture with ``params`` (the int4 grids)."""
+    args = {a.arg for a in func.args.args}
+    return bool(args & fixtures_with_params) or any(
+        "parametrize" in ast.unparse(d) for d in func.decorator_list
+    )
 
 
 def test_every_thinned_key_names_a_test_that_exists():
     thinned = _thinned()
     assert thinned, "THINNED is empty"
     every_test_def = {}  # method name -> definitions anywhere under tests/ (inherited grids)
+    fixtures_with_params = set()
     for path in (ROOT / "tests").rglob("*.py"):
         for name, func in _functions(ast.parse(path.read_text())).items():
             every_test_def.setdefault(name, []).append(func)
+            decorators = [ast.unparse(d) for d in func.decorator_list]
+            if any("fixture" in d and "params=" in d for d in decorators):
+                fixtures_with_params.add(name)
     problems = []
     for key, k in thinned.items():
         if not isinstance(k, int) or k < 0:
@@ -42,15 +48,16 @@ def test_every_thinned_key_names_a_test_that_exists():
             problems.append(f"{key}: no file {path}")
             continue
         tree = ast.parse((ROOT / path).read_text())
+        tops = (ast.FunctionDef, ast.AsyncFunctionDef)
         if len(names) == 1:
-            func = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}.get(names[0])
+            func = {n.name: n for n in tree.body if isinstance(n, tops)}.get(names[0])
             defs = [func] if func else []
         elif len(names) == 2:
             cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == names[0]), None)
             if cls is None:
                 problems.append(f"{key}: no class {names[0]} in {path}")
                 continue
-            own = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == names[1]]
+            own = [n for n in cls.body if isinstance(n, tops) and n.name == names[1]]
             # An inherited method: defined in a base class somewhere under tests/.
             defs = own or (every_test_def.get(names[1], []) if cls.bases else [])
         else:
@@ -58,6 +65,6 @@ def test_every_thinned_key_names_a_test_that_exists():
             continue
         if not defs:
             problems.append(f"{key}: no such test")
-        elif k and not any(_parametrized(f) for f in defs):
+        elif k and not any(_parametrized(f, fixtures_with_params) for f in defs):
             problems.append(f"{key}: k = {k} but the test is not parametrized")
     assert not problems, "stale THINNED keys in tests/conftest.py:\n" + "\n".join(problems)
