@@ -36,6 +36,7 @@ __all__ = [
     "JIT_KEY",
     "Publication",
     "TraceRecord",
+    "UNSET",
     "current",
     "defaults_lock",
     "explicit_defaults",
@@ -112,6 +113,8 @@ DEFAULTS_KEY = globals().get("DEFAULTS_KEY") or jax.make_user_context(default_va
 # Per thread: jbackends' ownership of JAX's thread-local default_matmul_precision (`sync_precision`),
 # the last publication seen (`last_seq`) and the pinned trace (`trace_ref`, `record`).
 thread_state = globals().get("thread_state") or threading.local()
+#: JAX's marker of a config whose thread-local value is not set (the global value is in force).
+UNSET = _jax_config.config_ext.unset
 
 _epochs: dict[tuple, int] = globals().get("_epochs", {})
 _history: collections.deque = globals().get("_history") or collections.deque(maxlen=256)
@@ -160,13 +163,6 @@ def retire_since(lo: int | None, keep: tuple | None) -> None:
             _retire(pub.gkey, keep)
 
 
-def _unset() -> Any:
-    """JAX's marker of a config whose thread-local value is not set (the global value is in force)."""
-    from jax._src.config import config_ext
-
-    return config_ext.unset
-
-
 class TraceRecord:
     """A top-level trace in progress in one thread, and the publication it pinned."""
 
@@ -183,7 +179,7 @@ class TraceRecord:
         if self.pub.jax_precision is not None and not getattr(thread_state, "precision_owned", False):
             state = _jax_config.default_matmul_precision
             previous = state.swap_local(self.pub.jax_precision)
-            if previous is _unset():  # only the global (bridged) precision was in force: pin it
+            if previous is UNSET:  # only the global (bridged) precision was in force: pin it
                 self.saved_precision = (previous,)
             else:  # the user's own `jax.default_matmul_precision(...)` in this thread stands
                 state.set_local(previous)

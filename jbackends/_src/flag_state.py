@@ -79,7 +79,6 @@ OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("OVERRIDES") or co
     "jbackends_overrides", default=()
 )
 _SCOPED_TAG = "jbackends-scope"  # first item of a scoped jit key: never equal to a defaults key
-_UNSET = None  # filled lazily: the marker jax uses for "no thread-local value"
 
 
 _snapshot_cache: dict[tuple, Any] = {}
@@ -143,7 +142,6 @@ def set_thread_key() -> None:
     The key's thread-local value is unset when the traced flags in force equal the defaults' (the global
     value is then in force, and such a scope shares cache entries with unscoped code).
     """
-    global _UNSET
     overrides = dict(OVERRIDES.get())
     obj = _JIT_KEY._obj
     expected = _expected_key() if any(n in overrides for n in TRACED) else None
@@ -153,11 +151,7 @@ def set_thread_key() -> None:
     if expected is not None and expected[:1] == (_SCOPED_TAG,):
         obj.swap_local(expected)
     else:
-        if _UNSET is None:
-            from jax._src.config import config_ext
-
-            _UNSET = config_ext.unset
-        obj.set_local(_UNSET)
+        obj.set_local(_publication.UNSET)
     sync_precision(overrides, _thread_state)
 
 

@@ -134,29 +134,7 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
     reasons = unsupported(args, "cuda")
     if reasons:
         raise NotImplementedError("; ".join(reasons))
-    window = None
-    causal = args.causal
-    if args.window is not None:
-        left, right = args.window
-        # Work around jax PR 39576: (left, 0) without is_causal leaks the future in cuDNN.
-        window = (left, 0)
-        causal = True
-
-    def call(q, k, v, bias, q_len, kv_len):
-        return jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            bias=bias,
-            scale=args.scale,
-            is_causal=causal,
-            query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len,
-            local_window_size=window,
-            implementation="cudnn",
-            return_residual=True,
-        )
-
+    call = _jax_nn_call(args)
     out, lse = _with_reference_derivative(
         call,
         args,
@@ -176,6 +154,35 @@ def attention(args: base.AttentionArgs, *, config=None, **opts):
         out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
         lse = jnp.where(empty, -jnp.inf, lse)
     return out, lse
+
+
+def _jax_nn_call(args: base.AttentionArgs, implementation: str = "cudnn"):
+    """``call(q, k, v, bias, q_len, kv_len) -> (out, lse [B, T, N])``: ``jax.nn.dot_product_attention``
+    with ``args``' static settings (``implementation="xla"`` stands in for cuDNN in the CPU tests)."""
+    window = None
+    causal = args.causal
+    if args.window is not None:
+        left = args.window[0]
+        # Work around jax PR 39576: (left, 0) without is_causal leaks the future in cuDNN.
+        window = (left, 0)
+        causal = True
+
+    def call(q, k, v, bias, q_len, kv_len):
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            bias=bias,
+            scale=args.scale,
+            is_causal=causal,
+            query_seq_lengths=q_len,
+            key_value_seq_lengths=kv_len,
+            local_window_size=window,
+            implementation=implementation,
+            return_residual=True,
+        )
+
+    return call
 
 
 def _even_lengths(call, args: base.AttentionArgs):

@@ -29,29 +29,6 @@ def test_never_runs_on_cpu_and_says_why():
     )
 
 
-def _stand_in(args):
-    """The bridge's call with jax.nn's XLA path in cuDNN's place (same arguments, an LSE-shaped second
-    output [B, T, N] that depends on the row): what runs on this CPU-only machine."""
-    window, causal = (None, args.causal) if args.window is None else ((args.window[0], 0), True)
-
-    def call(q, k, v, bias, q_len, kv_len):
-        out = jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            bias=bias,
-            scale=args.scale,
-            is_causal=causal,
-            query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len,
-            local_window_size=window,
-            implementation="xla",
-        )
-        return out, jnp.sum(jnp.float32(out), axis=-1)
-
-    return call
-
-
 @pytest.mark.parametrize(
     "T, S, causal, window, bias_shape, kv_lengths",
     [
@@ -78,7 +55,7 @@ def test_odd_lengths_train_on_padded_inputs(T, S, causal, window, bias_shape, kv
     args = base.make_args(q, k, v, bias=bias, is_causal=causal, kv_seq_lengths=kv_len)
     if window is not None:
         args = args.replace(window=window)
-    call = _stand_in(args)
+    call = cudnn._jax_nn_call(args, implementation="xla")  # the bridge's call, XLA in cuDNN's place
     padded = cudnn._even_lengths(call, args)
     assert padded is not call
     ct = jax.random.normal(ks[4], (2, T, 4, 16))
