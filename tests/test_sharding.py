@@ -109,6 +109,68 @@ def test_explicit_sharding_mode(name):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+DROPOUT_KERNELS = ["flash_xla", "efficient", "pallas_flash", "pallas_decode"]
+
+
+def _dropout_loss(name, rng):
+    """A loss through one backend with dropout (rate 0.3), and the same loss on MATH."""
+    from pallas_kernels.attention import base, triton_decode, triton_flash  # noqa: PLC0415
+
+    def out_of(q, k, v):
+        if name.startswith("pallas"):
+            module = triton_flash if name == "pallas_flash" else triton_decode
+            args = base.make_args(
+                q, k, v, dropout_rate=0.3, dropout_rng=rng, is_causal=name == "pallas_flash"
+            )
+            return module.attention(args, interpret=True)[0]
+        cfg = dict(BACKENDS[name])
+        with jb.sdpa_kernel(cfg.pop("backends")), jb.with_backends(**cfg):
+            return jb.dot_product_attention(
+                q, k, v, is_causal=name != "pallas_decode", dropout_rate=0.3, dropout_rng=rng
+            )
+
+    def math(q, k, v):
+        with jb.sdpa_kernel([jb.SDPBackend.MATH]):
+            return jb.dot_product_attention(
+                q, k, v, is_causal=name != "pallas_decode", dropout_rate=0.3, dropout_rng=rng
+            )
+
+    def value_and_grads(f):
+        def run(q, k, v):
+            loss = lambda *a: (
+                (f(*a) * jnp.cos(jnp.arange(H, dtype=jnp.float32))[None, None, None]) ** 2
+            ).sum()  # noqa: E731
+            return f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        return jax.jit(run)
+
+    return value_and_grads(out_of), value_and_grads(math)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("name", DROPOUT_KERNELS)
+def test_dropout_stays_sharded_and_drops_what_one_device_drops(name, axis_type):
+    """Dropout hashes global batch and head indices: each shard's kernel is given its offsets, so a
+    batch- and head-sharded call keeps its sharding (no all-gather) and equals MATH on one device."""
+    mesh = _mesh(axis_type)
+    q, k, v, _, _ = _inputs(3)
+    if name == "pallas_decode":
+        q = q[:, :4]
+    rng = jax.random.key(7)
+    spec = P("b", None, "h")
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    f, math = _dropout_loss(name, rng)
+    if axis_type == "Auto":
+        assert "all-gather" not in f.lower(put(q), put(k), put(v)).compile().as_text()
+    out, grads = f(put(q), put(k), put(v))
+    want_out, want_grads = math(q, k, v)
+    assert out.sharding.spec[:3] == spec[:3], out.sharding
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
+    for g, w in zip(grads, want_grads):
+        assert g.sharding.spec[:3] == spec[:3], g.sharding
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
 def test_vmap_of_a_sharded_kernel_runs_unpartitioned():
     def kern(x):
         return (jnp.cumsum(x, axis=1),)

@@ -46,6 +46,7 @@ _ARRAY_FIELDS = (
     "q_segment_ids",
     "kv_segment_ids",
     "dropout_rng",
+    "dropout_offsets",
 )
 _STATIC_FIELDS = ("scale", "causal", "diag_offset", "window", "logits_soft_cap", "dropout_rate")
 
@@ -116,6 +117,11 @@ class AttentionArgs:
 
     It is a pytree: arrays are leaves; ``scale``, ``causal``, ``diag_offset``, ``window``,
     ``logits_soft_cap`` and ``dropout_rate`` are static metadata.
+
+    ``dropout_offsets`` is not a user argument (:func:`make_args` leaves it None): the sharded path
+    (:mod:`pallas_kernels.attention.sharded`) sets it on each shard's arguments to the global
+    ``(batch, query head)`` index of the shard's first batch row and head, an integer ``[2]``, so the
+    dropout keep-mask hashes global indices and a sharded call drops what the unsharded one does.
     """
 
     q: Array
@@ -134,6 +140,7 @@ class AttentionArgs:
     logits_soft_cap: Optional[float] = None
     dropout_rate: float = 0.0
     dropout_rng: Optional[Array] = None
+    dropout_offsets: Optional[Array] = None
 
     # Shapes, named like the contract.
     @property

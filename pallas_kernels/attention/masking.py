@@ -25,6 +25,9 @@ __all__ = [
     "dropout_row_hash",
     "dropout_keep_from_row_hash",
     "dropout_keep_mask",
+    "dropout_words",
+    "dropout_row_hash_from_words",
+    "dropout_keep_from_words",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +213,31 @@ def _dropout_seed(rng) -> Array:
         folded = data[0::2][: data.shape[0] // 2] ^ data[1::2][: data.shape[0] // 2]
         return jnp.stack([folded[0], jnp.bitwise_xor.reduce(folded)])
     return data
+
+
+def dropout_words(rng, like=None, offsets=None) -> Array:
+    """``uint32[4]``: what a kernel's dropout reads, the two seed words then the batch and query-head
+    offsets added to its local indices (:func:`dropout_keep_from_words`).
+
+    Without ``offsets`` the seed is :func:`dropout_seed` ``(rng, like)`` and the offsets are 0. With
+    ``offsets`` (an integer ``[2]``: the global batch and head index of a shard's first row and head,
+    see ``AttentionArgs.dropout_offsets``) the shard hashes global indices, so the sharded call drops
+    exactly what the unsharded one does, and nothing is mixed into the seed.
+    """
+    if offsets is None:
+        return jnp.concatenate([dropout_seed(rng, like), jnp.zeros((2,), jnp.uint32)])
+    return jnp.concatenate([_dropout_seed(rng), jnp.reshape(_u32(offsets), (2,))])
+
+
+def dropout_row_hash_from_words(words, b, n, i):
+    """:func:`dropout_row_hash` of local indices ``b, n, i`` given :func:`dropout_words` (an array or
+    a kernel's ref): the batch and head offsets are added first."""
+    return dropout_row_hash(words[0], words[1], _u32(b) + _u32(words[2]), _u32(n) + _u32(words[3]), i)
+
+
+def dropout_keep_from_words(words, b, n, i, j, threshold):
+    """:func:`dropout_keep_from_seed` of local indices given :func:`dropout_words`."""
+    return dropout_keep_from_row_hash(dropout_row_hash_from_words(words, b, n, i), j, threshold)
 
 
 def dropout_threshold(rate: float) -> int:

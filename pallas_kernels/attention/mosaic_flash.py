@@ -1892,13 +1892,13 @@ def _check_smem(cfg, args: base.AttentionArgs):
 
 def _extras(args: base.AttentionArgs) -> tuple:
     """The operands the kernels take beside q, k, v: ``(q_segment_ids, kv_segment_ids)`` (int32) with
-    segment ids, the dropout seed's two uint32 words with dropout, then ``q_seq_lengths`` and
+    segment ids, the dropout words (:func:`base.dropout_words`, uint32[4]) with dropout, then ``q_seq_lengths`` and
     ``kv_seq_lengths`` (int32 ``[B]``, each where given: the kernels read the batch's as scalars)."""
     extras = ()
     if args.q_segment_ids is not None:
         extras += (args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32))
     if args.has_dropout:
-        extras += (base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)),)
+        extras += (base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets),)
     for lengths in (args.q_seq_lengths, args.kv_seq_lengths):
         if lengths is not None:
             extras += (lengths.astype(jnp.int32),)
@@ -1929,7 +1929,7 @@ def _kernel_extras(extras: tuple, s: _Shape, heads: int) -> tuple:
         b = jnp.arange(s.B, dtype=u32)[:, None, None]
         n = jnp.arange(heads, dtype=u32)[None, :, None]
         i = jnp.arange(s.Tp, dtype=u32)[None, None, :]
-        out.append(base.dropout_row_hash(seed[0], seed[1], b, n, i))
+        out.append(base.dropout_row_hash_from_words(seed, b, n, i))
 
     def planes(x, dtype):  # broadcast rows / keys made full (rows to Tp: the padded ones)
         B_, N_, T, _ = x.shape

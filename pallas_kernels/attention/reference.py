@@ -14,7 +14,14 @@ import numpy as np
 Array = Any
 
 from pallas_kernels.attention.args import AttentionArgs
-from pallas_kernels.attention.masking import dropout_keep_mask, index_mask, key_range, softcap
+from pallas_kernels.attention.masking import (
+    dropout_keep_from_words,
+    dropout_threshold,
+    dropout_words,
+    index_mask,
+    key_range,
+    softcap,
+)
 
 __all__ = [
     "full_mask",
@@ -160,14 +167,13 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
     lse = (jnp.log(denom.astype(jnp.float32)) + row_max.astype(jnp.float32))[..., 0]
     p = p / jnp.where(denom == 0, 1, denom)
     if args.has_dropout:
-        keep = dropout_keep_mask(
-            args.dropout_rng,
+        keep = dropout_keep_from_words(
+            dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets),
             jnp.arange(B, dtype=jnp.int32)[:, None, None, None],
             jnp.arange(N, dtype=jnp.int32)[None, :, None, None],
             jnp.arange(T, dtype=jnp.int32)[None, None, :, None],
             jnp.arange(S, dtype=jnp.int32)[None, None, None, :],
-            args.dropout_rate,
-            like=(args.q, args.k, args.v),
+            dropout_threshold(args.dropout_rate),
         )
         p = jnp.where(keep, p * (1.0 / (1.0 - args.dropout_rate)), 0).astype(p.dtype)
     pg = p.reshape(B, K, G, T, S)

@@ -68,17 +68,22 @@ def attention_vjp(
         bias is not differentiated (a bias used as a mask).
 
     Returns:
-      ``(out, lse)``, differentiable w.r.t. q, k, v and bias. With dropout nothing is split (the
-      keep-mask hashes global batch and head indices): the call runs on the gathered inputs.
+      ``(out, lse)``, differentiable w.r.t. q, k, v and bias. With dropout every shard's arguments
+      carry ``dropout_offsets`` (its first global batch row and head), so the keep-mask hashes global
+      indices and the split call drops what the unsplit one does.
     """
-    if args.has_dropout:
-        return _unsplit_vjp(args, forward, backward, skips_dbias)
     B, T, N = args.q.shape[:3]
     full = {"b": B, "t": T, "s": args.k.shape[1], "n": N}
     present = [f for f in _OPTIONAL if getattr(args, f) is not None]
     operands = [args.q, args.k, args.v] + [getattr(args, f) for f in present]
     factors = [("b", "t", _HEADS, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "e")]
     factors += [_factors(getattr(args, f), _OPTIONAL[f], full, f + "_") for f in present]
+    if args.has_dropout:
+        # The seed (replicated) and the batch / head indices, split like q's: a shard's first entries
+        # are its global offsets. A seed mixed with a caller's shard_map position is mixed here, once.
+        seed = base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets)
+        operands += [seed, jnp.arange(B, dtype=jnp.uint32), jnp.arange(N, dtype=jnp.uint32)]
+        factors += [("dropout_words",), ("b",), (_HEADS,)]
     has_bias = args.bias is not None
     diff = (0, 1, 2, 3) if has_bias else (0, 1, 2)
     partial = {}
@@ -88,7 +93,12 @@ def attention_vjp(
 
     def rebuild(xs):
         q, k, v, *rest = xs
-        return args.replace(q=q, k=k, v=v, **dict(zip(present, rest)))
+        changes = dict(zip(present, rest))
+        if args.has_dropout:
+            words, b_index, n_index = rest[len(present) :]
+            offsets = jnp.stack([b_index[0] + words[2], n_index[0] + words[3]])
+            changes.update(dropout_rng=words[:2], dropout_offsets=offsets)
+        return args.replace(q=q, k=k, v=v, **changes)
 
     def fwd(*xs):
         return tuple(forward(rebuild(xs)))
@@ -122,42 +132,6 @@ def attention_vjp(
         name=name,
     )
     return call(*operands)
-
-
-def _unsplit_vjp(args, forward, backward, skips_dbias):
-    """The same differentiable call with nothing split (dropout)."""
-    rest_fields = [f for f in (*_OPTIONAL, "dropout_rng") if f != "bias" and getattr(args, f) is not None]
-
-    def rebuild(q, k, v, bias, rest):
-        return args.replace(q=q, k=k, v=v, bias=bias, **dict(zip(rest_fields, rest)))
-
-    def fast_backward(_, q, k, v, bias, rest, out, lse, g_out, g_lse):
-        kw = dict(need_dbias=bias is not None) if skips_dbias else {}
-        dq, dk, dv, dbias = backward(rebuild(q, k, v, bias, rest), out, lse, g_out, g_lse, **kw)
-        if bias is not None and dbias is None:
-            dbias = jnp.zeros(bias.shape, bias.dtype)
-        return dq, dk, dv, dbias
-
-    # The backward with the math formulation as its derivative (second order).
-    backward_op = base.differentiable_backward(
-        fast_backward, lambda _, q, k, v, bias, rest: rebuild(q, k, v, bias, rest)
-    )
-
-    @jax.custom_vjp
-    def f(q, k, v, bias, rest):
-        return tuple(forward(rebuild(q, k, v, bias, rest)))
-
-    def f_fwd(q, k, v, bias, rest):
-        outs = f(q, k, v, bias, rest)  # through f, so that this rule is differentiable again
-        return outs, (q, k, v, bias, rest, outs)
-
-    def f_bwd(res, cts):
-        q, k, v, bias, rest, (out, lse) = res
-        dq, dk, dv, dbias = backward_op(None, q, k, v, bias, rest, out, lse, *cts)
-        return dq, dk, dv, dbias, jax.tree.map(lambda _: None, rest)
-
-    f.defvjp(f_fwd, f_bwd)
-    return f(args.q, args.k, args.v, args.bias, tuple(getattr(args, n) for n in rest_fields))
 
 
 # ---- sequence parallelism: a ring over the devices that split the sequence ------------------------

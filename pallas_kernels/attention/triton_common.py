@@ -88,8 +88,10 @@ class Spec(base.Statics):
 
 
 def dropout_seed_words(args: base.AttentionArgs):
-    """``uint32[2]`` seed words for the in-kernel keep-mask (None without dropout)."""
-    return base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)) if args.has_dropout else None
+    """``uint32[4]`` :func:`base.dropout_words` for the in-kernel keep-mask (None without dropout)."""
+    if not args.has_dropout:
+        return None
+    return base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets)
 
 
 def call_operands(args: base.AttentionArgs) -> tuple:
@@ -253,8 +255,9 @@ def base2(x):
 
 
 def dropout_keep(spec: Spec, seed_ref, b, n, rows, cols):
-    """Keep bits of a ``[bq, bk]`` tile: :func:`base.dropout_keep_from_seed` on global indices."""
-    return base.dropout_keep_from_seed(seed_ref[0], seed_ref[1], b, n, rows, cols, spec.dropout_threshold)
+    """Keep bits of a ``[bq, bk]`` tile: :func:`base.dropout_keep_from_words` (``seed_ref`` holds the
+    four words: seed, batch and head offsets) on the call's indices."""
+    return base.dropout_keep_from_words(seed_ref, b, n, rows, cols, spec.dropout_threshold)
 
 
 def key_block_range(spec: Spec, q_start, q_stop, block_k: int, *, q_len=None, kv_len=None):

@@ -160,7 +160,7 @@ def forward(
 
     operands = (seed, args.q_seq_lengths, args.kv_seq_lengths, qseg, args.kv_segment_ids, qg, args.k, args.v)
     in_specs = (
-        None if seed is None else pl.BlockSpec((2,), lambda s, h, b: (0,)),
+        None if seed is None else pl.BlockSpec((4,), lambda s, h, b: (0,)),
         None if args.q_seq_lengths is None else scalar_spec(),
         None if args.kv_seq_lengths is None else scalar_spec(),
         None if qseg is None else pl.BlockSpec((None, Mp), lambda s, h, b: (b, 0)),

@@ -238,7 +238,7 @@ def forward(
     operands = call_operands(args)
     seed = operands[0]
     in_specs = (
-        None if seed is None else pl.BlockSpec((2,), lambda i, n, b: (0,)),
+        None if seed is None else pl.BlockSpec((4,), lambda i, n, b: (0,)),
         None if args.q_seq_lengths is None else scalar_spec(),
         None if args.kv_seq_lengths is None else scalar_spec(),
         None if args.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, n, b: (b, i)),

@@ -325,7 +325,7 @@ def backward(
     )
     seed = operands[0]
     in_specs = (
-        None if seed is None else pl.BlockSpec((2,), lambda p, h, b: (0,)),
+        None if seed is None else pl.BlockSpec((4,), lambda p, h, b: (0,)),
         None if args.q_seq_lengths is None else scalar_spec(),
         None if args.kv_seq_lengths is None else scalar_spec(),
         None if args.q_segment_ids is None else pl.BlockSpec((None, T), lambda p, h, b: (b, 0)),

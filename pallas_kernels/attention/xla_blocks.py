@@ -260,9 +260,8 @@ def dropout_keep(st, seed, b, kh, i, j, bq, bk):
     n = (kh * G + jnp.arange(G, dtype=jnp.int32)).reshape(1, 1, G, 1, 1)
     rows = (i * bq + jnp.arange(bq, dtype=jnp.int32)).reshape(1, 1, 1, bq, 1)
     cols = (j * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, bk)
-    keep = base.dropout_keep_from_seed(
-        seed[0],
-        seed[1],
+    keep = base.dropout_keep_from_words(
+        seed,
         jnp.reshape(b, (1, 1, 1, 1, 1)),
         n,
         rows,

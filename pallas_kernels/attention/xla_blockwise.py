@@ -57,7 +57,7 @@ def prepare(args: base.AttentionArgs, config):
         kv_seg=args.kv_segment_ids,
         seed=None
         if args.dropout_rng is None
-        else base.dropout_seed(args.dropout_rng, (args.q, args.k, args.v)),
+        else base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets),
     )
     return st, aux
 
