@@ -908,34 +908,6 @@ def test_jb_jit_staged_into_plain_jit_traces_once():
     assert len(traces) == 1
 
 
-def test_jb_jit_retraces_when_another_thread_changes_its_options_before_the_trace(
-    defaults, monkeypatch, compiled_options
-):
-    """Another thread's set_flags lands after jb.jit chose a jit by its options and before the trace
-    reads the flags: the trace (new flags) must not be compiled with the old options."""
-    from jbackends._src import jit as jit_module
-
-    real, fired = jit_module.compiler_options, []
-
-    def racing(flags=None):
-        opts = real(flags)
-        if not fired and not jit_module.tracing():  # jb.jit has just chosen its jit: race it
-            fired.append(1)
-            t = threading.Thread(target=lambda: jb.set_flags(deterministic=True))
-            t.start()
-            t.join(30)
-        return opts
-
-    monkeypatch.setattr(jit_module, "compiler_options", racing)
-    seen = []
-    f = jb.jit(lambda x: seen.append(jb.current_flags().deterministic) or x + 1)
-    assert float(f(jnp.float32(1))) == 2.0
-    assert fired and seen == [True]
-    compiled = [o for o in compiled_options if "xla_gpu_deterministic_ops" in o]
-    assert compiled and all(o["xla_gpu_deterministic_ops"] is True for o in compiled), compiled_options
-    assert float(f(jnp.float32(2))) == 3.0 and seen == [True]  # the new options' executable, cached
-
-
 @pytest.mark.parametrize("where", ["top", "jit", "grad"])
 def test_jb_jit_lets_a_users_value_error_through(where):
     """A ValueError mentioning "top-level" is the function's, not JAX's refusal."""

@@ -18,18 +18,13 @@ from jax._src import core as _jax_core
 
 from jbackends._src import verbose
 from jbackends._src.flag_declarations import COMPILE_TIME, FLAGS
-from jbackends._src.flag_state import IN_JB_JIT, FlagsOutOfSyncError, current_flags, trace_flags, tracing
+from jbackends._src.flag_state import IN_JB_JIT, current_flags, trace_flags, tracing
 
 __all__ = ["compiler_options", "jit"]
 
 
 # The start of JAX's error for compiler options on a jit that is not top-level (jax 0.10 - 0.12).
 _JAX_OPTIONS_REFUSAL = "`compiler_options` can only be passed to top-level `jax.jit`"
-_RETRIES = 8  # traces of one call that another thread's set_flags may abort before jb.jit gives up
-
-
-class _OptionsChanged(Exception):
-    """Raised inside a `jb.jit` trace whose pinned flags map to other compiler options than its jit's."""
 
 
 def _staging() -> bool:
@@ -95,47 +90,15 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     lock = threading.Lock()
 
-    def _checked(opts: dict) -> Callable:
-        """``fun``, first checking at trace time that the flags this trace pinned give ``opts``.
-
-        Another thread's `set_flags` may land between choosing a jit by its options and the trace's
-        first flag read: the trace would then follow the new flags while XLA compiles it with the old
-        options. `_OptionsChanged` aborts such a trace (nothing is cached) and the call is retried."""
-
-        @functools.wraps(fun)
-        def traced(*args, **kwargs):
-            try:
-                now = {**compiler_options(trace_flags()), **user_options}
-            except FlagsOutOfSyncError as e:  # the retry re-syncs this thread's key outside the trace
-                raise _OptionsChanged() from e
-            if now != opts:
-                raise _OptionsChanged()
-            return fun(*args, **kwargs)
-
-        return traced
-
     def _for_current() -> Callable:
         opts = {**compiler_options(trace_flags()), **user_options}
         key = tuple(sorted(opts.items()))
         f = jitted.get(key)
         if f is None:
             with lock:
-                f = jitted.setdefault(key, jax.jit(_checked(opts), compiler_options=opts, **jit_kwargs))
+                f = jitted.setdefault(key, jax.jit(fun, compiler_options=opts, **jit_kwargs))
                 _options_of[id(f)] = opts
         return f
-
-    def _retrying(run: Callable) -> Any:
-        """``run(jit for the current options)``, again with the new options where the flags changed
-        under the trace (`_OptionsChanged`); a few times at most, then the last error propagates."""
-        for _ in range(_RETRIES):
-            try:
-                return run(_for_current())
-            except _OptionsChanged as e:
-                last = e
-        raise RuntimeError(
-            f"jb.jit({name}): the jbackends flags changed under each of {_RETRIES} traces of this call "
-            "(another thread calling jb.set_flags in a loop?)"
-        ) from last.__cause__
 
     name = getattr(fun, "__name__", "jit")
 
@@ -167,13 +130,8 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
             # function, then refuse the options. Go straight to a plain jit and say what is lost.
             _warn_lost("inside a function staged by jax.jit (or lax.scan, make_jaxpr, ...)")
             return _plain()(*args, **kwargs)
+        f = _for_current()
         token = IN_JB_JIT.set(True)
-        try:
-            return _retrying(lambda f: _call(f, *args, **kwargs))
-        finally:
-            IN_JB_JIT.reset(token)
-
-    def _call(f: Callable, *args, **kwargs):
         try:
             if current_flags().verbose >= 2:  # per-call device time, inside jb.verbose(2) only
                 return verbose.call(name, f, *args, **kwargs)
@@ -186,7 +144,9 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
                 raise
             _warn_lost("under another trace (an eager grad / vjp on this JAX version)")
             return _plain()(*args, **kwargs)
+        finally:
+            IN_JB_JIT.reset(token)
 
-    wrapper.lower = lambda *a, **k: _retrying(lambda f: f.lower(*a, **k))  # type: ignore[attr-defined]
+    wrapper.lower = lambda *a, **k: _for_current().lower(*a, **k)  # type: ignore[attr-defined]
     wrapper.executables = jitted  # type: ignore[attr-defined]  (option tuple -> jax.jit), for tests
     return wrapper
