@@ -66,6 +66,28 @@ def _spec_of(sharding, ndim: int):
     return spec + (None,) * (ndim - len(spec))
 
 
+def _decoded(sharding, mesh, ndim):
+    """An operand's sharding as a NamedSharding over ``mesh``, or None where it is none or cannot be one.
+
+    The partitioner is asked for raw (GSPMD) shardings: JAX's own decoding raises on a sharding that
+    splits a dimension over part of a mesh axis, which Shardy gives a compound dimension's major factor
+    (q's heads ``(k, g)`` split 4 ways over K = 2 kv heads split the kv heads 2 ways: half an axis).
+    Such an operand is treated as unsplit, so the kernel asks for it gathered along that factor.
+    """
+    if sharding is None or isinstance(sharding, NamedSharding):
+        return sharding
+    hlo = getattr(sharding, "_hlo_sharding", None)
+    if hlo is None or mesh is None or mesh.empty:
+        return None
+    try:
+        from jax._src.sharding_impls import parse_flatten_op_sharding  # noqa: PLC0415
+
+        spec = tuple(parse_flatten_op_sharding(hlo, mesh)[0])
+    except (ImportError, ValueError):  # not whole mesh axes (IndivisibleError is a ValueError)
+        return None
+    return NamedSharding(mesh, P(*spec, *((None,) * (ndim - len(spec)))))
+
+
 def _choose(mesh, shapes, shardings, in_factors, parallel, sizes):
     """Mesh axes per parallel factor: those of the first operand that shards it (whole factors only)."""
     chosen, used = {}, set()
@@ -276,8 +298,11 @@ def sharded(
 
         cp = custom_partitioning(fn)
 
+        def arg_shardings(mesh, arg_shapes):
+            return [_decoded(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
+
         def partition(mesh, arg_shapes, result_shape):
-            chosen, base_fn = choose(mesh, [a.shape for a in arg_shapes], [a.sharding for a in arg_shapes])
+            chosen, base_fn = choose(mesh, [a.shape for a in arg_shapes], arg_shardings(mesh, arg_shapes))
             per_shard = local(chosen, base_fn)
             if per_shard_lowering.NEEDED:
                 per_shard = per_shard_lowering.without_stack_frames(per_shard)
@@ -289,12 +314,13 @@ def sharded(
             )
 
         def infer(mesh, arg_shapes, result_shape):
-            chosen, _ = choose(mesh, [a.shape for a in arg_shapes], [a.sharding for a in arg_shapes])
+            chosen, _ = choose(mesh, [a.shape for a in arg_shapes], arg_shardings(mesh, arg_shapes))
             return tuple(_specs(mesh, outs, chosen))
 
         cp.def_partition(
             partition,
             infer_sharding_from_operands=infer,
+            decode_shardings=False,  # decoded by `_decoded`, which survives sub-axis shardings
             sharding_rule=_rule(ins, outs),
             need_replication_factors=replicated,
             **compound_only,

@@ -171,6 +171,47 @@ def test_dropout_stays_sharded_and_drops_what_one_device_drops(name, axis_type):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["plain", "dropout"])
+@pytest.mark.parametrize("name", ["flash_xla", "efficient"])
+def test_heads_split_finer_than_the_kv_heads_are_gathered_not_crashed(name, dropout, axis_type):
+    """q's 4 heads split 4 ways over 2 kv heads: no shard holds a whole kv-head group, so the heads are
+    gathered (Shardy hands the backward half-axis shardings JAX cannot decode; that used to raise)."""
+    t = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(t, t))
+    q, k, v, _, _ = _inputs(4)
+    q, k, v = q[:2], k[:2], v[:2]
+    rng = jax.random.key(11)
+    cfg = dict(BACKENDS[name])
+    backends = cfg.pop("backends")
+
+    def run(backends, cfg):
+        def out_of(q, k, v):
+            with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
+                return jb.dot_product_attention(
+                    q, k, v, is_causal=True, dropout_rate=dropout, dropout_rng=rng if dropout else None
+                )
+
+        def loss(q, k, v):
+            return (
+                (out_of(q, k, v) * jnp.cos(jnp.arange(H, dtype=jnp.float32))[None, None, None]) ** 2
+            ).sum()
+
+        return jax.jit(lambda q, k, v: (out_of(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))
+
+    out, grads = run(backends, cfg)(
+        jax.device_put(q, NamedSharding(mesh, P("b", None, "h"))),
+        jax.device_put(k, NamedSharding(mesh, P("b"))),
+        jax.device_put(v, NamedSharding(mesh, P("b"))),
+    )
+    want_out, want_grads = run([jb.SDPBackend.MATH], {})(q, k, v)
+    assert out.sharding.spec[0] == "b", out.sharding
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
+    for g, w in zip(grads, want_grads):
+        assert g.sharding.spec[0] == "b", g.sharding
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
 def test_vmap_of_a_sharded_kernel_runs_unpartitioned():
     def kern(x):
         return (jnp.cumsum(x, axis=1),)
