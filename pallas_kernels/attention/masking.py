@@ -26,6 +26,7 @@ __all__ = [
     "dropout_keep_from_row_hash",
     "dropout_keep_mask",
     "dropout_words",
+    "dropout_words_of",
     "dropout_row_hash_from_words",
     "dropout_keep_from_words",
 ]
@@ -227,6 +228,11 @@ def dropout_words(rng, like=None, offsets=None) -> Array:
     if offsets is None:
         return jnp.concatenate([dropout_seed(rng, like), jnp.zeros((2,), jnp.uint32)])
     return jnp.concatenate([_dropout_seed(rng), jnp.reshape(_u32(offsets), (2,))])
+
+
+def dropout_words_of(args) -> Array:
+    """:func:`dropout_words` of an ``AttentionArgs`` with dropout: its key, q / k / v and offsets."""
+    return dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets)
 
 
 def dropout_row_hash_from_words(words, b, n, i):

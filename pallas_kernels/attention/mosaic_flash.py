@@ -1898,7 +1898,7 @@ def _extras(args: base.AttentionArgs) -> tuple:
     if args.q_segment_ids is not None:
         extras += (args.q_segment_ids.astype(jnp.int32), args.kv_segment_ids.astype(jnp.int32))
     if args.has_dropout:
-        extras += (base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets),)
+        extras += (base.dropout_words_of(args),)
     for lengths in (args.q_seq_lengths, args.kv_seq_lengths):
         if lengths is not None:
             extras += (lengths.astype(jnp.int32),)
@@ -1984,14 +1984,15 @@ def _dkv_extras(extras: tuple, s: _Shape, rows: int) -> tuple:
 
 
 def _with_extras(args: base.AttentionArgs, q, k, v, extras):
-    """``args`` with new q / k / v and :func:`_extras` (the reference takes the seed words as its
-    dropout key: the same keep bits)."""
+    """``args`` with new q / k / v and :func:`_extras` (the dropout words become the key and the offsets,
+    which :func:`base.dropout_words` turns back into the same words: the same keep bits)."""
     args = args.replace(q=q, k=k, v=v)
     extras = list(extras)
     if args.q_segment_ids is not None:
         args = args.replace(q_segment_ids=extras.pop(0), kv_segment_ids=extras.pop(0))
-    if args.has_dropout:
-        args = args.replace(dropout_rng=extras.pop(0))
+    if args.has_dropout:  # the seed words as the key (taken as is), and the offsets
+        words = extras.pop(0)
+        args = args.replace(dropout_rng=words[:2], dropout_offsets=words[2:])
     if args.q_seq_lengths is not None:
         args = args.replace(q_seq_lengths=extras.pop(0))
     if args.kv_seq_lengths is not None:

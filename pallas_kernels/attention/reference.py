@@ -17,7 +17,7 @@ from pallas_kernels.attention.args import AttentionArgs
 from pallas_kernels.attention.masking import (
     dropout_keep_from_words,
     dropout_threshold,
-    dropout_words,
+    dropout_words_of,
     index_mask,
     key_range,
     softcap,
@@ -168,7 +168,7 @@ def reference(args: AttentionArgs, *, low_precision: bool = False):
     p = p / jnp.where(denom == 0, 1, denom)
     if args.has_dropout:
         keep = dropout_keep_from_words(
-            dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets),
+            dropout_words_of(args),
             jnp.arange(B, dtype=jnp.int32)[:, None, None, None],
             jnp.arange(N, dtype=jnp.int32)[None, :, None, None],
             jnp.arange(T, dtype=jnp.int32)[None, None, :, None],

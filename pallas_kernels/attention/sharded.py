@@ -81,7 +81,7 @@ def attention_vjp(
     if args.has_dropout:
         # The seed (replicated) and the batch / head indices, split like q's: a shard's first entries
         # are its global offsets. A seed mixed with a caller's shard_map position is mixed here, once.
-        seed = base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets)
+        seed = base.dropout_words_of(args)
         operands += [seed, jnp.arange(B, dtype=jnp.uint32), jnp.arange(N, dtype=jnp.uint32)]
         factors += [("dropout_words",), ("b",), (_HEADS,)]
     has_bias = args.bias is not None

@@ -91,7 +91,7 @@ def dropout_seed_words(args: base.AttentionArgs):
     """``uint32[4]`` :func:`base.dropout_words` for the in-kernel keep-mask (None without dropout)."""
     if not args.has_dropout:
         return None
-    return base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets)
+    return base.dropout_words_of(args)
 
 
 def call_operands(args: base.AttentionArgs) -> tuple:

@@ -55,9 +55,7 @@ def prepare(args: base.AttentionArgs, config):
         kv_len=args.kv_seq_lengths,
         q_seg=args.q_segment_ids,
         kv_seg=args.kv_segment_ids,
-        seed=None
-        if args.dropout_rng is None
-        else base.dropout_words(args.dropout_rng, (args.q, args.k, args.v), args.dropout_offsets),
+        seed=None if args.dropout_rng is None else base.dropout_words_of(args),
     )
     return st, aux
 

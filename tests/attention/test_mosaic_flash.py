@@ -657,6 +657,32 @@ def test_gradient_exports_for_cpu_and_cuda_and_runs_on_cpu():
     np.testing.assert_allclose(np.asarray(exp.call(q), np.float32), np.asarray(want, np.float32), atol=5e-2)
 
 
+def test_dropout_under_a_cpu_and_cuda_export_drops_what_math_drops():
+    """The CPU branch of a cpu + cuda export gets the kernel's dropout words as its key and offsets:
+    it must drop exactly what MATH drops with the same key (forward and gradient)."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(2, 128, 2, 64)), jnp.bfloat16)
+    key = jax.random.key(5)
+
+    def attend(q, backend, **flags):
+        with jb.with_backends(**flags), jb.sdpa_kernel([backend]):
+            return jb.dot_product_attention(q, q, q, is_causal=True, dropout_rate=0.5, dropout_rng=key)
+
+    def value_and_grad(backend, **flags):
+        loss = lambda q: (attend(q, backend, **flags).astype(jnp.float32) ** 2).sum()  # noqa: E731
+        return lambda q: (attend(q, backend, **flags), jax.grad(loss)(q))
+
+    f = value_and_grad(SDPBackend.FLASH_ATTENTION, flash_cuda_kernel="mosaic", flash_cpu_kernel="xla")
+    exp = _export(f, ["cpu", "cuda"], q)
+    assert "custom_call @mosaic_gpu" in exp.mlir_module()
+    got_out, got_grad = exp.call(q)
+    want_out, want_grad = value_and_grad(SDPBackend.MATH)(q.astype(jnp.float32))  # float32 math
+    for got, want in ((got_out, want_out), (got_grad, want_grad)):
+        want = np.asarray(want)  # bfloat16 rounding only; a different keep-mask is off by O(max |want|)
+        err = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
+        assert err < 0.1, err  # the same key: ~2e-3 (output), ~2e-2 (gradient); another key: ~0.9
+
+
 def test_flash_cuda_kernel_filters_the_cuda_list():
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     kw = dict(is_causal=True, platform="cuda", compute_capability=9.0)
