@@ -908,6 +908,77 @@ def test_jb_jit_staged_into_plain_jit_traces_once():
     assert len(traces) == 1
 
 
+def test_jb_jit_retraces_when_another_thread_changes_its_options_before_the_trace(
+    defaults, monkeypatch, compiled_options
+):
+    """Another thread's set_flags lands after jb.jit chose a jit by its options and before the trace
+    reads the flags: the trace (new flags) must not be compiled with the old options."""
+    from jbackends._src import jit as jit_module
+
+    real, fired = jit_module.compiler_options, []
+
+    def racing(flags=None):
+        opts = real(flags)
+        if not fired and not jit_module.tracing():  # jb.jit has just chosen its jit: race it
+            fired.append(1)
+            t = threading.Thread(target=lambda: jb.set_flags(deterministic=True))
+            t.start()
+            t.join(30)
+        return opts
+
+    monkeypatch.setattr(jit_module, "compiler_options", racing)
+    seen = []
+    f = jb.jit(lambda x: seen.append(jb.current_flags().deterministic) or x + 1)
+    assert float(f(jnp.float32(1))) == 2.0
+    assert fired and seen == [True]
+    compiled = [o for o in compiled_options if "xla_gpu_deterministic_ops" in o]
+    assert compiled and all(o["xla_gpu_deterministic_ops"] is True for o in compiled), compiled_options
+    assert float(f(jnp.float32(2))) == 3.0 and seen == [True]  # the new options' executable, cached
+
+
+def test_jb_jit_shares_jaxs_trace_cache_across_wrappers(defaults):
+    """A new `jb.jit(f)` of the same ``f`` (built in a loop) reuses JAX's trace of ``f``: jb.jit hands
+    ``f`` itself to `jax.jit`, not a per-call wrapper."""
+    traces = []
+
+    def body(x):
+        traces.append(1)
+        return x * 2
+
+    for i in range(3):
+        assert float(jb.jit(body)(jnp.float32(i))) == 2.0 * i
+    assert len(traces) == 1
+    with jb.with_backends(deterministic=True):  # other options: one more trace, then shared again
+        for i in range(2):
+            assert float(jb.jit(body)(jnp.float32(i))) == 2.0 * i
+    assert len(traces) == 2
+
+
+def test_jb_jit_gives_up_when_the_flags_change_under_every_trace(defaults, monkeypatch):
+    """Another thread flipping the options before every trace: after a few retries jb.jit raises
+    FlagsOutOfSyncError (nothing was traced with flags its executable was not compiled for)."""
+    from jbackends._src import jit as jit_module
+
+    real, fired = jit_module.compiler_options, []
+
+    def racing(flags=None):
+        opts = real(flags)
+        if not jit_module.tracing():  # every choice is raced
+            fired.append(1)
+            value = len(fired) % 2 == 1
+            t = threading.Thread(target=lambda: jb.set_flags(deterministic=value))
+            t.start()
+            t.join(30)
+        return opts
+
+    monkeypatch.setattr(jit_module, "compiler_options", racing)
+    traced = []
+    f = jb.jit(lambda x: traced.append(jb.current_flags().deterministic) or x + 1)
+    with pytest.raises(jb.FlagsOutOfSyncError, match="8 traces"):
+        f(jnp.float32(1))
+    assert len(fired) == 8 and traced == []
+
+
 @pytest.mark.parametrize("where", ["top", "jit", "grad"])
 def test_jb_jit_lets_a_users_value_error_through(where):
     """A ValueError mentioning "top-level" is the function's, not JAX's refusal."""

@@ -18,6 +18,7 @@ jit key for a scope are `flag_state`'s.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
 import threading
 import weakref
@@ -34,6 +35,8 @@ __all__ = [
     "DEFAULTS",
     "DEFAULTS_KEY",
     "JIT_KEY",
+    "PIN_CHECK",
+    "PinRefused",
     "Publication",
     "TraceRecord",
     "UNSET",
@@ -163,6 +166,23 @@ def retire_since(lo: int | None, keep: tuple | None) -> None:
             _retire(pub.gkey, keep)
 
 
+class PinRefused(BaseException):
+    """A trace was about to pin a publication that `PIN_CHECK` refuses (see `trace_record`).
+
+    A BaseException, so that no ``except Exception`` between the flag read and `jb.jit` swallows it:
+    the trace must end, and `jb.jit` retries the call."""
+
+
+#: Set by `jb.jit` while it runs a call: ``check(pub) -> bool``, whether a top-level trace may pin
+#: ``pub``. `jb.jit` chose its `jax.jit` by the compiler options of the flags then in force; if another
+#: thread publishes defaults that map to other options before the trace's first flag read, the trace
+#: would follow the new flags and be compiled with the old options. The check refuses such a pin
+#: (`PinRefused`, raised before anything is pinned or cached) and `jb.jit` retries.
+PIN_CHECK: contextvars.ContextVar = globals().get("PIN_CHECK") or contextvars.ContextVar(
+    "jbackends_pin_check", default=None
+)
+
+
 class TraceRecord:
     """A top-level trace in progress in one thread, and the publication it pinned."""
 
@@ -238,6 +258,9 @@ def trace_record() -> TraceRecord | None:
         if lo != pub.seq:  # JAX may have read the key of any publication since `lo`: rule 2
             retire_since(lo, keep=pub.gkey)
         ts.last_seq = pub.seq
+    check = PIN_CHECK.get()
+    if check is not None and not check(pub):
+        raise PinRefused()
     record = TraceRecord(pub, lo)
     record.pin()
     try:

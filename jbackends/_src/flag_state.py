@@ -44,6 +44,7 @@ __all__ = [
     "defaults_lock",
     "effective",
     "explicit_defaults",
+    "flags_for",
     "publish_defaults",
     "published_defaults",
     "set_thread_key",
@@ -99,6 +100,11 @@ def _snapshot(overrides: _Overrides, pub: _publication.Publication) -> Any:
             _snapshot_cache.clear()
         _snapshot_cache[cache_key] = snap
     return snap
+
+
+def flags_for(overrides: _Overrides, pub: _publication.Publication) -> Any:
+    """The `BackendFlags` of the scoped ``overrides`` over the defaults of ``pub``."""
+    return _snapshot(overrides, pub)
 
 
 def _publication_in_force() -> _publication.Publication:

@@ -18,13 +18,24 @@ from jax._src import core as _jax_core
 
 from jbackends._src import verbose
 from jbackends._src.flag_declarations import COMPILE_TIME, FLAGS
-from jbackends._src.flag_state import IN_JB_JIT, current_flags, trace_flags, tracing
+from jbackends._src.flag_publication import PIN_CHECK, PinRefused
+from jbackends._src.flag_state import (
+    IN_JB_JIT,
+    OVERRIDES,
+    FlagsOutOfSyncError,
+    current_flags,
+    flags_for,
+    trace_flags,
+    tracing,
+)
 
 __all__ = ["compiler_options", "jit"]
 
 
 # The start of JAX's error for compiler options on a jit that is not top-level (jax 0.10 - 0.12).
 _JAX_OPTIONS_REFUSAL = "`compiler_options` can only be passed to top-level `jax.jit`"
+# Traces of one call that other threads' set_flags may abort (each before anything is cached).
+_RETRIES = 8
 
 
 def _staging() -> bool:
@@ -90,15 +101,40 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     lock = threading.Lock()
 
-    def _for_current() -> Callable:
-        opts = {**compiler_options(trace_flags()), **user_options}
+    def _for_current() -> tuple[Callable, Callable]:
+        """The `jax.jit` for the options of the flags in force, and the check a trace of it must pass.
+
+        Another thread's `set_flags` may publish defaults between this choice and the trace's first
+        flag read, which pins the defaults the trace follows: the check (`PIN_CHECK`) refuses a pin
+        whose flags, under this call's scopes, map to other options than the chosen jit's."""
+        overrides = OVERRIDES.get()
+        flag_opts = compiler_options(trace_flags())
+        opts = {**flag_opts, **user_options}
         key = tuple(sorted(opts.items()))
         f = jitted.get(key)
         if f is None:
             with lock:
                 f = jitted.setdefault(key, jax.jit(fun, compiler_options=opts, **jit_kwargs))
                 _options_of[id(f)] = opts
-        return f
+        return f, lambda pub: compiler_options(flags_for(overrides, pub)) == flag_opts
+
+    def _retrying(run: Callable) -> Any:
+        """``run(jit)`` for the options in force; again, with the new options, when another thread's
+        `set_flags` changed them before the trace pinned its flags (`PinRefused`: nothing was cached).
+        The functions JAX traces are ``fun`` itself, so its trace and compile caches stay shared."""
+        for _ in range(_RETRIES):
+            f, check = _for_current()
+            token = PIN_CHECK.set(check)
+            try:
+                return run(f)
+            except PinRefused:
+                continue
+            finally:
+                PIN_CHECK.reset(token)
+        raise FlagsOutOfSyncError(
+            f"jb.jit({name}): other threads' jb.set_flags changed the compile-time flags before each of "
+            f"{_RETRIES} traces of this call could start; call it again once they settle"
+        )
 
     name = getattr(fun, "__name__", "jit")
 
@@ -130,8 +166,13 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
             # function, then refuse the options. Go straight to a plain jit and say what is lost.
             _warn_lost("inside a function staged by jax.jit (or lax.scan, make_jaxpr, ...)")
             return _plain()(*args, **kwargs)
-        f = _for_current()
         token = IN_JB_JIT.set(True)
+        try:
+            return _retrying(lambda f: _call(f, *args, **kwargs))
+        finally:
+            IN_JB_JIT.reset(token)
+
+    def _call(f: Callable, *args, **kwargs):
         try:
             if current_flags().verbose >= 2:  # per-call device time, inside jb.verbose(2) only
                 return verbose.call(name, f, *args, **kwargs)
@@ -144,9 +185,7 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
                 raise
             _warn_lost("under another trace (an eager grad / vjp on this JAX version)")
             return _plain()(*args, **kwargs)
-        finally:
-            IN_JB_JIT.reset(token)
 
-    wrapper.lower = lambda *a, **k: _for_current().lower(*a, **k)  # type: ignore[attr-defined]
+    wrapper.lower = lambda *a, **k: _retrying(lambda f: f.lower(*a, **k))  # type: ignore[attr-defined]
     wrapper.executables = jitted  # type: ignore[attr-defined]  (option tuple -> jax.jit), for tests
     return wrapper
