@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
