@@ -35,8 +35,7 @@ __all__ = [
     "DEFAULTS",
     "DEFAULTS_KEY",
     "JIT_KEY",
-    "PIN_CHECK",
-    "PinRefused",
+    "PIN_FOR_CALL",
     "Publication",
     "TraceRecord",
     "UNSET",
@@ -166,20 +165,15 @@ def retire_since(lo: int | None, keep: tuple | None) -> None:
             _retire(pub.gkey, keep)
 
 
-class PinRefused(BaseException):
-    """A trace was about to pin a publication that `PIN_CHECK` refuses (see `trace_record`).
-
-    A BaseException, so that no ``except Exception`` between the flag read and `jb.jit` swallows it:
-    the trace must end, and `jb.jit` retries the call."""
-
-
-#: Set by `jb.jit` while it runs a call: ``check(pub) -> bool``, whether a top-level trace may pin
-#: ``pub``. `jb.jit` chose its `jax.jit` by the compiler options of the flags then in force; if another
-#: thread publishes defaults that map to other options before the trace's first flag read, the trace
-#: would follow the new flags and be compiled with the old options. The check refuses such a pin
-#: (`PinRefused`, raised before anything is pinned or cached) and `jb.jit` retries.
-PIN_CHECK: contextvars.ContextVar = globals().get("PIN_CHECK") or contextvars.ContextVar(
-    "jbackends_pin_check", default=None
+#: Set by `jb.jit` while it runs a call: ``choose(pub) -> Publication``, the publication a top-level
+#: trace starting now pins instead of the newest one ``pub``. `jb.jit` picks its `jax.jit` by the compiler
+#: options of the flags in force; if another thread publishes defaults that map to other options before
+#: the trace's first flag read, the trace would follow the new flags and be compiled with the old
+#: options. ``choose`` then returns the publication the call's options came from: the whole call runs
+#: as if it came before that `set_flags`. Rule 2 retires the keys JAX may have filed it under, and the
+#: newest defaults are published again under a fresh epoch.
+PIN_FOR_CALL: contextvars.ContextVar = globals().get("PIN_FOR_CALL") or contextvars.ContextVar(
+    "jbackends_pin_for_call", default=None
 )
 
 
@@ -254,13 +248,18 @@ def trace_record() -> TraceRecord | None:
         previous.release()
     with defaults_lock:
         pub = _PUB
+        choose = PIN_FOR_CALL.get()
+        if choose is not None:  # a jb.jit call: the publication its compiler options came from
+            pub = choose(pub)
         lo = getattr(ts, "last_seq", None)
-        if lo != pub.seq:  # JAX may have read the key of any publication since `lo`: rule 2
-            retire_since(lo, keep=pub.gkey)
-        ts.last_seq = pub.seq
-    check = PIN_CHECK.get()
-    if check is not None and not check(pub):
-        raise PinRefused()
+        if lo != _PUB.seq or pub is not _PUB:  # JAX may have read the key of any publication since `lo`
+            retire_since(lo, keep=pub.gkey)  # rule 2 (with `lo` None: every key)
+        if pub is not _PUB:
+            # The call may be filed under the newest key, which is still in force: publish the same
+            # defaults again under a fresh epoch (JAX's trace cache is shared by every jit of a function,
+            # whatever its compiler options).
+            publish(_PUB.values)
+        ts.last_seq = _PUB.seq
     record = TraceRecord(pub, lo)
     record.pin()
     try:

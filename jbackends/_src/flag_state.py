@@ -45,6 +45,7 @@ __all__ = [
     "effective",
     "explicit_defaults",
     "flags_for",
+    "publication_in_force",
     "publish_defaults",
     "published_defaults",
     "set_thread_key",
@@ -105,6 +106,11 @@ def _snapshot(overrides: _Overrides, pub: _publication.Publication) -> Any:
 def flags_for(overrides: _Overrides, pub: _publication.Publication) -> Any:
     """The `BackendFlags` of the scoped ``overrides`` over the defaults of ``pub``."""
     return _snapshot(overrides, pub)
+
+
+def publication_in_force() -> _publication.Publication:
+    """The pinned publication under a trace, else the current one (recording it as seen)."""
+    return _publication_in_force()
 
 
 def _publication_in_force() -> _publication.Publication:

@@ -18,13 +18,13 @@ from jax._src import core as _jax_core
 
 from jbackends._src import verbose
 from jbackends._src.flag_declarations import COMPILE_TIME, FLAGS
-from jbackends._src.flag_publication import PIN_CHECK, PinRefused
+from jbackends._src.flag_publication import PIN_FOR_CALL
 from jbackends._src.flag_state import (
     IN_JB_JIT,
     OVERRIDES,
-    FlagsOutOfSyncError,
     current_flags,
     flags_for,
+    publication_in_force,
     trace_flags,
     tracing,
 )
@@ -34,8 +34,6 @@ __all__ = ["compiler_options", "jit"]
 
 # The start of JAX's error for compiler options on a jit that is not top-level (jax 0.10 - 0.12).
 _JAX_OPTIONS_REFUSAL = "`compiler_options` can only be passed to top-level `jax.jit`"
-# Traces of one call that other threads' set_flags may abort (each before anything is cached).
-_RETRIES = 8
 
 
 def _staging() -> bool:
@@ -102,13 +100,16 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
     lock = threading.Lock()
 
     def _for_current() -> tuple[Callable, Callable]:
-        """The `jax.jit` for the options of the flags in force, and the check a trace of it must pass.
+        """The `jax.jit` for the options of the flags in force, and the publication chooser of the call.
 
         Another thread's `set_flags` may publish defaults between this choice and the trace's first
-        flag read, which pins the defaults the trace follows: the check (`PIN_CHECK`) refuses a pin
-        whose flags, under this call's scopes, map to other options than the chosen jit's."""
-        overrides = OVERRIDES.get()
-        flag_opts = compiler_options(trace_flags())
+        flag read, which pins the defaults the trace follows. Where the new defaults (under this
+        call's scopes) map to other options than the chosen jit's, the trace pins the publication the
+        options came from instead (`PIN_FOR_CALL`): it is compiled with the options of the flags it
+        follows, and ``fun`` itself is what JAX traces, so its caches stay shared."""
+        trace_flags()  # re-syncs this thread's jit key outside a trace
+        overrides, pub = OVERRIDES.get(), publication_in_force()
+        flag_opts = compiler_options(flags_for(overrides, pub))
         opts = {**flag_opts, **user_options}
         key = tuple(sorted(opts.items()))
         f = jitted.get(key)
@@ -116,25 +117,22 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
             with lock:
                 f = jitted.setdefault(key, jax.jit(fun, compiler_options=opts, **jit_kwargs))
                 _options_of[id(f)] = opts
-        return f, lambda pub: compiler_options(flags_for(overrides, pub)) == flag_opts
 
-    def _retrying(run: Callable) -> Any:
-        """``run(jit)`` for the options in force; again, with the new options, when another thread's
-        `set_flags` changed them before the trace pinned its flags (`PinRefused`: nothing was cached).
-        The functions JAX traces are ``fun`` itself, so its trace and compile caches stay shared."""
-        for _ in range(_RETRIES):
-            f, check = _for_current()
-            token = PIN_CHECK.set(check)
-            try:
-                return run(f)
-            except PinRefused:
-                continue
-            finally:
-                PIN_CHECK.reset(token)
-        raise FlagsOutOfSyncError(
-            f"jb.jit({name}): other threads' jb.set_flags changed the compile-time flags before each of "
-            f"{_RETRIES} traces of this call could start; call it again once they settle"
-        )
+        def choose(newest):
+            if newest is pub or compiler_options(flags_for(overrides, newest)) == flag_opts:
+                return newest
+            return pub
+
+        return f, choose
+
+    def _pinned(run: Callable) -> Any:
+        """``run(jit for the options in force)``, any trace it starts pinned as `_for_current` says."""
+        f, choose = _for_current()
+        token = PIN_FOR_CALL.set(choose)
+        try:
+            return run(f)
+        finally:
+            PIN_FOR_CALL.reset(token)
 
     name = getattr(fun, "__name__", "jit")
 
@@ -168,7 +166,7 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
             return _plain()(*args, **kwargs)
         token = IN_JB_JIT.set(True)
         try:
-            return _retrying(lambda f: _call(f, *args, **kwargs))
+            return _pinned(lambda f: _call(f, *args, **kwargs))
         finally:
             IN_JB_JIT.reset(token)
 
@@ -186,6 +184,6 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
             _warn_lost("under another trace (an eager grad / vjp on this JAX version)")
             return _plain()(*args, **kwargs)
 
-    wrapper.lower = lambda *a, **k: _retrying(lambda f: f.lower(*a, **k))  # type: ignore[attr-defined]
+    wrapper.lower = lambda *a, **k: _pinned(lambda f: f.lower(*a, **k))  # type: ignore[attr-defined]
     wrapper.executables = jitted  # type: ignore[attr-defined]  (option tuple -> jax.jit), for tests
     return wrapper
