@@ -212,6 +212,26 @@ def test_heads_split_finer_than_the_kv_heads_are_gathered_not_crashed(name, drop
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
 
 
+def test_an_operand_split_over_the_minor_part_of_an_axis_is_gathered():
+    """An operand whose dimension is split over the minor half of a mesh axis (a reshape and transpose
+    put it there) is not a PartitionSpec JAX can decode: the kernel takes it gathered, and computes."""
+    mesh = jax.make_mesh((2, 4), ("b", "h"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    f = partition.sharded(
+        lambda x: (jnp.cumsum(x, axis=1) * 2,),
+        in_factors=(("b", "t", "k"),),
+        out_factors=(("b", "t", "k"),),
+        parallel=("b", "k"),
+    )
+    x = jax.random.normal(jax.random.key(0), (2, 6, 4, 2, 3))
+
+    def g(x):
+        y = x.reshape(2, 6, 2, 2, 2, 3).transpose(0, 1, 3, 2, 4, 5)  # dim 2: the minor half of h
+        return f((y * y).sum((3, 4, 5)))[0]
+
+    out = jax.jit(g)(jax.device_put(x, NamedSharding(mesh, P("b", None, "h"))))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(g(x)), rtol=1e-5, atol=1e-5)
+
+
 def test_vmap_of_a_sharded_kernel_runs_unpartitioned():
     def kern(x):
         return (jnp.cumsum(x, axis=1),)
