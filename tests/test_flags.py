@@ -973,6 +973,44 @@ def test_jb_jit_race_leaves_scopes_and_host_callbacks_consistent(defaults, monke
     assert before.flash is True
 
 
+@pytest.mark.parametrize("race_at", ["sync", "choice"])
+@pytest.mark.parametrize("flag", ["deterministic", "mha_fastpath"])
+def test_jb_jit_raced_in_a_scope_files_its_trace_under_the_flags_it_followed(
+    defaults, monkeypatch, race_at, flag
+):
+    """In a scope that leaves ``flag`` to the defaults, another thread's set_flags lands while jb.jit
+    syncs this thread's key or right after it chose: a later scope that sets ``flag`` to its old value
+    must not get the raced call's trace if that one followed the new value (and vice versa)."""
+    from jbackends._src import flag_state as state_module
+    from jbackends._src import jit as jit_module
+
+    armed, old = [False], getattr(jb.current_flags(), flag)
+
+    def race():
+        if armed[0] and not jit_module.tracing():
+            armed[0] = False
+            t = threading.Thread(target=lambda: jb.set_flags(**{flag: not old}))
+            t.start()
+            t.join(30)
+
+    if race_at == "sync":
+        real_pub = state_module._publication_in_force
+        monkeypatch.setattr(state_module, "_publication_in_force", lambda: (race(), real_pub())[1])
+    else:
+        real_opts = jit_module.compiler_options
+        monkeypatch.setattr(jit_module, "compiler_options", lambda flags=None: (real_opts(flags), race())[0])
+    f = jb.jit(lambda x: x * (2.0 if getattr(jb.current_flags(), flag) else 3.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a compile-time flag in a scope outside jb.jit
+        with jb.with_backends(flash=False):
+            armed[0] = True  # the next read (in jb.jit) races
+            raced = float(f(jnp.float32(1)))
+        assert not armed[0] and raced in (2.0, 3.0)
+        for value in (old, not old):
+            with jb.with_backends(flash=False, **{flag: value}):
+                assert float(f(jnp.float32(1))) == (2.0 if value else 3.0), value
+
+
 def test_jb_jit_shares_jaxs_trace_cache_across_wrappers(defaults):
     """A new `jb.jit(f)` of the same ``f`` (built in a loop) reuses JAX's trace of ``f``: jb.jit hands
     ``f`` itself to `jax.jit`, not a per-call wrapper."""

@@ -45,11 +45,12 @@ __all__ = [
     "effective",
     "explicit_defaults",
     "flags_for",
-    "publication_in_force",
+    "key_for",
     "publish_defaults",
     "published_defaults",
     "set_thread_key",
     "sync",
+    "synced_publication",
     "trace_flags",
     "tracing",
 ]
@@ -108,9 +109,20 @@ def flags_for(overrides: _Overrides, pub: _publication.Publication) -> Any:
     return _snapshot(overrides, pub)
 
 
-def publication_in_force() -> _publication.Publication:
-    """The pinned publication under a trace, else the current one (recording it as seen)."""
-    return _publication_in_force()
+def synced_publication() -> _publication.Publication:
+    """The pinned publication under a trace; else the current one, with this thread's jit key synced to
+    it (another thread may publish between a sync and a read: then again, a few times at most)."""
+    for _ in range(16):
+        trace_flags()  # outside a trace: re-syncs the key when it disagrees
+        pub = _publication_in_force()
+        if tracing() or _JIT_KEY.value == key_for(OVERRIDES.get(), pub):
+            return pub
+    return pub
+
+
+def key_for(overrides: _Overrides, pub: _publication.Publication) -> tuple:
+    """The jit key a thread with the scoped ``overrides`` has under the defaults of ``pub``."""
+    return _thread_key_for(_snapshot(overrides, pub), pub)
 
 
 def _publication_in_force() -> _publication.Publication:

@@ -24,8 +24,8 @@ from jbackends._src.flag_state import (
     OVERRIDES,
     current_flags,
     flags_for,
-    publication_in_force,
-    trace_flags,
+    key_for,
+    synced_publication,
     tracing,
 )
 
@@ -99,39 +99,45 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     lock = threading.Lock()
 
-    def _for_current() -> tuple[Callable, Callable]:
+    def _for_current() -> tuple[Callable, Callable, list]:
         """The `jax.jit` for the options of the flags in force, and the publication chooser of the call.
 
         Another thread's `set_flags` may publish defaults between this choice and the trace's first
-        flag read, which pins the defaults the trace follows. Where the new defaults (under this
-        call's scopes) map to other options than the chosen jit's, the trace pins the publication the
-        options came from instead (`PIN_FOR_CALL`): it is compiled with the options of the flags it
-        follows, and ``fun`` itself is what JAX traces, so its caches stay shared."""
-        trace_flags()  # re-syncs this thread's jit key outside a trace
-        overrides, pub = OVERRIDES.get(), publication_in_force()
-        flag_opts = compiler_options(flags_for(overrides, pub))
-        opts = {**flag_opts, **user_options}
+        flag read, which pins the defaults the trace follows. Where the newest defaults (under this
+        call's scopes) map to other options than the chosen jit's, or to another jit key than the
+        one this thread's scope was synced to, the trace pins the publication the choice came from
+        instead (`PIN_FOR_CALL`): it is compiled with the options of the flags it follows, and filed
+        under their key. ``fun`` itself is what JAX traces, so its caches stay shared."""
+        overrides, pub = OVERRIDES.get(), synced_publication()
+        opts = {**compiler_options(flags_for(overrides, pub)), **user_options}
         key = tuple(sorted(opts.items()))
         f = jitted.get(key)
         if f is None:
             with lock:
                 f = jitted.setdefault(key, jax.jit(fun, compiler_options=opts, **jit_kwargs))
                 _options_of[id(f)] = opts
+        scope_key = key_for(overrides, pub)
+        active = [True]  # the call is running (a context copied during it must not keep choosing)
 
         def choose(newest):
-            if newest is pub or compiler_options(flags_for(overrides, newest)) == flag_opts:
+            if newest is pub or not active[0]:
                 return newest
-            return pub
+            if {**compiler_options(flags_for(overrides, newest)), **user_options} != opts:
+                return pub
+            if scope_key != pub.key and key_for(overrides, newest) != scope_key:
+                return pub  # a scope's own (tagged) key, synced to ``pub``: the newest would not match it
+            return newest
 
-        return f, choose
+        return f, choose, active
 
     def _pinned(run: Callable) -> Any:
         """``run(jit for the options in force)``, any trace it starts pinned as `_for_current` says."""
-        f, choose = _for_current()
+        f, choose, active = _for_current()
         token = PIN_FOR_CALL.set(choose)
         try:
             return run(f)
         finally:
+            active[0] = False
             PIN_FOR_CALL.reset(token)
 
     name = getattr(fun, "__name__", "jit")
