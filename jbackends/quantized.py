@@ -434,8 +434,39 @@ def _split_rows_and_features(fwd, x, packed):
 
 
 def _weight_only_bwd(fwd, res, g):
-    """Gradients of ``x @ (q * s).T + b`` for x, scales and bias (XLA)."""
+    """Gradients of ``x @ (q * s).T + b`` for x, scales and bias (XLA).
+
+    On operands typed with Explicit sharding the contractions run with those axes made automatic
+    (`jax.sharding.auto_axes`): the rows' and features' splits propagate as on an Auto mesh, and each
+    gradient comes out sharded like its primal (the scales' gradient sums over x's sharded rows, which
+    Explicit mode refuses to leave implicit)."""
     x, p = res
+    leaves = [p.weight, p.scales] + ([] if p.bias is None else [p.bias])
+    mesh = _partition._explicit_mesh((x, g, *leaves))
+    if mesh is None:
+        dx, ds, db = _weight_only_grads(x, p, g)
+    else:
+        like = [x, p.scales] + ([] if p.bias is None else [p.bias])
+        out = tuple(
+            jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*_partition._spec_of(jax.typeof(a).sharding, a.ndim))
+            )
+            for a in like
+        )
+
+        def grads(x, g, w, s, *b):
+            q = PackedInt4Weight(w, s, b[0] if b else None, p.groupsize, p.in_features, p.out_features)
+            return tuple(d for d in _weight_only_grads(x, q, g) if d is not None)
+
+        with jax.sharding.use_abstract_mesh(mesh):
+            got = jax.sharding.auto_axes(grads, out_sharding=out)(x, g, *leaves)
+        dx, ds, db = got[0], got[1], (got[2] if p.bias is not None else None)
+    dw = np.zeros(p.weight.shape, jax.dtypes.float0)
+    return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
+
+
+def _weight_only_grads(x, p, g):
+    """(dx, dscales, dbias or None) of ``x @ (q * s).T + b`` for the cotangent ``g``."""
     # Contractions over the leading dims as they are (no flattening), so sharded rows stay sharded.
     gf, xf = g.astype(jnp.float32), x.astype(jnp.float32)
     lead = tuple(range(x.ndim - 1))
@@ -446,8 +477,7 @@ def _weight_only_bwd(fwd, res, g):
     gw = jnp.einsum("...n,...k->nk", gf, xf, precision=hi) * q  # d/d(scale * q) times q
     ds = gw.reshape(p.out_features, p.num_groups, p.groupsize).sum(-1)
     db = None if p.bias is None else gf.sum(lead)
-    dw = np.zeros(p.weight.shape, jax.dtypes.float0)
-    return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
+    return dx, ds, db
 
 
 _straight_through_vjp.defvjp(_weight_only_fwd, _weight_only_bwd)

@@ -284,13 +284,17 @@ def test_pallas_kernels_keep_sharding(kernel):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("engine", ["auto", "xla", "pallas_interpret"])
 @pytest.mark.parametrize("op", ["dyn_quant", "weight_only"])
-def test_int4_keeps_row_and_feature_sharding(engine, op):
-    """int4 matmuls: x's rows (M) and the weight's output features (N) stay sharded, gradients too."""
+def test_int4_keeps_row_and_feature_sharding(engine, op, axis_type):
+    """int4 matmuls: x's rows (M) and the weight's output features (N) stay sharded, and so do the
+    gradients of x, the scales and the bias (Explicit mode: the scales' gradient sums over x's
+    sharded rows, which it refuses to leave implicit), with the unsharded call's values."""
     import jbackends.quantized as Q  # noqa: PLC0415
 
-    mesh = jax.make_mesh((4, 2), ("m", "n"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    t = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((4, 2), ("m", "n"), axis_types=(t, t))
     K, Nf, M, g = 256, 64, 16, 32
     w = jax.random.normal(jax.random.key(0), (Nf, K))
     qw, s = Q.quantize_4bit(w, g)
@@ -303,20 +307,23 @@ def test_int4_keeps_row_and_feature_sharding(engine, op):
         f = lambda x, p: Q.int4_matmul(x, p, implementation=impl)  # noqa: E731
 
     def run(x, p):
-        return f(x, p), jax.grad(lambda x: (f(x, p) ** 2).sum())(x)
+        y, vjp = jax.vjp(f, x, p)
+        gx, gp = vjp(2 * jnp.sin(y))
+        return y, gx, gp.scales, gp.bias
 
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "m")))
     ps = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("n"))), p)
     jf = jax.jit(run)
     assert "all-gather" not in jf.lower(xs, ps).compile().as_text()
-    y, gx = jf(xs, ps)
-    y_ref, gx_ref = jf(x, p)
+    got, ref = jf(xs, ps), jax.jit(run)(x, p)
+    y, gx, gs, gb = got
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m", "n")), 3)
     assert gx.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "m")), 3)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(
-        np.asarray(gx), np.asarray(gx_ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(gx_ref).max())
-    )
+    assert gs.sharding.is_equivalent_to(NamedSharding(mesh, P("n")), 2)
+    assert gb.sharding.is_equivalent_to(NamedSharding(mesh, P("n")), 1)
+    for a, r in zip(got, ref):
+        r = np.asarray(r)
+        np.testing.assert_allclose(np.asarray(a), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
 
 
 # ---- sequence parallelism (a ring over the devices that split the sequence) ----------------------

@@ -174,7 +174,8 @@ def quantize_4bit(
     """Replaces ``model``'s `nnx.Linear` layers by `Int4Linear`, in place (inference).
 
     Every argument is checked, and every layer is quantized, before the model
-    is changed: an error leaves it as it was.
+    is changed: an error leaves it as it was. A layer reachable by several
+    paths (weight tying) becomes one `Int4Linear`, at every path.
 
     Args:
       model: an `nnx.Module` graph (also a bare `nnx.Linear`, which is
@@ -250,7 +251,16 @@ def quantize_4bit(
         for path, node in nnx.iter_graph(model)
         if isinstance(node, nnx.Linear) and path and (filter is None or filter(path, node))
     ]
-    converted = [(path, convert(path, lin)) for path, lin in targets]  # all or nothing
-    for path, layer in converted:
-        _set(model, path, layer)
+    new = {id(lin): convert(path, lin) for path, lin in targets}  # all or nothing
+    # A layer reachable by several paths (weight tying: ``self.dec = self.enc``) is one node, which
+    # `nnx.iter_graph` yields once: replace it at every reference, by the same `Int4Linear`.
+    refs = []
+    for _, node in nnx.iter_graph(model):
+        try:
+            children = list(nnx.iter_children(node))
+        except ValueError:  # not a graph node (a Variable, an array, a static attribute)
+            continue
+        refs += [(node, key, new[id(child)]) for key, child in children if id(child) in new]
+    for parent, key, layer in refs:
+        _set(parent, (key,), layer)
     return model

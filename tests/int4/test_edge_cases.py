@@ -333,6 +333,36 @@ def test_quantize_model_groupsize_per_layer_and_numbers():
     np.testing.assert_allclose(np.asarray(q(x), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+def test_quantize_model_replaces_a_shared_layer_at_every_path():
+    """A layer reachable by several paths (weight tying, a Sequential, an nnx.Dict / nnx.List) is
+    replaced at each by one Int4Linear: the tying survives, and no float weight is left behind."""
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.Linear(64, 64, rngs=rngs)
+            self.dec = self.enc
+            self.seq = nnx.Sequential(self.enc, nnx.relu)
+            self.d = nnx.Dict({"a": self.enc})
+            self.l = nnx.List([self.enc, nnx.Linear(64, 32, rngs=rngs)])
+
+        def __call__(self, x):
+            return self.l[1](self.d["a"](self.seq(self.dec(self.enc(x)))))
+
+    model = Tied(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 64))
+    q = jb.nn.quantize_4bit(model, groupsize=32)
+    shared = (q.enc, q.dec, q.seq.layers[0], q.d["a"], q.l[0])
+    assert isinstance(q.enc, jb.nn.Int4Linear) and all(layer is q.enc for layer in shared)
+    assert isinstance(q.l[1], jb.nn.Int4Linear) and q.l[1] is not q.enc
+    assert jax.tree.leaves(nnx.state(q, nnx.Param)) == []
+    w = np.asarray(Q.dequantize_4bit(q.enc.packed), np.float64).T
+    b = np.asarray(q.enc.bias[...], np.float64)
+    h = np.asarray(x, np.float64)
+    h = np.maximum(((h @ w + b) @ w + b) @ w + b, 0) @ w + b  # enc, dec, seq (with its relu), d["a"]
+    want = h @ np.asarray(Q.dequantize_4bit(q.l[1].packed), np.float64).T + np.asarray(q.l[1].bias[...])
+    np.testing.assert_allclose(np.asarray(q(x), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 # ----------------------------------------------------------------------------- Int4Linear dtypes
 
 
