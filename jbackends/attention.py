@@ -217,12 +217,13 @@ def scaled_dot_product_attention(
     """``torch.nn.functional.scaled_dot_product_attention`` for JAX (layout ``(..., H, L, E)``).
 
     Args:
-      query: ``(..., Hq, L, E)``.
+      query: ``(..., Hq, L, E)`` (or ``(L, E)``).
       key: ``(..., H, S, E)``.
-      value: ``(..., H, S, Ev)``.
+      value: ``(..., H, S, Ev)``. The leading dims of the three broadcast as in torch's math path
+        (a key / value batch of 1, a value of lower rank, one kv head without ``enable_gqa``).
       attn_mask: None; a bool array (True = attend) or a float array (added to the logits),
         broadcastable to ``(..., Hq, L, S)``; or a :class:`CausalBias`.
-      dropout_p: dropout probability on the attention weights, in ``[0, 1)``.
+      dropout_p: dropout probability on the attention weights, in ``[0, 1]`` (1: zeros, as torch).
       is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
         (anything else is a ``TypeError``, as in torch).
       scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too), or a
@@ -251,14 +252,17 @@ def scaled_dot_product_attention(
       (2, 8, 64, 32)
     """
     flags = trace_flags()
-    args, batch_shape = torch_to_args(
+    args, lead = torch_to_args(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout_rng
     )
     out, _, _ = _dispatch.run(
         args, flags, *lowering_platforms(platforms, (query,)), shapes=shapes_of(query, key, value)
     )
     out = jnp.swapaxes(out, 1, 2)
-    return out.reshape(batch_shape + tuple(out.shape[1:]))
+    out = out.reshape(lead + tuple(out.shape[-2:]))
+    if float(dropout_p) == 1.0:  # every weight dropped: torch's zeros (NaN stays NaN, as there)
+        out = out * jnp.zeros((), out.dtype)
+    return out
 
 
 def dot_product_attention(

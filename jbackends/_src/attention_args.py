@@ -50,32 +50,57 @@ def torch_to_args(
     enable_gqa=False,
     dropout_rng=None,
 ):
-    """torch SDPA arguments, layout ``(..., H, L, E)`` -> (AttentionArgs, batch_shape)."""
+    """torch SDPA arguments, layout ``(..., H, L, E)`` -> (AttentionArgs, the output's leading shape).
+
+    Leading dims (batch and heads) broadcast as torch's math path broadcasts them (its matmuls): a
+    key / value with batch 1 against a batched query, a rank-3 value against rank-4 query and key, a
+    single kv head without ``enable_gqa``, and 2-D ``(L, E)`` inputs. One kv head is kept as one (run
+    as grouped-query attention, not copied); other broadcasts are made explicit."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_array(name, x)
-        if x.ndim < 3:
+        if x.ndim < 2:
             raise ValueError(
-                f"`{name}` must have shape (..., heads, seq_len, head_dim) with rank >= 3; "
+                f"`{name}` must have shape (..., heads, seq_len, head_dim) (or (seq_len, head_dim)); "
                 f"got {name}.shape={tuple(x.shape)}"
             )
-    if not (query.ndim == key.ndim == value.ndim):
-        raise ValueError(
-            f"query, key and value must have the same rank; got {query.shape=}, {key.shape=}, {value.shape=}"
-        )
-    batch_shape = tuple(query.shape[:-3])
-    for name, x in (("key", key), ("value", value)):
-        if tuple(x.shape[:-3]) != batch_shape:
-            raise ValueError(f"`{name}` batch dims {tuple(x.shape[:-3])} differ from query's {batch_shape}")
-    Hq, L, E = query.shape[-3:]
-    Hk, S = key.shape[-3], key.shape[-2]
     if not isinstance(enable_gqa, (bool, np.bool_)):  # torch: TypeError; bool("no") would enable it
         raise TypeError(f"`enable_gqa` must be a bool; got {type(enable_gqa).__name__} {enable_gqa!r}")
-    if Hq != Hk and not enable_gqa:
+    try:
+        out_lead = np.broadcast_shapes(*(tuple(x.shape[:-2]) for x in (query, key)), tuple(value.shape[:-2]))
+    except ValueError:
+        out_lead = None
+    rank = max(3, query.ndim, key.ndim, value.ndim)
+    query, key, value = (
+        jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape)) if x.ndim < rank else x
+        for x in (query, key, value)
+    )
+    try:
+        batch_shape = np.broadcast_shapes(*(tuple(x.shape[:-3]) for x in (query, key, value)))
+    except ValueError:
         raise ValueError(
-            f"query has {Hq} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention"
-        )
-    if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"`dropout_p` must be a float in [0, 1); got {dropout_p!r}")
+            f"the batch dims of query {tuple(query.shape[:-3])}, key {tuple(key.shape[:-3])} and value "
+            f"{tuple(value.shape[:-3])} do not broadcast together"
+        ) from None
+    Hq, Hk, Hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    grouped = enable_gqa and Hk == Hv and Hq % Hk == 0
+    if not grouped:  # torch's math path broadcasts the heads like any other leading dim
+        if out_lead is None:
+            raise ValueError(
+                f"query has {Hq} heads, key {Hk} and value {Hv}: they must be equal, broadcast (1), "
+                "or, with enable_gqa=True, key's and value's must divide query's"
+            )
+        heads = out_lead[-1] if out_lead else 1
+        Hk_to = 1 if Hk == Hv == 1 else heads  # one kv head runs as GQA, uncopied
+        query = _broadcast_to(query, batch_shape + (heads,) + tuple(query.shape[-2:]))
+        key = _broadcast_to(key, batch_shape + (Hk_to,) + tuple(key.shape[-2:]))
+        value = _broadcast_to(value, batch_shape + (Hk_to,) + tuple(value.shape[-2:]))
+    else:
+        out_lead = batch_shape + (Hq,)
+        query, key, value = (_broadcast_to(x, batch_shape + tuple(x.shape[-3:])) for x in (query, key, value))
+    if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) <= 1.0:
+        raise ValueError(f"`dropout_p` must be a float in [0, 1]; got {dropout_p!r}")
+    Hq, L, E = query.shape[-3:]
+    Hk, S = key.shape[-3], key.shape[-2]
     B = int(np.prod(batch_shape)) if batch_shape else 1
 
     def btnh(x):
@@ -126,10 +151,16 @@ def torch_to_args(
         scale=scale,
         is_causal=causal,
         diag_offset=diag_offset,
-        dropout_rate=float(dropout_p),
-        dropout_rng=dropout_rng,
+        # dropout_p = 1 drops every weight: torch's math path gives zeros, which the caller makes
+        # of this call without dropout (`scaled_dot_product_attention`); no key is needed for it.
+        dropout_rate=0.0 if float(dropout_p) == 1.0 else float(dropout_p),
+        dropout_rng=None if float(dropout_p) == 1.0 else dropout_rng,
     )
-    return args, batch_shape
+    return args, tuple(out_lead)
+
+
+def _broadcast_to(x, shape):
+    return x if tuple(x.shape) == tuple(shape) else jnp.broadcast_to(x, shape)
 
 
 def jaxnn_to_args(

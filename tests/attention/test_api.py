@@ -182,6 +182,73 @@ def test_sdpa_matches_torch_cpu():
         assert_close(got, want, 1e-5, str(kw))
 
 
+def _broadcast_sdpa_reference(q, k, v, is_causal=False, dropout_p=0.0):
+    """torch's math path: matmuls that broadcast every leading dim (numpy's rules), in float32 at
+    the highest precision (differentiable, so gradients have a reference too)."""
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.matmul(q, jnp.swapaxes(k, -1, -2), precision=hi) / np.sqrt(q.shape[-1])
+    if is_causal:
+        L, S = s.shape[-2:]
+        s = jnp.where(np.tril(np.ones((L, S), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.matmul(p * 0 if dropout_p == 1 else p, v, precision=hi)
+
+
+@pytest.mark.parametrize(
+    "shapes, kw",
+    [
+        (((2, 4, 5, 6), (1, 4, 7, 6), (1, 4, 7, 6)), {}),  # key / value batch 1
+        (((1, 4, 5, 6), (2, 4, 7, 6), (2, 4, 7, 6)), {"is_causal": True}),  # query batch 1
+        (((5, 6), (7, 6), (7, 3)), {}),  # 2-D (L, E)
+        (((2, 4, 5, 6), (2, 4, 7, 6), (4, 7, 6)), {}),  # a rank-3 value
+        (((2, 4, 5, 6), (2, 1, 7, 6), (2, 1, 7, 6)), {}),  # one kv head without enable_gqa
+        (((2, 1, 5, 6), (2, 4, 7, 6), (2, 4, 7, 6)), {}),  # one query head
+        (((3, 2, 4, 5, 6), (2, 2, 7, 6), (1, 1, 2, 7, 6)), {"enable_gqa": True, "is_causal": True}),
+        (((2, 4, 5, 6), (2, 4, 7, 6), (2, 4, 7, 6)), {"dropout_p": 1.0}),  # every weight dropped: 0
+    ],
+    ids=["kv_batch_1", "q_batch_1", "2d", "value_rank_3", "kv_heads_1", "q_heads_1", "gqa_5d", "p1"],
+)
+def test_sdpa_broadcasts_leading_dims_like_torch(shapes, kw):
+    """What torch's math path accepts (its matmuls broadcast the batch and head dims) runs on every
+    CPU backend, with the broadcast reference's values and gradients (and torch's, where installed)."""
+    q, k, v = (rand(s, i) for i, s in enumerate(shapes))
+    ref_kw = {n: kw[n] for n in ("is_causal", "dropout_p") if n in kw}
+    if kw.get("enable_gqa"):  # grouped heads: query head n reads kv head n // G
+        G = q.shape[-3] // k.shape[-3]
+        ref = lambda q, k, v: _broadcast_sdpa_reference(  # noqa: E731
+            q, jnp.repeat(k, G, axis=-3), jnp.repeat(v, G, axis=-3), **ref_kw
+        )
+    else:
+        ref = lambda q, k, v: _broadcast_sdpa_reference(q, k, v, **ref_kw)  # noqa: E731
+    want, ref_vjp = jax.vjp(ref, q, k, v)
+    g = rand(want.shape, 9)
+    want_grads = ref_vjp(g)
+    for backends in (
+        None,
+        [jb.SDPBackend.FLASH_ATTENTION],
+        [jb.SDPBackend.EFFICIENT_ATTENTION],
+        [jb.SDPBackend.MATH],
+    ):
+
+        def f(q, k, v):
+            if backends is None:
+                return A.scaled_dot_product_attention(q, k, v, **kw)
+            with A.sdpa_kernel(backends):
+                return A.scaled_dot_product_attention(q, k, v, **kw)
+
+        got, vjp = jax.vjp(f, q, k, v)
+        assert got.shape == want.shape, (backends, got.shape, want.shape)
+        assert_close(got, want, 2e-5, f"{backends} out")
+        for name, a, b in zip("qkv", vjp(g), want_grads):
+            assert a.shape == b.shape
+            assert_close(a, b, 2e-5, f"{backends} d{name}")
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(np.asarray(x)) for x in (q, k, v))
+    t = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw).numpy()
+    assert t.shape == want.shape
+    assert_close(jnp.asarray(t), want, 2e-5, "torch")
+
+
 def test_dot_product_attention_drop_in_for_jax_nn():
     q, k = rand((2, 21, 4, 16), 1), rand((2, 27, 2, 16), 2)
     ql, kl = jnp.asarray([21, 9]), jnp.asarray([27, 13])
