@@ -243,10 +243,6 @@ jax.tree_util.register_dataclass(
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_broadcastable(name: str, x, target: tuple) -> None:
     if x.ndim != 4:
         raise ValueError(
@@ -267,11 +263,12 @@ def _check_lengths(name: str, x, batch: int, limit: int):
         raise TypeError(f"`{name}` must be an integer array of shape [B]={batch}; got dtype {x.dtype}")
     if x.shape != (batch,):
         raise ValueError(f"`{name}` must have shape [B]=({batch},); got {name}.shape={tuple(x.shape)}")
-    if _is_concrete(x):
-        xs = np.asarray(x)
-        if xs.size and (xs.min() < 0 or xs.max() > limit):
-            raise ValueError(f"`{name}` values must lie in [0, {limit}]; got {xs.tolist()}")
-    return x.astype(jnp.int32)
+    # jax.nn's meaning of a length outside [0, limit] (an ``arange < length`` mask): negative masks
+    # every position, past the end masks none. Clamped here, eager and traced alike, so no kernel
+    # sees one (a length past int32 is clamped before the cast).
+    if jnp.iinfo(x.dtype).max > np.iinfo(np.int32).max or jnp.iinfo(x.dtype).min < np.iinfo(np.int32).min:
+        x = jnp.clip(x, 0, limit)
+    return jnp.clip(x.astype(jnp.int32), 0, limit)
 
 
 def _check_segments(name: str, x, shape: tuple):

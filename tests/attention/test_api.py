@@ -249,6 +249,26 @@ def test_sdpa_broadcasts_leading_dims_like_torch(shapes, kw):
     assert_close(jnp.asarray(t), want, 2e-5, "torch")
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lengths_outside_their_range_mean_what_they_mean_in_jax_nn(jit):
+    """A key length past S masks no key, a negative one every key (jax.nn's ``arange < length``);
+    eager and traced alike, on every CPU backend, values and gradients."""
+    q, k, v = rand((3, 6, 2, 8), 1), rand((3, 9, 2, 8), 2), rand((3, 9, 2, 8), 3)
+    kw = dict(key_value_seq_lengths=jnp.asarray([12, -1, 4]), query_seq_lengths=jnp.asarray([7, 6, 100]))
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+
+    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)  # noqa: E731
+    want, want_grads = ref(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+    for impl in (None, "xla", "flash", "mem_efficient", B.MATH):
+        f = lambda q, k, v: A.dot_product_attention(q, k, v, implementation=impl, **kw)  # noqa: E731
+        f = jax.jit(f) if jit else f
+        assert_close(f(q, k, v), want, 2e-5, f"{impl} out")
+        for name, a, b in zip("qkv", jax.grad(loss(f), (0, 1, 2))(q, k, v), want_grads):
+            assert_close(a, b, 2e-5, f"{impl} d{name}")
+
+
 def test_dot_product_attention_drop_in_for_jax_nn():
     q, k = rand((2, 21, 4, 16), 1), rand((2, 27, 2, 16), 2)
     ql, kl = jnp.asarray([21, 9]), jnp.asarray([27, 13])
