@@ -442,25 +442,14 @@ def _weight_only_bwd(fwd, res, g):
     Explicit mode refuses to leave implicit)."""
     x, p = res
     leaves = [p.weight, p.scales] + ([] if p.bias is None else [p.bias])
-    mesh = _partition._explicit_mesh((x, g, *leaves))
-    if mesh is None:
-        dx, ds, db = _weight_only_grads(x, p, g)
-    else:
-        like = [x, p.scales] + ([] if p.bias is None else [p.bias])
-        out = tuple(
-            jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(*_partition._spec_of(jax.typeof(a).sharding, a.ndim))
-            )
-            for a in like
-        )
 
-        def grads(x, g, w, s, *b):
-            q = PackedInt4Weight(w, s, b[0] if b else None, p.groupsize, p.in_features, p.out_features)
-            return tuple(d for d in _weight_only_grads(x, q, g) if d is not None)
+    def grads(x, g, w, s, *b):
+        q = PackedInt4Weight(w, s, b[0] if b else None, p.groupsize, p.in_features, p.out_features)
+        return tuple(d for d in _weight_only_grads(x, q, g) if d is not None)
 
-        with jax.sharding.use_abstract_mesh(mesh):
-            got = jax.sharding.auto_axes(grads, out_sharding=out)(x, g, *leaves)
-        dx, ds, db = got[0], got[1], (got[2] if p.bias is not None else None)
+    like = [x, p.scales] + ([] if p.bias is None else [p.bias])
+    got = _partition.with_auto_axes(grads, (x, g, *leaves), like)
+    dx, ds, db = got[0], got[1], (got[2] if p.bias is not None else None)
     dw = np.zeros(p.weight.shape, jax.dtypes.float0)
     return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
 

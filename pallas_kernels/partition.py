@@ -140,6 +140,21 @@ def _explicit_mesh(operands):
     return None
 
 
+def with_auto_axes(fn: Callable, operands: Sequence, like: Sequence) -> tuple:
+    """``fn(*operands)`` (a tuple), typed for Explicit sharding.
+
+    Where an operand is typed with Explicit sharding, ``fn`` runs with the mesh's axes made automatic
+    (`jax.sharding.auto_axes`): shardings propagate as on an Auto mesh (a contraction over sharded
+    dims need not name its result's sharding), and result ``i`` comes out typed like ``like[i]``.
+    Elsewhere it is a plain call."""
+    mesh = _explicit_mesh(operands)
+    if mesh is None:
+        return tuple(fn(*operands))
+    out = tuple(NamedSharding(mesh, P(*_spec_of(jax.typeof(a).sharding, a.ndim))) for a in like)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return tuple(jax.sharding.auto_axes(fn, out_sharding=out)(*operands))
+
+
 def _shard_mapped(local, choose, mesh, operands, in_factors, out_factors):
     """Explicit sharding (known at trace time): the kernel under ``shard_map`` over the chosen axes.
 
