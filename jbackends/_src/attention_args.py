@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional, Tuple
@@ -82,21 +83,26 @@ def torch_to_args(
             f"{tuple(value.shape[:-3])} do not broadcast together"
         ) from None
     Hq, Hk, Hv = query.shape[-3], key.shape[-3], value.shape[-3]
-    grouped = enable_gqa and Hk == Hv and Hq % Hk == 0
-    if not grouped:  # torch's math path broadcasts the heads like any other leading dim
-        if out_lead is None:
-            raise ValueError(
-                f"query has {Hq} heads, key {Hk} and value {Hv}: they must be equal, broadcast (1), "
-                "or, with enable_gqa=True, key's and value's must divide query's"
-            )
+    if out_lead is not None:  # torch's math path broadcasts the heads like any other leading dim
         heads = out_lead[-1] if out_lead else 1
         Hk_to = 1 if Hk == Hv == 1 else heads  # one kv head runs as GQA, uncopied
         query = _broadcast_to(query, batch_shape + (heads,) + tuple(query.shape[-2:]))
         key = _broadcast_to(key, batch_shape + (Hk_to,) + tuple(key.shape[-2:]))
         value = _broadcast_to(value, batch_shape + (Hk_to,) + tuple(value.shape[-2:]))
-    else:
+    elif enable_gqa and Hk > 0 and Hv > 0 and Hq % Hk == 0 and Hq % Hv == 0:
+        # Grouped heads: query head n reads key head n // (Hq // Hk) and value head n // (Hq // Hv).
+        # Key and value heads that differ (torch repeats each to Hq) are repeated to their least
+        # common multiple, which keeps both groupings.
+        Hkv = math.lcm(Hk, Hv)
+        key = key if Hkv == Hk else jnp.repeat(key, Hkv // Hk, axis=-3)
+        value = value if Hkv == Hv else jnp.repeat(value, Hkv // Hv, axis=-3)
         out_lead = batch_shape + (Hq,)
         query, key, value = (_broadcast_to(x, batch_shape + tuple(x.shape[-3:])) for x in (query, key, value))
+    else:
+        raise ValueError(
+            f"query has {Hq} heads, key {Hk} and value {Hv}: they must be equal or broadcast (1), or, "
+            "with enable_gqa=True, key's and value's must each divide query's"
+        )
     if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) <= 1.0:
         raise ValueError(f"`dropout_p` must be a float in [0, 1]; got {dropout_p!r}")
     Hq, L, E = query.shape[-3:]

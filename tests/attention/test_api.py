@@ -204,19 +204,34 @@ def _broadcast_sdpa_reference(q, k, v, is_causal=False, dropout_p=0.0):
         (((2, 4, 5, 6), (2, 1, 7, 6), (2, 1, 7, 6)), {}),  # one kv head without enable_gqa
         (((2, 1, 5, 6), (2, 4, 7, 6), (2, 4, 7, 6)), {}),  # one query head
         (((3, 2, 4, 5, 6), (2, 2, 7, 6), (1, 1, 2, 7, 6)), {"enable_gqa": True, "is_causal": True}),
+        (((2, 8, 5, 6), (1, 2, 7, 6), (2, 4, 7, 6)), {"enable_gqa": True}),  # key and value heads differ
+        (((5, 6), (7, 6), (7, 3)), {"enable_gqa": True}),  # 2-D stays 2-D
         (((2, 4, 5, 6), (2, 4, 7, 6), (2, 4, 7, 6)), {"dropout_p": 1.0}),  # every weight dropped: 0
     ],
-    ids=["kv_batch_1", "q_batch_1", "2d", "value_rank_3", "kv_heads_1", "q_heads_1", "gqa_5d", "p1"],
+    ids=[
+        "kv_batch_1",
+        "q_batch_1",
+        "2d",
+        "value_rank_3",
+        "kv_heads_1",
+        "q_heads_1",
+        "gqa_5d",
+        "gqa_kv_heads_differ",
+        "2d_gqa",
+        "p1",
+    ],
 )
 def test_sdpa_broadcasts_leading_dims_like_torch(shapes, kw):
     """What torch's math path accepts (its matmuls broadcast the batch and head dims) runs on every
     CPU backend, with the broadcast reference's values and gradients (and torch's, where installed)."""
     q, k, v = (rand(s, i) for i, s in enumerate(shapes))
     ref_kw = {n: kw[n] for n in ("is_causal", "dropout_p") if n in kw}
-    if kw.get("enable_gqa"):  # grouped heads: query head n reads kv head n // G
-        G = q.shape[-3] // k.shape[-3]
+    if (
+        kw.get("enable_gqa") and q.ndim > 2
+    ):  # grouped: query head n reads key head n // (Hq // Hk), value n // (Hq // Hv)
+        Gk, Gv = q.shape[-3] // k.shape[-3], q.shape[-3] // v.shape[-3]
         ref = lambda q, k, v: _broadcast_sdpa_reference(  # noqa: E731
-            q, jnp.repeat(k, G, axis=-3), jnp.repeat(v, G, axis=-3), **ref_kw
+            q, jnp.repeat(k, Gk, axis=-3), jnp.repeat(v, Gv, axis=-3), **ref_kw
         )
     else:
         ref = lambda q, k, v: _broadcast_sdpa_reference(q, k, v, **ref_kw)  # noqa: E731
@@ -242,6 +257,8 @@ def test_sdpa_broadcasts_leading_dims_like_torch(shapes, kw):
         for name, a, b in zip("qkv", vjp(g), want_grads):
             assert a.shape == b.shape
             assert_close(a, b, 2e-5, f"{backends} d{name}")
+    if q.ndim == 2 and kw.get("enable_gqa"):
+        return  # torch's enable_gqa path indexes a heads dim that 2-D inputs lack (IndexError)
     torch = pytest.importorskip("torch")
     tq, tk, tv = (torch.from_numpy(np.asarray(x)) for x in (q, k, v))
     t = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw).numpy()
