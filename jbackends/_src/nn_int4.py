@@ -186,7 +186,8 @@ def quantize_4bit(
       compute_dtype: forwarded to `Int4Linear` (None, float32, bfloat16 or
         float16).
       filter: None or ``filter(path, linear) -> bool``; only layers it
-        accepts are converted (default: all).
+        accepts are converted (default: all). A layer reachable by several
+        paths is converted where it accepts every one of them.
       channelwise_fallback: a layer whose in_features is not a multiple of
         ``groupsize`` gets channel-wise scales (``groupsize = in_features``,
         the layer's `Int4Linear.groupsize` says so) instead of raising.
@@ -246,21 +247,23 @@ def quantize_4bit(
 
     if isinstance(model, nnx.Linear):
         return convert((), model)
-    targets = [
-        (path, node)
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.Linear) and path and (filter is None or filter(path, node))
-    ]
-    new = {id(lin): convert(path, lin) for path, lin in targets}  # all or nothing
-    # A layer reachable by several paths (weight tying: ``self.dec = self.enc``) is one node, which
-    # `nnx.iter_graph` yields once: replace it at every reference, by the same `Int4Linear`.
-    refs = []
-    for _, node in nnx.iter_graph(model):
+    # Every reference to every Linear: a layer reachable by several paths (weight tying, such as
+    # ``self.dec = self.enc``) is one node, which `nnx.iter_graph` yields once.
+    refs, paths, layers = [], {}, {}
+    for path, node in nnx.iter_graph(model):
         try:
             children = list(nnx.iter_children(node))
         except ValueError:  # not a graph node (a Variable, an array, a static attribute)
             continue
-        refs += [(node, key, new[id(child)]) for key, child in children if id(child) in new]
+        for key, child in children:
+            if isinstance(child, nnx.Linear):
+                refs.append((node, key, id(child)))
+                paths.setdefault(id(child), []).append(tuple(path) + (key,))
+                layers[id(child)] = child
+    # A shared layer is converted where ``filter`` accepts every path to it (and then at each).
+    chosen = {i: ps for i, ps in paths.items() if filter is None or all(filter(p, layers[i]) for p in ps)}
+    new = {i: convert(ps[0], layers[i]) for i, ps in chosen.items()}  # all or nothing
+    refs = [(parent, key, new[i]) for parent, key, i in refs if i in new]
     for parent, key, layer in refs:
         _set(parent, (key,), layer)
     return model

@@ -361,6 +361,10 @@ def test_quantize_model_replaces_a_shared_layer_at_every_path():
     h = np.maximum(((h @ w + b) @ w + b) @ w + b, 0) @ w + b  # enc, dec, seq (with its relu), d["a"]
     want = h @ np.asarray(Q.dequantize_4bit(q.l[1].packed), np.float64).T + np.asarray(q.l[1].bias[...])
     np.testing.assert_allclose(np.asarray(q(x), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    # A filter decides for a shared layer by every path to it: refusing one path keeps it float at all.
+    kept = jb.nn.quantize_4bit(Tied(nnx.Rngs(0)), groupsize=32, filter=lambda path, lin: path != ("dec",))
+    assert type(kept.enc) is nnx.Linear and kept.dec is kept.enc and kept.l[0] is kept.enc
+    assert isinstance(kept.l[1], jb.nn.Int4Linear)
 
 
 # ----------------------------------------------------------------------------- Int4Linear dtypes
