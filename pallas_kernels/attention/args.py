@@ -265,7 +265,8 @@ def _check_lengths(name: str, x, batch: int, limit: int):
         raise ValueError(f"`{name}` must have shape [B]=({batch},); got {name}.shape={tuple(x.shape)}")
     # jax.nn's meaning of a length outside [0, limit] (an ``arange < length`` mask): negative masks
     # every position, past the end masks none. Clamped here, eager and traced alike, so no kernel
-    # sees one (a length past int32 is clamped before the cast).
+    # sees one. A wider integer is clamped before the cast to int32 (without x64, `jnp.asarray` has
+    # already wrapped a NumPy int64 past int32, as it does for jax.nn).
     if jnp.iinfo(x.dtype).max > np.iinfo(np.int32).max or jnp.iinfo(x.dtype).min < np.iinfo(np.int32).min:
         x = jnp.clip(x, 0, limit)
     return jnp.clip(x.astype(jnp.int32), 0, limit)
