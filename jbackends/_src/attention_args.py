@@ -231,6 +231,7 @@ def jaxnn_to_args(
         elif not (isinstance(window, (tuple, list)) and len(window) == 2):
             raise ValueError(f"`local_window_size` must be an int or a (left, right) pair; got {window!r}")
     q_seg = kv_seg = None
+    seg_names = {"q_segment_ids": "segment_ids", "kv_segment_ids": "segment_ids"}
     if segment_ids is not None:
         if isinstance(segment_ids, (tuple, list)):
             if len(segment_ids) != 2:
@@ -239,14 +240,20 @@ def jaxnn_to_args(
                     "(q_segment_ids [B, T], kv_segment_ids [B, S])"
                 )
             q_seg, kv_seg = segment_ids
+            seg_names = {"q_segment_ids": "segment_ids[0]", "kv_segment_ids": "segment_ids[1]"}
         else:
+            if T is not None and S is not None and T != S:
+                raise ValueError(
+                    f"`segment_ids`: one array serves self-attention (T == S); with T={T} queries and "
+                    f"S={S} keys pass a pair (q_segment_ids [B, T], kv_segment_ids [B, S])"
+                )
             q_seg = kv_seg = segment_ids
         if unbatched:
             q_seg, kv_seg = jnp.asarray(q_seg)[None], jnp.asarray(kv_seg)[None]
-    if unbatched:
-        if query_seq_lengths is not None:
+    if unbatched:  # a scalar or shape (1,) length; any other shape is refused by make_args
+        if query_seq_lengths is not None and np.size(query_seq_lengths) == 1:
             query_seq_lengths = jnp.reshape(jnp.asarray(query_seq_lengths), (1,))
-        if key_value_seq_lengths is not None:
+        if key_value_seq_lengths is not None and np.size(key_value_seq_lengths) == 1:
             key_value_seq_lengths = jnp.reshape(jnp.asarray(key_value_seq_lengths), (1,))
     args = _base.make_args(
         query,
@@ -265,6 +272,7 @@ def jaxnn_to_args(
         logits_soft_cap=logits_soft_cap,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        names={"q_seq_lengths": "query_seq_lengths", "kv_seq_lengths": "key_value_seq_lengths", **seg_names},
     )
     return args, unbatched
 

@@ -324,10 +324,13 @@ def make_args(
     logits_soft_cap: Optional[float] = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    names: Optional[dict] = None,
 ) -> AttentionArgs:
     """Validates BTNH attention inputs and returns the canonical :class:`AttentionArgs`.
 
-    Raises ``ValueError`` / ``TypeError`` naming the offending argument. Length values can only be
+    Raises ``ValueError`` / ``TypeError`` naming the offending argument (``names`` maps this
+    function's argument names to a caller's, for its users' errors: ``{"q_seq_lengths":
+    "query_seq_lengths"}``). Length values can only be
     range-checked when they are concrete (outside ``jit``). A traced ``scale`` (a learned temperature,
     ``1 / jnp.sqrt(...)`` under ``jit``) is folded into the queries (``q * scale``, in q's dtype; the
     kernels then take scale 1): the same logits, differentiable in ``scale``.
@@ -413,10 +416,11 @@ def make_args(
         lo = min(max(given_offset - int(window[0]), -T), S)
         hi = min(max(given_offset + int(window[1]), -T), S)
         window = (diag_offset - lo, hi - diag_offset)
+    name = lambda arg: (names or {}).get(arg, arg)  # noqa: E731
     if q_seq_lengths is not None:
-        q_seq_lengths = _check_lengths("q_seq_lengths", q_seq_lengths, B, T)
+        q_seq_lengths = _check_lengths(name("q_seq_lengths"), q_seq_lengths, B, T)
     if kv_seq_lengths is not None:
-        kv_seq_lengths = _check_lengths("kv_seq_lengths", kv_seq_lengths, B, S)
+        kv_seq_lengths = _check_lengths(name("kv_seq_lengths"), kv_seq_lengths, B, S)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         if q_segment_ids is None:
             q_segment_ids = kv_segment_ids if T == S else None
@@ -425,8 +429,8 @@ def make_args(
         if q_segment_ids is None or kv_segment_ids is None:
             raise ValueError("segment ids: give both `q_segment_ids` and `kv_segment_ids` when T != S")
     if q_segment_ids is not None:
-        q_segment_ids = _check_segments("q_segment_ids", q_segment_ids, (B, T))
-        kv_segment_ids = _check_segments("kv_segment_ids", kv_segment_ids, (B, S))
+        q_segment_ids = _check_segments(name("q_segment_ids"), q_segment_ids, (B, T))
+        kv_segment_ids = _check_segments(name("kv_segment_ids"), kv_segment_ids, (B, S))
     if logits_soft_cap is not None:
         logits_soft_cap = float(logits_soft_cap)
         if not logits_soft_cap > 0:

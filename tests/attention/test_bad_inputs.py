@@ -4,7 +4,7 @@ clear error naming the argument, the same on every backend.
 b: a non-bool ``is_causal``; g: ``scale`` 0 / negative; h: ``dropout_rng`` that is not a PRNG key;
 m: ``explain`` with a bad platform / keyword; e: FLASH with an ``attn_mask``; t: ``jax.export`` of the
 C++ kernel; f: empty dimensions; n: the verbose log's shapes; o: no other-platform branch traced
-outside ``jax.export``.
+outside ``jax.export``; l: length and segment-id errors name the jax.nn API's arguments.
 """
 
 import logging
@@ -157,6 +157,66 @@ def test_typed_and_legacy_keys_both_work_and_agree():
     np.testing.assert_array_equal(np.asarray(typed), np.asarray(legacy))
     other = A.dot_product_attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.key(6))
     assert float(jnp.abs(other - typed).max()) > 0.1
+
+
+# ---- l: lengths and segment ids --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, kwargs, err, name",
+    [
+        (
+            (2, 8, 2, 4),
+            (2, 8, 2, 4),
+            dict(query_seq_lengths=np.array([1, 2, 3])),
+            ValueError,
+            "query_seq_lengths",
+        ),
+        (
+            (2, 8, 2, 4),
+            (2, 6, 2, 4),
+            dict(key_value_seq_lengths=np.array([1.0, 2.0])),
+            TypeError,
+            "key_value_seq_lengths",
+        ),
+        ((8, 2, 4), (8, 2, 4), dict(query_seq_lengths=np.array([1, 2])), ValueError, "query_seq_lengths"),
+        (
+            (8, 2, 4),
+            (6, 2, 4),
+            dict(key_value_seq_lengths=np.array([[1, 2]])),
+            ValueError,
+            "key_value_seq_lengths",
+        ),
+        ((2, 8, 2, 4), (2, 6, 2, 4), dict(segment_ids=np.zeros((2, 8), int)), ValueError, "segment_ids"),
+        ((2, 8, 2, 4), (2, 8, 2, 4), dict(segment_ids=np.zeros((2, 7), int)), ValueError, "segment_ids"),
+        (
+            (2, 8, 2, 4),
+            (2, 6, 2, 4),
+            dict(segment_ids=(np.zeros((2, 8), int),) * 2),
+            ValueError,
+            r"segment_ids\[1\]",
+        ),
+    ],
+)
+def test_length_and_segment_errors_name_the_callers_argument(q_shape, kv_shape, kwargs, err, name):
+    """The jax.nn API's errors name its own arguments (``query_seq_lengths``, ``segment_ids``), not the
+    kernels' (``q_seq_lengths``, ``kv_segment_ids``); a wrong length shape of unbatched inputs is a
+    ValueError, not a reshape error."""
+    q, kv = rand(q_shape), rand(kv_shape, seed=1)
+    with pytest.raises(err, match=rf"`{name}`") as info:
+        A.dot_product_attention(q, kv, kv, **kwargs)
+    assert "q_seq" not in str(info.value) and "kv_seq" not in str(info.value)
+    assert "q_segment_ids`" not in str(info.value) and "kv_segment_ids`" not in str(info.value)
+
+
+def test_unbatched_lengths_take_a_scalar_or_one_value():
+    q, kv = rand((8, 2, 4)), rand((6, 2, 4), seed=1)
+    want = A.dot_product_attention(q[None], kv[None], kv[None], key_value_seq_lengths=jnp.asarray([3]))[0]
+    ref = jax.nn.dot_product_attention(q, kv, kv, key_value_seq_lengths=jnp.asarray([3]))
+    np.testing.assert_allclose(np.asarray(want), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    for lengths in (3, jnp.asarray(3), jnp.asarray([3])):
+        got = A.dot_product_attention(q, kv, kv, key_value_seq_lengths=lengths)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # ---- m: explain --------------------------------------------------------------------------------------
