@@ -151,15 +151,13 @@ class Int4Linear(nnx.Module):
         return _q.int4_matmul(xw, self.packed, compute_dtype=self.compute_dtype).astype(out)
 
 
-def _set(root: Any, path: tuple, value: Any) -> None:
-    parent = root
-    for key in path[:-1]:
-        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    key = path[-1]
-    if isinstance(key, int):
-        parent[key] = value
-    else:
+def _set_child(parent: Any, key: Any, value: Any) -> None:
+    """``parent``'s child ``key`` becomes ``value``: a module's attribute, or an item of a container
+    (an `nnx.List` / `nnx.Dict` item, a dict or list held through `nnx.data`)."""
+    if isinstance(parent, nnx.Module) and isinstance(key, str):
         setattr(parent, key, value)
+    else:
+        parent[key] = value
 
 
 def quantize_4bit(
@@ -175,7 +173,10 @@ def quantize_4bit(
 
     Every argument is checked, and every layer is quantized, before the model
     is changed: an error leaves it as it was. A layer reachable by several
-    paths (weight tying) becomes one `Int4Linear`, at every path.
+    paths (weight tying) becomes one `Int4Linear`, at every path. Layers are
+    found in attributes, `nnx.Sequential` / `nnx.List` / `nnx.Dict`, and plain
+    containers held through `nnx.data` (a dict, a list; a tuple or namedtuple
+    is rebuilt with the new layers, where it was held).
 
     Args:
       model: an `nnx.Module` graph (also a bare `nnx.Linear`, which is
@@ -249,21 +250,37 @@ def quantize_4bit(
         return convert((), model)
     # Every reference to every Linear: a layer reachable by several paths (weight tying, such as
     # ``self.dec = self.enc``) is one node, which `nnx.iter_graph` yields once.
-    refs, paths, layers = [], {}, {}
-    for path, node in nnx.iter_graph(model):
+    edges, paths, layers = [], {}, {}  # edges: (parent, key, child) for every child of every node
+    nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
+    for path, node in nodes.items():
+        if isinstance(node, tuple) and path:  # `nnx.iter_children` does not yield pytree tuples
+            edges.append((nodes[path[:-1]], path[-1], node))
         try:
             children = list(nnx.iter_children(node))
         except ValueError:  # not a graph node (a Variable, an array, a static attribute)
             continue
         for key, child in children:
+            edges.append((node, key, child))
             if isinstance(child, nnx.Linear):
-                refs.append((node, key, id(child)))
-                paths.setdefault(id(child), []).append(tuple(path) + (key,))
+                paths.setdefault(id(child), []).append(path + (key,))
                 layers[id(child)] = child
     # A shared layer is converted where ``filter`` accepts every path to it (and then at each).
     chosen = {i: ps for i, ps in paths.items() if filter is None or all(filter(p, layers[i]) for p in ps)}
-    new = {i: convert(ps[0], layers[i]) for i, ps in chosen.items()}  # all or nothing
-    refs = [(parent, key, new[i]) for parent, key, i in refs if i in new]
-    for parent, key, layer in refs:
-        _set(parent, (key,), layer)
+    replace = {i: convert(ps[0], layers[i]) for i, ps in chosen.items()}  # all or nothing
+
+    def rebuilt(obj):
+        """``obj`` with its converted layers: a tuple (immutable, held through `nnx.data`) holding
+        one is rebuilt, and set where the tuple was."""
+        if id(obj) in replace:
+            return replace[id(obj)]
+        if isinstance(obj, tuple):
+            items = [rebuilt(x) for x in obj]
+            if any(a is not b for a, b in zip(items, obj)):
+                replace[id(obj)] = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+                return replace[id(obj)]
+        return obj
+
+    for parent, key, child in edges:
+        if not isinstance(parent, tuple) and rebuilt(child) is not child:
+            _set_child(parent, key, rebuilt(child))
     return model

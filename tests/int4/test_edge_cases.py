@@ -367,6 +367,39 @@ def test_quantize_model_replaces_a_shared_layer_at_every_path():
     assert isinstance(kept.l[1], jb.nn.Int4Linear)
 
 
+def test_quantize_model_reaches_layers_in_plain_containers():
+    """Layers held in plain containers (`nnx.data` of a dict, a tuple, a namedtuple, nested) are
+    converted like attributes, a tuple rebuilt where it was held; a layer shared with an attribute
+    stays one layer."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "first second")
+
+    class Held(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.Linear(64, 64, rngs=rngs)
+            self.d = nnx.data({"a": nnx.Linear(64, 64, rngs=rngs), "t": (self.enc, 3)})
+            self.t = nnx.data((nnx.Linear(64, 64, rngs=rngs), (nnx.Linear(64, 64, rngs=rngs),)))
+            self.p = nnx.data(Pair(nnx.Linear(64, 32, rngs=rngs), "name"))
+
+        def __call__(self, x):
+            h = self.d["t"][0](self.d["a"](self.enc(x)))
+            return self.p.first(self.t[1][0](self.t[0](h)))
+
+    model = Held(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 64))
+    q = jb.nn.quantize_4bit(model, groupsize=32)
+    layers = (q.enc, q.d["a"], q.d["t"][0], q.t[0], q.t[1][0], q.p.first)
+    assert all(isinstance(layer, jb.nn.Int4Linear) for layer in layers)
+    assert q.d["t"][0] is q.enc and q.d["t"][1] == 3 and isinstance(q.p, Pair) and q.p.second == "name"
+    assert jax.tree.leaves(nnx.state(q, nnx.Param)) == []
+    h = np.asarray(x, np.float64)
+    for layer in (q.enc, q.d["a"], q.enc, q.t[0], q.t[1][0], q.p.first):
+        w = np.asarray(Q.dequantize_4bit(layer.packed), np.float64).T
+        h = h @ w + np.asarray(layer.bias[...], np.float64)
+    np.testing.assert_allclose(np.asarray(q(x), np.float64), h, rtol=0, atol=1e-4 * np.abs(h).max())
+
+
 # ----------------------------------------------------------------------------- Int4Linear dtypes
 
 
