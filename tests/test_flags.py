@@ -571,6 +571,24 @@ def test_global_precision_bridge_restores_jax_default(defaults):
     assert jax.config.jax_default_matmul_precision == before
 
 
+def test_global_precision_bridge_saves_jaxs_global_not_a_scopes(defaults):
+    """A precision default first set inside a scope (or inside the user's own
+    `jax.default_matmul_precision`) saves JAX's global setting, which `reset_flags` gives back."""
+    from jax._src import config as jax_config
+
+    state = jax_config.default_matmul_precision
+    before = state.get_global()
+    with jb.with_backends(float32_matmul_precision="medium"):
+        jb.set_float32_matmul_precision("high")
+    assert state.get_global() == "tensorfloat32"
+    jb.reset_flags()
+    assert state.get_global() == before
+    with jax.default_matmul_precision("bfloat16"):
+        jb.set_float32_matmul_precision("high")
+    jb.reset_flags()
+    assert state.get_global() == before and jax.config.jax_default_matmul_precision == before
+
+
 # ------------------------------------------------------------------------------------- jb.jit
 
 

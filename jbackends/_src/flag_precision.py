@@ -53,7 +53,9 @@ _jax_precision_before: list = globals().get("_jax_precision_before", [])
 def bridge_global_precision(explicit_defaults: Collection[str], defaults: Mapping[str, Any]) -> None:
     if any(n in explicit_defaults for n in PRECISION_FLAGS):
         if not _jax_precision_before:
-            _jax_precision_before.append(jax.config.jax_default_matmul_precision)
+            # The global value: `jax.config.jax_default_matmul_precision` reads this thread's, which
+            # a scope (or the user's `with jax.default_matmul_precision(...)`) may have set.
+            _jax_precision_before.append(_jax_config.default_matmul_precision.get_global())
         jax.config.update(
             "jax_default_matmul_precision", PRECISION_TO_JAX[defaults["float32_matmul_precision"]]
         )
