@@ -106,7 +106,7 @@ def torch_to_args(
     if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) <= 1.0:
         raise ValueError(f"`dropout_p` must be a float in [0, 1]; got {dropout_p!r}")
     Hq, L, E = query.shape[-3:]
-    Hk, S = key.shape[-3], key.shape[-2]
+    S = key.shape[-2]
     B = int(np.prod(batch_shape)) if batch_shape else 1
 
     def btnh(x):
