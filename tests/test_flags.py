@@ -683,19 +683,38 @@ def test_default_changed_by_another_thread_never_serves_a_stale_executable(defau
         results["before"] = f(x)
 
     def after(results):
-        try:
-            results["after"] = f(x)  # flash is now False here: 2x would be stale
-        except jb.FlagsOutOfSyncError as e:
-            results["error"] = e
-        jb.sync()
-        results["synced"] = f(x)
+        results["after"] = f(x)  # flash is now False here: 2x would be stale
+        results["again"] = f(x)
+        with jb.with_backends(flash=True):
+            results["flash"] = f(x)
 
     results = _worker_in_scope_while_main_changes_flash({"math": False}, before, after)
     _close(results["before"], 2 * x)
-    # The worker's key changed with the global default: it retraced and refused to cache flash=True
-    # under the new key (without the global defaults key it silently returned the stale 2x).
-    assert "error" in results and "after" not in results
-    _close(results["synced"], 3 * x)
+    # The scope's key names its overrides, and the defaults' key changed with the defaults: the worker
+    # retraced with the new default under its scope (no error, and no stale 2x).
+    _close(results["after"], 3 * x)
+    _close(results["again"], 3 * x)
+    _close(results["flash"], 2 * x)
+    _close(f(x), 3 * x)  # the main thread: the new default
+
+
+def test_scope_equal_to_the_defaults_never_runs_an_entry_of_the_new_defaults(defaults):
+    """A scope whose flags equal the defaults shares their key; another thread then changes the default,
+    for which an executable already exists. The scope's call must not hit that entry (it would run the
+    other thread's flags): publications take a fresh key while a thread shares the defaults' key."""
+    f = jax.jit(Probe())
+    x = _x()
+    jb.set_flags(flash=False)
+    _close(f(x), 3 * x)  # an entry for flash=False
+    jb.set_flags(flash=True)
+    _close(f(x), 2 * x)
+    results = _worker_in_scope_while_main_changes_flash(
+        {"flash": True}, lambda r: r.update(before=f(x)), lambda r: r.update(after=f(x), again=f(x))
+    )
+    _close(results["before"], 2 * x)
+    _close(results["after"], 2 * x)  # the scope says flash=True; the default is now False
+    _close(results["again"], 2 * x)
+    _close(f(x), 3 * x)
 
 
 def test_default_changed_by_another_thread_where_the_scope_overrides_it(defaults):

@@ -27,6 +27,7 @@ their publications; `flag_scope` changes this state (`set_flags`, `with_backends
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,11 +72,16 @@ _thread_state = _publication.thread_state
 _key_of = _publication.key_of
 
 # Scoped overrides live in a `contextvars.ContextVar`. While a scope makes the traced flags differ from
-# the defaults, this thread's value of `_JIT_KEY` is a tagged tuple of the scope's traced flags (the
-# entry's flags are then exactly its key, whatever the defaults); otherwise it is unset and the global
-# value (the defaults' traced flags) is in force, so equal flag sets share cache entries. If another
-# thread then changes the defaults under such a scope, its next trace switches it to its tagged key
-# and retires the keys the call may be filed under (`_adopt_scope`).
+# the defaults, this thread's value of `_JIT_KEY` is a tagged tuple of the scope's *overrides* of traced
+# flags: with `DEFAULTS_KEY` (the defaults' traced flags) it names the flags in force exactly, whatever
+# another thread publishes later (a publication changes `DEFAULTS_KEY`, so the scope retraces with the
+# new defaults under its overrides). Otherwise it is unset and the global value (the defaults' traced
+# flags) is in force, so equal flag sets share cache entries; the thread is then listed in
+# `flag_publication.SHARING_THREADS`, which makes every publication take a fresh epoch while it is:
+# after another thread changes the defaults under such a scope, its next call misses the cache, and
+# its trace switches it to its tagged key and retires the keys the call may be filed under
+# (`_adopt_scope`). Without the fresh epoch, the call could hit an entry unscoped code compiled for
+# the new defaults, and run with them instead of the scope's flags.
 
 _Overrides = tuple  # sorted tuple of (name, value): immutable and hashable
 OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("OVERRIDES") or contextvars.ContextVar(
@@ -122,7 +128,7 @@ def synced_publication() -> _publication.Publication:
 
 def key_for(overrides: _Overrides, pub: _publication.Publication) -> tuple:
     """The jit key a thread with the scoped ``overrides`` has under the defaults of ``pub``."""
-    return _thread_key_for(_snapshot(overrides, pub), pub)
+    return _thread_key_for(overrides, _snapshot(overrides, pub), pub)
 
 
 def _publication_in_force() -> _publication.Publication:
@@ -149,33 +155,51 @@ def current_flags() -> Any:
     return _snapshot(OVERRIDES.get(), _publication_in_force())
 
 
-def _thread_key_for(snap: Any, pub: _publication.Publication) -> tuple:
-    """The value `_JIT_KEY` must have in this thread for the flags `snap` (see the State notes)."""
+def _tagged(overrides: _Overrides) -> tuple:
+    """A scope's own jit key: its overrides of traced flags (with the defaults' key, its flags)."""
+    return (_SCOPED_TAG, tuple((n, v) for n, v in overrides if n in _TRACED_SET))
+
+
+_TRACED_SET = frozenset(TRACED)
+
+
+def _thread_key_for(overrides: _Overrides, snap: Any, pub: _publication.Publication) -> tuple:
+    """The value `_JIT_KEY` must have in this thread for the scope ``overrides`` (flags ``snap``
+    under the defaults of ``pub``; see the State notes)."""
     key = tuple(getattr(snap, n) for n in TRACED)
-    return pub.key if key == pub.key else (_SCOPED_TAG, key)
+    return pub.key if key == pub.key else _tagged(overrides)
 
 
 def _expected_key() -> tuple:
     pub = _publication_in_force()
-    return _thread_key_for(_snapshot(OVERRIDES.get(), pub), pub)
+    overrides = OVERRIDES.get()
+    return _thread_key_for(overrides, _snapshot(overrides, pub), pub)
 
 
 def set_thread_key() -> None:
     """Make this thread's jit key and JAX matmul precision mirror the ContextVar.
 
     The key's thread-local value is unset when the traced flags in force equal the defaults' (the global
-    value is then in force, and such a scope shares cache entries with unscoped code).
+    value is then in force, and such a scope shares cache entries with unscoped code; the thread is
+    listed in `SHARING_THREADS` meanwhile, see the State notes).
     """
     overrides = dict(OVERRIDES.get())
     obj = _JIT_KEY._obj
-    expected = _expected_key() if any(n in overrides for n in TRACED) else None
-    # Which scope this thread's key was computed for, when that scope equals the defaults (see
-    # `_adopt_scope`); an asyncio task that did not sync has other overrides.
-    _thread_state.shared_for = OVERRIDES.get() if expected is not None else None
-    if expected is not None and expected[:1] == (_SCOPED_TAG,):
-        obj.swap_local(expected)
-    else:
-        obj.set_local(_publication.UNSET)
+    ident = threading.get_ident()
+    with defaults_lock:  # no publication between the key's computation and the sharing list
+        expected = _expected_key() if any(n in overrides for n in TRACED) else None
+        # Which scope this thread's key was computed for, when it shares the defaults' key (see
+        # `_adopt_scope`); an asyncio task that did not sync has other overrides.
+        _thread_state.shared_for = OVERRIDES.get() if expected is not None else None
+        if expected is not None and expected[:1] == (_SCOPED_TAG,):
+            obj.swap_local(expected)
+            _publication.SHARING_THREADS.discard(ident)
+        else:
+            obj.set_local(_publication.UNSET)
+            if expected is not None:
+                _publication.SHARING_THREADS.add(ident)
+            else:
+                _publication.SHARING_THREADS.discard(ident)
     sync_precision(overrides, _thread_state)
 
 
@@ -197,7 +221,7 @@ def sync() -> None:
     set_thread_key()
 
 
-def _adopt_scope(record: _publication.TraceRecord, key: tuple) -> None:
+def _adopt_scope(record: _publication.TraceRecord, overrides: _Overrides) -> None:
     """Under a trace: this thread's scope shared the defaults' key, and another thread changed them.
 
     The scope's flags win (they are what the code in the scope asked for): from now on this thread
@@ -205,9 +229,10 @@ def _adopt_scope(record: _publication.TraceRecord, key: tuple) -> None:
     defaults' key with the scope's flags, so every key it may have read is retired (rule 2) and the
     current defaults are published again under a fresh epoch.
     """
-    _JIT_KEY._obj.swap_local((_SCOPED_TAG, key))
+    _JIT_KEY._obj.swap_local(_tagged(overrides))
     _thread_state.shared_for = None
     with defaults_lock:
+        _publication.SHARING_THREADS.discard(threading.get_ident())
         _publication.retire_since(record.lo, None)
         _publication.publish(_publication.current().values)
 
@@ -220,43 +245,44 @@ def trace_flags() -> Any:
     several kernels never mixes two flag states, whatever other threads publish meanwhile. The scoped
     overrides of the running context apply on top. It then checks that JAX's jit key for this thread
     agrees with these flags: a disagreement means the cache entry being built would be filed under
-    other flags (an asyncio task that resumed on a thread whose key another task set, or a scope that
-    leaves a flag to the defaults while another thread's `set_flags` changed that flag), so it raises
-    `FlagsOutOfSyncError`. A thread with no scope never raises; nor does a scope whose flags equal
-    the old defaults (it shared their key): it keeps its flags under its own key from then on. Outside
-    a trace it re-syncs the key silently.
+    other flags (an asyncio task that resumed on a thread whose key another task set), so it raises
+    `FlagsOutOfSyncError`. Another thread's `set_flags` never makes it raise: a thread with no scope
+    traces with the new defaults; a scope with its own key takes them under its overrides (the key
+    names the overrides, and the defaults' key changed with them); a scope whose flags equalled the
+    old defaults (it shared their key) keeps its flags under its own key from then on. Outside a
+    trace it re-syncs the key silently.
     """
     record = _publication.trace_record()
+    overrides = OVERRIDES.get()
     if record is None:
         pub = _publication.current()
         _thread_state.last_seq = pub.seq
-        snap = _snapshot(OVERRIDES.get(), pub)
-        if _JIT_KEY.value != _thread_key_for(snap, pub):
+        snap = _snapshot(overrides, pub)
+        if _JIT_KEY.value != _thread_key_for(overrides, snap, pub):
             set_thread_key()
         return snap
     pub = record.pub
-    snap = _snapshot(OVERRIDES.get(), pub)
+    snap = _snapshot(overrides, pub)
     actual = _JIT_KEY.value
     key = tuple(getattr(snap, n) for n in TRACED)
     scoped = isinstance(actual, tuple) and actual[:1] == (_SCOPED_TAG,)
-    # A tagged key must name exactly these flags; the defaults' key must come with the pinned defaults.
+    # A tagged key must name exactly these overrides; the defaults' key must come with the pinned defaults.
     if (
         not scoped
         and key != pub.key
-        and OVERRIDES.get()
-        and getattr(_thread_state, "shared_for", None) == OVERRIDES.get()
+        and overrides
+        and getattr(_thread_state, "shared_for", None) == overrides
     ):
-        _adopt_scope(record, key)  # a scope equal to the old defaults, which another thread changed
-    elif (actual != (_SCOPED_TAG, key)) if scoped else (key != pub.key):
+        _adopt_scope(record, overrides)  # a scope equal to the old defaults, which another thread changed
+    elif (actual != _tagged(overrides)) if scoped else (key != pub.key):
         raise FlagsOutOfSyncError(
             "jbackends flags in this context differ from the jit key of this thread, so a compiled "
             "function would be cached under the wrong flags. This happens when asyncio tasks (or "
-            "code that sets the ContextVar directly) interleave on one thread, or when another thread "
-            "changed a process default (jb.set_flags) that this thread's with_backends scope does not "
-            "override: call jb.sync() before calling jitted functions (or use jb.jit, which does), or "
-            "enter jb.with_backends(...) again. "
+            "code that sets the ContextVar directly) interleave on one thread without a "
+            "with_backends-decorated coroutine: call jb.sync() before calling jitted functions (or "
+            "use jb.jit, which does), or enter jb.with_backends(...) again. "
             f"context={dict(zip(TRACED, key))} "
-            f"key={dict(zip(TRACED, actual[1] if scoped else pub.key))}"
+            f"key={dict(actual[1]) if scoped else dict(zip(TRACED, pub.key))}"
         )
     return snap
 
