@@ -1213,6 +1213,72 @@ def test_with_backends_holds_its_scope_across_an_async_generator_body():
     assert seen == [False, False, False]
 
 
+@pytest.mark.parametrize("kind", ["coroutine", "async_generator"])
+def test_decorated_coroutines_leave_their_scope_while_suspended(kind):
+    """A `with_backends`-decorated coroutine (or async generator) waiting at an `await` must not leave
+    its jit key on the thread: an unscoped task running meanwhile gets the defaults' executable, and
+    the decorated one its scope's (JAX's key is per thread, the flags per task)."""
+    f = jax.jit(Probe())
+    x = _x()
+    with jb.with_backends(flash=False):
+        _close(f(x), 3 * x)  # both entries exist: a stale hit would not retrace
+    _close(f(x), 2 * x)
+    results = {}
+
+    @jb.with_backends(flash=False)
+    async def scoped_coroutine():
+        results["scoped_before"] = f(x)
+        await asyncio.sleep(0.05)
+        results["scoped_after"] = f(x)
+        return "done"
+
+    @jb.with_backends(flash=False)
+    async def scoped_agen():
+        results["scoped_before"] = f(x)
+        await asyncio.sleep(0.05)
+        results["scoped_after"] = f(x)
+        yield "done"
+
+    async def unscoped():
+        await asyncio.sleep(0.01)  # runs while the scoped one waits
+        results["unscoped"] = (jb.current_flags().flash, f(x))
+
+    async def collect():
+        return [item async for item in scoped_agen()][0]
+
+    async def main():
+        return await asyncio.gather(scoped_coroutine() if kind == "coroutine" else collect(), unscoped())
+
+    assert asyncio.run(main())[0] == "done"
+    assert results["unscoped"][0] is True
+    _close(results["unscoped"][1], 2 * x)
+    _close(results["scoped_before"], 3 * x)
+    _close(results["scoped_after"], 3 * x)
+
+
+def test_decorated_coroutine_cancelled_while_suspended_runs_its_handler_in_scope():
+    seen = []
+
+    @jb.with_backends(deterministic=True)
+    async def scoped():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append(jb.current_flags().deterministic)
+            raise
+
+    async def main():
+        task = asyncio.create_task(scoped())
+        await asyncio.sleep(0.01)
+        assert jb.current_flags().deterministic is False
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert seen == [True] and jb.current_flags().deterministic is False
+
+
 def test_opt_einsum_is_torch_shaped(defaults):
     oe = jb.opt_einsum
     assert oe.is_available() and oe.get_opt_einsum().__name__ == "opt_einsum"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -218,9 +219,10 @@ class with_backends:
     def __call__(self, fun: Callable) -> Callable:
         """Decorate `fun`: every call runs in the scope (see the class docstring).
 
-        Coroutine functions hold the scope for the whole coroutine. Generator and async generator
-        functions hold it while their body runs, from the first `next()` to the end (also in the
-        `finally` blocks run by `close()`), and not while the consumer runs between two items.
+        Generator, coroutine and async generator functions hold it while their body runs, from the
+        first step to the end (also in the `finally` blocks run by `close()`), and not while they are
+        suspended: not while a generator's consumer runs between two items, nor while a coroutine
+        waits at an `await` and other asyncio tasks run on the thread (JAX's jit key is per thread).
         """
         updates = self._updates
         if inspect.isgeneratorfunction(fun):
@@ -242,6 +244,9 @@ class with_backends:
                     try:
                         send = yield item
                     except GeneratorExit:
+                        if _state is None:  # interpreter shutdown: this module's globals are gone
+                            gen.close()
+                            raise
                         with scope:
                             gen.close()
                         raise
@@ -260,8 +265,8 @@ class with_backends:
                 send, error = None, None
                 while True:
                     try:
-                        with scope:
-                            item = await (agen.asend(send) if error is None else agen.athrow(error))
+                        step = agen.asend(send) if error is None else agen.athrow(error)
+                        item = await _in_scope(scope, step)
                     except StopAsyncIteration:
                         return
                     finally:
@@ -269,8 +274,7 @@ class with_backends:
                     try:
                         send = yield item
                     except GeneratorExit:
-                        with scope:
-                            await agen.aclose()
+                        await _in_scope(scope, agen.aclose())
                         raise
                     except BaseException as e:
                         send, error = None, e
@@ -281,8 +285,10 @@ class with_backends:
 
             @functools.wraps(fun)
             async def async_wrapper(*args, **kwargs):
-                with with_backends(**updates):
-                    return await fun(*args, **kwargs)
+                scope = with_backends(**updates)
+                with scope:
+                    coro = fun(*args, **kwargs)
+                return await _in_scope(scope, coro)
 
             return async_wrapper
 
@@ -298,6 +304,37 @@ class with_backends:
 
 
 with_backends.__doc__ = with_backends.__doc__.replace("{flags}", flags_doc())
+
+
+@types.coroutine
+def _suspend(item: Any) -> Any:
+    """Hand ``item`` (what an awaitable yielded: a future, or None) to the event loop; return what the
+    loop sends back."""
+    return (yield item)
+
+
+async def _in_scope(scope: with_backends, awaitable: Any) -> Any:
+    """Await ``awaitable`` with each of its steps run inside ``scope``, and the scope left while it is
+    suspended: the thread's jit key is the scope's only while the awaitable's code runs, so other asyncio
+    tasks on the thread never run under it (and its code never runs under theirs)."""
+    it = awaitable.__await__()
+    send, error = None, None
+    while True:
+        try:
+            with scope:
+                item = it.send(send) if error is None else it.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            error = None
+        try:
+            send = await _suspend(item)
+        except GeneratorExit:  # the task is closed: close the awaitable in the scope
+            with scope:
+                it.close()
+            raise
+        except BaseException as e:  # cancellation and the like: deliver it in the scope
+            send, error = None, e
 
 
 def propagate(fun: Callable) -> Callable:
