@@ -46,7 +46,7 @@ class _MiopenModule(_types.ModuleType):
         if value:
             raise RuntimeError(
                 "XLA has no MIOpen immediate mode; to skip algorithm search pass "
-                "compiler_options={'xla_gpu_autotune_level': 0} to jb.jit, or bound it with jb.cudnn.benchmark_limit"
+                "compiler_options={'xla_gpu_autotune_level': 0} to jb.jit (with jb.cudnn.benchmark=True, jb.cudnn.benchmark_limit bounds it)"
             )
 
 

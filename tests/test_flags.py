@@ -603,7 +603,7 @@ def test_jb_jit_compile_time_flags_give_distinct_executables():
     f(x)
     assert len(f.executables) == 2
     keys = [dict(k) for k in f.executables]
-    assert {k["xla_gpu_deterministic_ops"] for k in keys} == {False, True}
+    assert sorted(k.get("xla_gpu_deterministic_ops", False) for k in keys) == [False, True]
     # the options really compiled on this jaxlib, and each executable knows its own
     assert compiled is not None
 
@@ -882,14 +882,16 @@ _JAX_APPLIES_OPTIONS_UNDER_EAGER_GRAD = _JAX_VERSION >= (0, 12)
 
 @pytest.fixture
 def compiled_options(monkeypatch):
-    """The compiler options of every XLA compilation JAX lowers while the test runs."""
+    """The compiler options of every XLA compilation JAX lowers while the test runs (and, under
+    ``"fun_name"``, the name of the function compiled)."""
     from jax._src.interpreters import pxla
 
     seen = []
     real = pxla.lower_sharding_computation
 
     def spy(*args, **kwargs):
-        seen.append(dict(kwargs.get("compiler_options_kvs", ())))
+        name = args[2] if len(args) > 2 else kwargs.get("fun_name")
+        seen.append({**dict(kwargs.get("compiler_options_kvs", ())), "fun_name": name})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pxla, "lower_sharding_computation", spy)
@@ -977,10 +979,14 @@ def test_jb_jit_traces_with_the_flags_its_options_came_from_when_another_thread_
     f = jb.jit(lambda x: seen.append(jb.current_flags().deterministic) or x + 1)
     assert float(f(jnp.float32(1))) == 2.0
     assert fired == [True] and seen == [False]
-    compiled = [o["xla_gpu_deterministic_ops"] for o in compiled_options if "xla_gpu_deterministic_ops" in o]
+    compiled = [
+        o.get("xla_gpu_deterministic_ops", False) for o in compiled_options if o["fun_name"] == "<lambda>"
+    ]
     assert compiled == [False], compiled_options
     assert float(f(jnp.float32(2))) == 3.0 and seen == [False, True]  # now the new flags and options
-    compiled = [o["xla_gpu_deterministic_ops"] for o in compiled_options if "xla_gpu_deterministic_ops" in o]
+    compiled = [
+        o.get("xla_gpu_deterministic_ops", False) for o in compiled_options if o["fun_name"] == "<lambda>"
+    ]
     assert compiled == [False, True], compiled_options
     assert float(f(jnp.float32(3))) == 4.0 and seen == [False, True]  # cached
 
@@ -1005,7 +1011,9 @@ def test_jb_jit_race_leaves_scopes_and_host_callbacks_consistent(defaults, monke
         assert float(f(jnp.float32(i))) == 3.0 * i
         assert jb.current_flags().flash is True  # the scope inside did not leak
     assert fired == [True, False, True]
-    compiled = [o["xla_gpu_deterministic_ops"] for o in compiled_options if "xla_gpu_deterministic_ops" in o]
+    compiled = [
+        o.get("xla_gpu_deterministic_ops", False) for o in compiled_options if o["fun_name"] == "body"
+    ]
     assert [d for d, _ in seen] == compiled and all(not fl for _, fl in seen), (seen, compiled_options)
     assert before.flash is True
 

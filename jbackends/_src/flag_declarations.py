@@ -149,7 +149,8 @@ class Flag:
       torch: the torch spelling(s) this flag mirrors, for docs and the environment report.
       mirrors: where the torch-shaped modules expose it (see `Mirror`).
       traced: whether the flag can change what a traced function computes (part of the jit key).
-      compiler_options: for compile-time flags, value -> XLA compiler options `jb.jit` passes.
+      compiler_options: for compile-time flags, (value, all flags) -> the XLA compiler options `jb.jit`
+        passes; none at the flag's default, so XLA's defaults and the user's `XLA_FLAGS` stand.
       implies: value -> other flags set together with it (torch couples allow_tf32 and the precision).
       requires: (value, all values after the update) -> an error message if the combination is refused.
     """
@@ -161,7 +162,7 @@ class Flag:
     torch: tuple[str, ...] = ()
     mirrors: tuple[Mirror, ...] = ()
     traced: bool = True
-    compiler_options: Callable[[Any], Mapping[str, Any]] | None = None
+    compiler_options: Callable[[Any, Any], Mapping[str, Any]] | None = None
     implies: Callable[[Any], Mapping[str, Any]] | None = None
     requires: Callable[[Any, Mapping[str, Any]], str | None] | None = None
 
@@ -317,7 +318,7 @@ DECLARATIONS: tuple[Flag, ...] = (
         "Allow cuDNN-backed kernels (cuDNN SDPA, cuDNN GEMM fusions).",
         torch=("torch.backends.cudnn.enabled",),
         mirrors=(("cudnn", "attr", "enabled"),),
-        compiler_options=lambda v: {} if v else {"xla_gpu_cudnn_gemm_fusion_level": 0},
+        compiler_options=lambda v, flags: {} if v else {"xla_gpu_cudnn_gemm_fusion_level": 0},
     ),
     _bool(
         "cudnn_allow_tf32",
@@ -333,7 +334,8 @@ DECLARATIONS: tuple[Flag, ...] = (
         "jbackends kernels pick deterministic variants).",
         torch=("torch.backends.cudnn.deterministic",),
         mirrors=(("cudnn", "attr", "deterministic"),),
-        compiler_options=lambda v: {"xla_gpu_deterministic_ops": v},
+        # False (torch's "not required") leaves XLA's setting, `XLA_FLAGS` included, as it is.
+        compiler_options=lambda v, flags: {"xla_gpu_deterministic_ops": True} if v else {},
     ),
     _bool(
         "benchmark",
@@ -343,7 +345,7 @@ DECLARATIONS: tuple[Flag, ...] = (
         torch=("torch.backends.cudnn.benchmark",),
         mirrors=(("cudnn", "attr", "benchmark"),),
         traced=False,
-        compiler_options=lambda v: {"xla_gpu_exhaustive_tiling_search": v},
+        compiler_options=lambda v, flags: {"xla_gpu_exhaustive_tiling_search": True} if v else {},
     ),
     Flag(
         "benchmark_limit",
@@ -353,7 +355,7 @@ DECLARATIONS: tuple[Flag, ...] = (
         torch=("torch.backends.cudnn.benchmark_limit",),
         mirrors=(("cudnn", "attr", "benchmark_limit"),),
         traced=False,
-        compiler_options=lambda v: {"xla_gpu_autotune_max_solutions": v},
+        compiler_options=lambda v, flags: {"xla_gpu_autotune_max_solutions": v} if flags.benchmark else {},
     ),
     # ---- linear algebra / BLAS library choice (torch.backends.cuda.preferred_*_library)
     Flag(
@@ -383,7 +385,7 @@ DECLARATIONS: tuple[Flag, ...] = (
         torch=("torch.backends.cuda.preferred_blas_library",),
         traced=False,
         mirrors=(("cuda", "getset", "preferred_blas_library"),),
-        compiler_options=lambda v: {"xla_gpu_enable_cublaslt": v == "cublaslt"},
+        compiler_options=lambda v, flags: {"xla_gpu_enable_cublaslt": True} if v == "cublaslt" else {},
     ),
     # ---- opt_einsum (torch.backends.opt_einsum.*)
     _bool(

@@ -51,11 +51,15 @@ def _staging() -> bool:
 
 
 def compiler_options(flags: Any | None = None) -> dict[str, Any]:
-    """The XLA compiler options the compile-time flags map to (what `jb.jit` passes)."""
+    """The XLA compiler options the compile-time flags map to (what `jb.jit` passes).
+
+    A flag at its default maps to none (XLA's own default, or the user's ``XLA_FLAGS``, stands), and
+    ``benchmark_limit`` only applies with ``benchmark=True`` (as torch's).
+    """
     flags = flags if flags is not None else current_flags()
     opts: dict[str, Any] = {}
     for name in COMPILE_TIME:
-        opts.update(FLAGS[name].compiler_options(getattr(flags, name)))
+        opts.update(FLAGS[name].compiler_options(getattr(flags, name), flags))
     return opts
 
 

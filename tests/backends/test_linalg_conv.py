@@ -95,9 +95,18 @@ def test_cudnn_flags_become_compiler_options():
         "xla_gpu_exhaustive_tiling_search": True,
         "xla_gpu_autotune_max_solutions": 3,
         "xla_gpu_cudnn_gemm_fusion_level": 0,
-        "xla_gpu_enable_cublaslt": False,
     }
     assert len(f.executables) == 2
+    # At the defaults no option is passed: XLA's defaults and the user's XLA_FLAGS stand (torch's
+    # deterministic=False means "not required"; benchmark_limit applies with benchmark=True only).
+    assert jb.compiler_options() == {}
+    with jb.cudnn.flags(benchmark_limit=3):
+        assert jb.compiler_options() == {}
+    with jb.cudnn.flags(benchmark=True):
+        assert jb.compiler_options() == {
+            "xla_gpu_exhaustive_tiling_search": True,
+            "xla_gpu_autotune_max_solutions": 10,
+        }
     assert tuple(sorted(opts.items())) in f.executables
     # jb.cudnn.flags: an omitted argument means unchanged (torch's would turn cuDNN off).
     with jb.cudnn.flags(deterministic=True):
