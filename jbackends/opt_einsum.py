@@ -53,7 +53,9 @@ def set_flags(_enabled=None, _strategy=None) -> tuple:
     """Set the process defaults of `enabled` / `strategy` (None: unchanged), like torch's.
 
     Returns the previous process defaults as `(enabled, strategy)`, so `set_flags(*previous)` restores
-    them. Values are validated first (a bool; a strategy name, refused while disabled, as in torch).
+    them. Values are validated first (a bool; a strategy name, refused while disabled, as in torch,
+    unless this call disables it: `set_flags(False, strategy)` keeps ``strategy`` for when it is
+    enabled again, which a restore of a disabled state needs; torch refuses it).
 
     Example:
       >>> import jbackends as jb
@@ -66,7 +68,13 @@ def set_flags(_enabled=None, _strategy=None) -> tuple:
     orig = (previous["opt_einsum_enabled"], previous["opt_einsum_strategy"] if is_available() else None)
     given = {"opt_einsum_enabled": _enabled, "opt_einsum_strategy": _strategy}
     updates = {k: v for k, v in given.items() if v is not None}
-    if updates:
+    if updates.get("opt_einsum_enabled") is False and "opt_einsum_strategy" in updates:
+        # The strategy while enabled, then disabled: one change to the process defaults for other
+        # set_flags callers and traces (both take the lock).
+        with _flag_state.defaults_lock:
+            _flag_scope.set_flags(opt_einsum_enabled=True, opt_einsum_strategy=updates["opt_einsum_strategy"])
+            _flag_scope.set_flags(opt_einsum_enabled=False)
+    elif updates:
         _flag_scope.set_flags(**updates)
     return orig
 

@@ -1307,6 +1307,14 @@ def test_opt_einsum_is_torch_shaped(defaults):
     assert inside() == "greedy" and oe.strategy == "auto"
     with pytest.raises(ValueError, match="not enabled"):
         oe.flags(enabled=False, strategy="greedy")
+    # set_flags(*previous) restores a disabled state too (torch's refuses a strategy while disabled)
+    oe.enabled = False
+    previous = oe.set_flags(True, "greedy")
+    assert previous == (False, "auto") and (oe.enabled, oe.strategy) == (True, "greedy")
+    assert oe.set_flags(*previous) == (True, "greedy") and (oe.enabled, oe.strategy) == (False, "auto")
+    with pytest.raises(ValueError, match="not enabled"):  # a strategy alone while disabled: refused
+        oe.set_flags(None, "greedy")
+    oe.enabled = True
     with pytest.raises(TypeError, match="expects a bool"):
         oe.set_flags("yes")
 
