@@ -59,7 +59,7 @@ from jbackends._src import sdp_backends as _sdp
 from jbackends._src.sdp_backends import SDPBackend
 from jbackends._src.attention_dispatch import NoAvailableBackendError
 from jbackends._src.flag_scope import with_backends
-from jbackends._src.flag_state import trace_flags
+from jbackends._src.flag_state import current_flags, trace_flags
 from jbackends._src.attention_args import (
     implementation_code,
     jaxnn_to_args,
@@ -138,7 +138,8 @@ def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority:
 
     Args:
       backends: one ``SDPBackend`` or a list of them.
-      set_priority: use the list order as the priority order (the others follow, still disabled).
+      set_priority: use the list order as the priority order (the others follow, still disabled, in
+        their order of the priority in force, as torch appends its previous order).
 
     Raises:
       ValueError: an unknown backend, ``SDPBackend.ERROR``, or an empty list.
@@ -167,7 +168,9 @@ def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority:
         cudnn=SDPBackend.CUDNN_ATTENTION in chosen,
     )
     if set_priority and chosen:
-        kw["sdpa_priority"] = tuple(dict.fromkeys(int(b) for b in chosen))  # a repeat: its first place
+        listed = tuple(dict.fromkeys(int(b) for b in chosen))  # a repeat: its first place
+        # the others keep their order of the priority in force (torch appends its previous order)
+        kw["sdpa_priority"] = listed + tuple(c for c in current_flags().sdpa_priority if c not in listed)
         kw["sdpa_prefer_faster"] = False  # the user's order, not a measured one
     return with_backends(**kw)
 

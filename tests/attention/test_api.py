@@ -68,6 +68,20 @@ def test_set_priority_is_honoured_under_jit(chosen):
     assert chosen == ["MATH", "FLASH_ATTENTION"]
 
 
+def test_nested_set_priority_appends_the_priority_in_force_like_torch():
+    """torch appends its previous priority order to the listed backends; an outer
+    ``set_priority=True`` scope therefore orders the backends an inner one leaves out."""
+    with A.sdpa_kernel([B.MATH, B.CUDNN_ATTENTION], set_priority=True):
+        assert jb.current_flags().sdpa_priority[:2] == (int(B.MATH), int(B.CUDNN_ATTENTION))
+        with A.sdpa_kernel([B.FLASH_ATTENTION], set_priority=True):
+            assert jb.current_flags().sdpa_priority == (
+                int(B.FLASH_ATTENTION),
+                int(B.MATH),
+                int(B.CUDNN_ATTENTION),
+                int(B.EFFICIENT_ATTENTION),
+            )  # torch 2.13: [1, 0, 3, 2, 4] (4: OVERRIDEABLE, which JAX has not)
+
+
 def test_vjp_fn_keeps_the_forward_backend(chosen):
     q, k = rand((1, 20, 2, 16), 1), rand((1, 20, 2, 16), 2)
     f = lambda q, k: A.dot_product_attention(q, k, k, is_causal=True)  # noqa: E731
