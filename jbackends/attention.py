@@ -353,8 +353,10 @@ def dot_product_attention(
     functions whose backward is a kernel (recomputing per block; cuDNN's own); that backward is itself
     differentiable, with the math formulation as its derivative, so
     the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
-    (``jax.jvp``, ``jacfwd``, forward-over-reverse HVPs) raises JAX's custom_vjp error on those
-    backends; use ``implementation="math"`` (or ``sdpa_kernel(SDPBackend.MATH)``) there. cuDNN's LSE
+    (``jax.jvp``, ``jacfwd``, ``hessian``) runs MATH: the dispatcher sees it tracing the call (a forced
+    fast backend raises ``NoAvailableBackendError``), except in a function jitted inside the
+    ``jax.jvp`` (its jaxpr is reused outside it), where JAX's custom_vjp error stands; use
+    ``implementation="math"`` (or jit the whole ``jax.jvp``) there. cuDNN's LSE
     residual carries no gradient (``residual_gradient=True`` gives zeros there).
 
     Example:

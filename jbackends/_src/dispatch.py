@@ -28,10 +28,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import core as _jax_core
 
 __all__ = [
     "Implementation",
     "Choice",
+    "forward_mode_active",
     "lazy",
     "choose",
     "set_ranker",
@@ -45,6 +47,22 @@ __all__ = [
 #: Lowering platforms that are GPUs (each gets its own ``platform_dependent`` branch). Not
 #: ``pallas_kernels.gpu.GPU_PLATFORMS``, the names under which a kernel sees an NVIDIA GPU.
 GPU_LOWERING = ("cuda", "rocm")
+
+
+def forward_mode_active() -> bool:
+    """Whether forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``'s outer pass) is
+    tracing the current call: a JVP trace below the current one, with no staging (``jax.jit``) trace
+    between. A function staged by a jit inside ``jax.jvp`` is not detected: its jaxpr is cached
+    and reused outside the jvp, so the choice there must not depend on it (JAX's own error stands)."""
+    trace = _jax_core.trace_ctx.trace
+    while trace is not None and not isinstance(trace, _jax_core.EvalTrace):
+        kind = type(trace).__name__
+        if kind == "JVPTrace":
+            return True
+        if "Jaxpr" in kind:  # DynamicJaxprTrace and kin: a staged (cached) trace
+            return False
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def _no_options(flags: Any, platform: str) -> dict:
@@ -76,6 +94,8 @@ class Implementation:
       run: ``(call, **options) -> result``.
       options: ``(flags, platform) -> dict`` of ``run`` keyword options.
       description: one line for reports and docs.
+      forward_mode: False for a ``jax.custom_vjp`` kernel, which cannot run under forward-mode
+        autodiff (`forward_mode_active`); None (not declared) never refuses a call for it.
     """
 
     name: str
@@ -85,12 +105,19 @@ class Implementation:
     run: Callable[..., Any]
     options: Callable[[Any, str], dict] = _no_options
     description: str = ""
+    forward_mode: bool | None = None
 
     def reasons(self, call: Any, platform: str, device: Mapping[str, Any] | None = None) -> list[str]:
         """Why this implementation cannot run ``call`` on ``platform`` (empty if it can)."""
         if self.platforms is not None and platform not in self.platforms:
             return [f"{self.technology} runs on {'/'.join(self.platforms)} only (lowering for {platform})"]
-        return list(self.unsupported(call, platform, device or {}))
+        why = list(self.unsupported(call, platform, device or {}))
+        if self.forward_mode is False and forward_mode_active():
+            why.append(
+                "forward-mode autodiff (jax.jvp, jacfwd, hessian) is tracing this call, and this "
+                "kernel's gradient is a custom_vjp (reverse mode only)"
+            )
+        return why
 
     def __repr__(self) -> str:
         return f"<Implementation {self.name} ({self.technology})>"

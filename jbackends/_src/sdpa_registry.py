@@ -75,6 +75,7 @@ TRITON_DECODE = Implementation(
     lazy(f"{_PKG}.triton_decode:attention"),
     _tf32,
     "split-K decode kernel for short queries (T <= 16); fused flash backward",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 TRITON_FLASH = Implementation(
     "triton_flash",
@@ -84,6 +85,7 @@ TRITON_FLASH = Implementation(
     lazy(f"{_PKG}.triton_flash:attention"),
     _tf32,
     "FlashAttention-2 forward and fused backward",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 MOSAIC_FLASH = Implementation(
     "mosaic_flash",
@@ -94,6 +96,7 @@ MOSAIC_FLASH = Implementation(
     _tf32,
     "FlashAttention-3 for sm90 (warp-specialized, TMA, WGMMA), forward and backward; 1.2-2.8x the "
     "speed of triton_flash (H200, bf16, head dims 64 / 128, L 4k / 16k, 2026-11-27)",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 CPP_FLASH = Implementation(
     "cpp_flash",
@@ -102,6 +105,7 @@ CPP_FLASH = Implementation(
     _reasons("cpp_flash:unsupported"),
     lazy(f"{_PKG}.cpp_flash:attention"),
     description="FlashAttention-2 CPU kernel, AVX-512 / AVX2 + FMA, threaded; soft cap, bias, boolean mask",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 XLA_FLASH = Implementation(
     "xla_flash",
@@ -110,6 +114,7 @@ XLA_FLASH = Implementation(
     _reasons("xla_flash:unsupported"),
     lazy(f"{_PKG}.xla_flash:attention"),
     description="blockwise FlashAttention-2 in XLA (O(L) memory)",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 TRITON_MEM_EFFICIENT = Implementation(
     "triton_mem_efficient",
@@ -119,6 +124,7 @@ TRITON_MEM_EFFICIENT = Implementation(
     lazy(f"{_PKG}.triton_mem_efficient:attention"),
     _tf32,
     "flash tiling with bias / mask tiles",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 XLA_MEM_EFFICIENT = Implementation(
     "xla_mem_efficient",
@@ -127,6 +133,7 @@ XLA_MEM_EFFICIENT = Implementation(
     _reasons("xla_mem_efficient:unsupported"),
     lazy(f"{_PKG}.xla_mem_efficient:attention"),
     description="blockwise XLA with bias / mask tiles",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 CUDNN = Implementation(
     "cudnn",
@@ -135,6 +142,7 @@ CUDNN = Implementation(
     _cudnn_reasons,
     lazy(f"{_PKG}.cudnn:attention"),
     description="jax.nn.dot_product_attention(implementation='cudnn')",
+    forward_mode=False,  # a custom_vjp: reverse-mode gradients only
 )
 MATH = Implementation(
     "math",
@@ -144,6 +152,7 @@ MATH = Implementation(
     lazy(f"{_PKG}.base:attention"),
     _math_options,
     "the reference: materialised scores, float32 softmax",
+    forward_mode=True,  # plain JAX ops: jax.jvp, jacfwd and hessian run through it
 )
 
 #: backend -> {lowering platform, or "*" for every other one: implementations in the order tried}.

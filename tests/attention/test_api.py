@@ -531,3 +531,41 @@ def test_property_random_shapes_match_reference(T, S, K, G, H, causal, lower_rig
     )
     assert_close(got, want, 3e-5, "out")
     np.testing.assert_array_equal(np.isneginf(np.swapaxes(lse, 1, 2)), np.isneginf(want_lse))
+
+
+def test_forward_mode_autodiff_runs_math_and_a_forced_fast_backend_says_why():
+    """jax.jvp / jacfwd / hessian through the default path (FLASH first on CPU, a custom_vjp) run MATH
+    and match jax.nn's tangents; an nnx layer's jacfwd matches flax's; a forced FLASH names the reason."""
+    from flax import nnx
+
+    rng = np.random.default_rng(7)
+    q, k, v, t = (jnp.asarray(rng.normal(size=(1, 6, 2, 8)), jnp.float32) for _ in range(4))
+    for causal in (False, True):
+        f = lambda q: A.dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        ref = lambda q: jax.nn.dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        (out, tan), (ref_out, ref_tan) = jax.jvp(f, (q,), (t,)), jax.jvp(ref, (q,), (t,))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(tan), np.asarray(ref_tan), rtol=1e-5, atol=1e-5)
+        # jvp inside a jit: the jit's jaxpr holds the jvp, so the choice may follow it
+        got = jax.jit(lambda q: jax.jvp(f, (q,), (t,))[1])(q)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref_tan), rtol=1e-5, atol=1e-5)
+    small = q[:, :3, :, :4]
+    h = jax.hessian(lambda q: A.dot_product_attention(q, q, q).sum())(small)
+    h_ref = jax.hessian(lambda q: jax.nn.dot_product_attention(q, q, q).sum())(small)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), rtol=1e-4, atol=1e-5)
+    x = jnp.asarray(rng.normal(size=(1, 4, 16)), jnp.float32)
+    kw = dict(num_heads=2, in_features=16, decode=False)
+    layer, flax_layer = (
+        jb.nn.MultiHeadAttention(**kw, rngs=nnx.Rngs(0)),
+        nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0)),
+    )
+    np.testing.assert_allclose(
+        np.asarray(jax.jacfwd(layer)(x)), np.asarray(jax.jacfwd(flax_layer)(x)), rtol=1e-5, atol=1e-6
+    )
+    with A.sdpa_kernel(B.FLASH_ATTENTION):
+        with pytest.raises(A.NoAvailableBackendError, match="forward-mode autodiff"):
+            jax.jvp(lambda q: A.dot_product_attention(q, k, v), (q,), (t,))
+        out = A.dot_product_attention(q, k, v)  # outside forward mode FLASH runs as asked
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(jax.nn.dot_product_attention(q, k, v)), rtol=1e-5, atol=1e-6
+    )
