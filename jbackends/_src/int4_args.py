@@ -16,6 +16,7 @@ from pallas_kernels.int4_matmul import base as _base
 from pallas_kernels.int4_matmul.base import PackedInt4Weight
 
 __all__ = [
+    "EXPLAIN_DTYPES",
     "EXPLAIN_OPS",
     "EXPLAIN_PLATFORMS",
     "IMPLEMENTATIONS",
@@ -32,6 +33,11 @@ IMPLEMENTATIONS = tuple(_registry.BY_NAME)  # ("pallas", "pallas_interpret", "cp
 
 #: `quantized.explain(op=...)` -> the kind of call (`Int4Call.op`) it explains.
 EXPLAIN_OPS = {"int4_matmul": "weight_only", "dyn_quant_matmul_4bit": "dyn_quant"}
+#: The input dtypes each kind of call takes (`int4_matmul`'s ``x``, `dyn_quant_matmul_4bit`'s ``input``).
+EXPLAIN_DTYPES = {
+    "weight_only": (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)),
+    "dyn_quant": (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)),
+}
 
 #: The values `quantized.explain(platform=...)` takes (besides None: the default backend's).
 EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
@@ -136,5 +142,12 @@ def check_explain(x: Any, packed: Any, op: Any, platform: Any) -> str:
     if not x.shape or x.shape[-1] != packed.in_features:
         raise ValueError(
             f"`x` must have in_features={packed.in_features} as its last dim; got shape {tuple(x.shape)}"
+        )
+    # The dtypes the call itself takes (it raises the same TypeError): nothing runs another one.
+    allowed = EXPLAIN_DTYPES[EXPLAIN_OPS[op]]
+    if jnp.dtype(x.dtype) not in allowed:
+        names = ", ".join(d.name for d in allowed)
+        raise TypeError(
+            f"`x` must have dtype in ({names}) for {op}, as the call does; got {jnp.dtype(x.dtype)}"
         )
     return EXPLAIN_OPS[op]

@@ -179,6 +179,31 @@ def test_forced_pallas_engine_never_falls_back(op, monkeypatch):
     assert Q.explain(x48, p48, op=op, platform="cpu").implementation in ("cpp", "xla")
 
 
+@pytest.mark.parametrize("op", ["int4_matmul", "dyn_quant_matmul_4bit"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32, jnp.int8, jnp.float32])
+def test_explain_refuses_the_dtypes_the_call_refuses(op, dtype):
+    """explain never names a kernel for a call that raises: the input dtypes are checked as the call
+    checks them (float16 is weight-only's, not dyn-quant's), with the same TypeError."""
+    x, p = make_case(2, 128, 16, 32, False)
+    x = x.astype(dtype)
+
+    def call():
+        if op == "int4_matmul":
+            return Q.int4_matmul(x, p)
+        return Q.dyn_quant_matmul_4bit(x, p, 32, 128, 16)
+
+    if dtype == jnp.float32 or (dtype == jnp.float16 and op == "int4_matmul"):
+        call()
+        assert Q.explain(x, p, op=op, platform="cpu").implementation is not None
+        return
+    with pytest.raises(TypeError, match="dtype"):
+        call()
+    with pytest.raises(TypeError, match="dtype"):
+        Q.explain(x, p, op=op, platform="cpu")
+    with pytest.raises(TypeError, match="dtype"):
+        Q.explain(jax.ShapeDtypeStruct(x.shape, x.dtype), p, op=op, platform="cuda")
+
+
 def test_argument_types_named_in_errors():
     x, p = make_case(1, 64, 8, 32, False)
     with pytest.raises(TypeError, match="compute_dtype"):
