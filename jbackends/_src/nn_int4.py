@@ -203,7 +203,8 @@ def quantize_4bit(
         ``compute_dtype`` is not a supported float dtype.
       ValueError: ``groupsize`` is not a positive multiple of 32; ``mode`` is
         unknown; a layer's in_features is not a multiple of ``groupsize``
-        and ``channelwise_fallback`` is False (or in_features is odd).
+        and ``channelwise_fallback`` is False (or in_features is odd); a
+        layer's kernel is not 2-D (stacked layers, from `nnx.vmap`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -231,6 +232,14 @@ def quantize_4bit(
         raise TypeError(f"channelwise_fallback must be a bool, got {channelwise_fallback!r}")
 
     def convert(path, lin: nnx.Linear) -> Int4Linear:
+        shape = tuple(np.shape(lin.kernel[...]))
+        if len(shape) != 2:
+            where = "/".join(map(str, path)) or "<root>"
+            raise ValueError(
+                f"layer {where}: kernel has shape {shape}, not [in_features, out_features]: stacked layers "
+                "(made by nnx.vmap, run by nnx.scan) are not supported; leave them out with `filter` "
+                "(the model is left unchanged)"
+            )
         g = groupsize
         if lin.in_features % g:
             if not channelwise_fallback or lin.in_features % 2:

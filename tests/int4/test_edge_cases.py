@@ -400,6 +400,27 @@ def test_quantize_model_reaches_layers_in_plain_containers():
     np.testing.assert_allclose(np.asarray(q(x), np.float64), h, rtol=0, atol=1e-4 * np.abs(h).max())
 
 
+def test_quantize_model_names_a_stacked_layer():
+    """Layers stacked by nnx.vmap (for nnx.scan) have a 3-D kernel: a ValueError naming the layer and
+    the way out, and the model unchanged (not a weight-shape error from inside the packing)."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return nnx.Linear(64, 32, rngs=nnx.Rngs(key))
+
+    class Stacked(nnx.Module):
+        def __init__(self):
+            self.head = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+            self.blocks = make(jax.random.split(jax.random.key(0), 3))
+
+    model = Stacked()
+    with pytest.raises(ValueError, match=r"layer blocks: kernel has shape \(3, 64, 32\).*stacked.*filter"):
+        jb.nn.quantize_4bit(model, groupsize=32)
+    assert type(model.head) is nnx.Linear and type(model.blocks) is nnx.Linear
+    q = jb.nn.quantize_4bit(model, groupsize=32, filter=lambda path, lin: path != ("blocks",))
+    assert isinstance(q.head, jb.nn.Int4Linear) and type(q.blocks) is nnx.Linear
+
+
 # ----------------------------------------------------------------------------- Int4Linear dtypes
 
 
