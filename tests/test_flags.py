@@ -120,17 +120,21 @@ def test_fresh_jit_of_same_function_sees_flags():
     assert probe.traces == 2
 
 
-def test_equal_flag_sets_share_one_entry():
+def test_equal_scopes_share_one_entry():
+    """Scopes with the same overrides share an entry (nested ones too); a scope setting a flag to its
+    default has its own, so that another thread's set_flags can never serve it the defaults' entry."""
     probe = Probe()
     f = jax.jit(probe)
     x = _x()
     with CompileCount() as compiles:
         f(x)
-        with jb.with_backends(flash=True):  # same effective flags as the defaults
+        with jb.with_backends(flash=True):  # same effective flags as the defaults: its own entry
             f(x)
         with jb.with_backends(flash=False), jb.with_backends(flash=True):
             f(x)
-    assert probe.traces == 1 and compiles.count == 1 and f._cache_size() <= 1
+        with jb.with_backends(verbose=1):  # a runtime-only override: the defaults' entry
+            f(x)
+    assert probe.traces == 2 and compiles.count == 2 and f._cache_size() <= 2
 
 
 def test_runtime_only_flag_does_not_retrace():

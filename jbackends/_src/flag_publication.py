@@ -37,7 +37,6 @@ __all__ = [
     "JIT_KEY",
     "PIN_FOR_CALL",
     "Publication",
-    "SHARING_THREADS",
     "TraceRecord",
     "UNSET",
     "current",
@@ -119,11 +118,6 @@ thread_state = globals().get("thread_state") or threading.local()
 #: JAX's marker of a config whose thread-local value is not set (the global value is in force).
 UNSET = _jax_config.config_ext.unset
 
-#: Threads whose scope shares the defaults' jit key (its traced flags equalled the defaults when the
-#: key was set: `flag_state.set_thread_key`). While one is listed, every publication takes a fresh
-#: epoch, so that thread's next call misses the cache rather than hitting an entry compiled for the
-#: new defaults (its flags are the scope's), and its trace gives it its own key.
-SHARING_THREADS: set = globals().get("SHARING_THREADS") or set()
 _epochs: dict[tuple, int] = globals().get("_epochs", {})
 _history: collections.deque = globals().get("_history") or collections.deque(maxlen=256)
 _retired_count = globals().get("_retired_count", 0)  # keys retired so far (for tests and the report)
@@ -134,10 +128,6 @@ def publish(values: Mapping[str, Any]) -> Publication:
     global _PUB
     previous = globals().get("_PUB")
     key = key_of(values)
-    if SHARING_THREADS:
-        SHARING_THREADS.intersection_update({t.ident for t in threading.enumerate()})  # ended threads
-        if SHARING_THREADS:
-            _epochs[key] = _epochs.get(key, 0) + 1  # a key no entry is filed under yet
     bridged = any(n in explicit_defaults for n in PRECISION_FLAGS)
     pub = Publication(
         seq=(previous.seq + 1 if previous is not None else 0),

@@ -27,7 +27,6 @@ their publications; `flag_scope` changes this state (`set_flags`, `with_backends
 from __future__ import annotations
 
 import contextvars
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,17 +70,14 @@ _DEFAULTS_KEY = _publication.DEFAULTS_KEY
 _thread_state = _publication.thread_state
 _key_of = _publication.key_of
 
-# Scoped overrides live in a `contextvars.ContextVar`. While a scope makes the traced flags differ from
-# the defaults, this thread's value of `_JIT_KEY` is a tagged tuple of the scope's *overrides* of traced
-# flags: with `DEFAULTS_KEY` (the defaults' traced flags) it names the flags in force exactly, whatever
+# Scoped overrides live in a `contextvars.ContextVar`. While a scope overrides a traced flag, this
+# thread's value of `_JIT_KEY` is a tagged tuple of the scope's *overrides* of traced flags: with
+# `DEFAULTS_KEY` (the defaults' traced flags and epoch) it names the flags in force exactly, whatever
 # another thread publishes later (a publication changes `DEFAULTS_KEY`, so the scope retraces with the
 # new defaults under its overrides). Otherwise it is unset and the global value (the defaults' traced
-# flags) is in force, so equal flag sets share cache entries; the thread is then listed in
-# `flag_publication.SHARING_THREADS`, which makes every publication take a fresh epoch while it is:
-# after another thread changes the defaults under such a scope, its next call misses the cache, and
-# its trace switches it to its tagged key and retires the keys the call may be filed under
-# (`_adopt_scope`). Without the fresh epoch, the call could hit an entry unscoped code compiled for
-# the new defaults, and run with them instead of the scope's flags.
+# flags) is in force. A scope that sets a flag to its default value therefore has entries of its own
+# (one more trace per function): a key shared with unscoped code would follow the defaults when
+# another thread changes them, and the scope's next call could hit an entry compiled for them.
 
 _Overrides = tuple  # sorted tuple of (name, value): immutable and hashable
 OVERRIDES: contextvars.ContextVar[_Overrides] = globals().get("OVERRIDES") or contextvars.ContextVar(
@@ -166,8 +162,8 @@ _TRACED_SET = frozenset(TRACED)
 def _thread_key_for(overrides: _Overrides, snap: Any, pub: _publication.Publication) -> tuple:
     """The value `_JIT_KEY` must have in this thread for the scope ``overrides`` (flags ``snap``
     under the defaults of ``pub``; see the State notes)."""
-    key = tuple(getattr(snap, n) for n in TRACED)
-    return pub.key if key == pub.key else _tagged(overrides)
+    del snap
+    return _tagged(overrides) if any(n in _TRACED_SET for n, _ in overrides) else pub.key
 
 
 def _expected_key() -> tuple:
@@ -179,28 +175,16 @@ def _expected_key() -> tuple:
 def set_thread_key() -> None:
     """Make this thread's jit key and JAX matmul precision mirror the ContextVar.
 
-    The key's thread-local value is unset when the traced flags in force equal the defaults' (the global
-    value is then in force, and such a scope shares cache entries with unscoped code; the thread is
-    listed in `SHARING_THREADS` meanwhile, see the State notes).
+    The key's thread-local value is the scope's tagged key while the scope overrides a traced flag, and
+    unset otherwise (the global value, the defaults' traced flags, is then in force).
     """
-    overrides = dict(OVERRIDES.get())
+    overrides = OVERRIDES.get()
     obj = _JIT_KEY._obj
-    ident = threading.get_ident()
-    with defaults_lock:  # no publication between the key's computation and the sharing list
-        expected = _expected_key() if any(n in overrides for n in TRACED) else None
-        # Which scope this thread's key was computed for, when it shares the defaults' key (see
-        # `_adopt_scope`); an asyncio task that did not sync has other overrides.
-        _thread_state.shared_for = OVERRIDES.get() if expected is not None else None
-        if expected is not None and expected[:1] == (_SCOPED_TAG,):
-            obj.swap_local(expected)
-            _publication.SHARING_THREADS.discard(ident)
-        else:
-            obj.set_local(_publication.UNSET)
-            if expected is not None:
-                _publication.SHARING_THREADS.add(ident)
-            else:
-                _publication.SHARING_THREADS.discard(ident)
-    sync_precision(overrides, _thread_state)
+    if any(n in _TRACED_SET for n, _ in overrides):
+        obj.swap_local(_tagged(overrides))
+    else:
+        obj.set_local(_publication.UNSET)
+    sync_precision(dict(overrides), _thread_state)
 
 
 def sync() -> None:
@@ -221,22 +205,6 @@ def sync() -> None:
     set_thread_key()
 
 
-def _adopt_scope(record: _publication.TraceRecord, overrides: _Overrides) -> None:
-    """Under a trace: this thread's scope shared the defaults' key, and another thread changed them.
-
-    The scope's flags win (they are what the code in the scope asked for): from now on this thread
-    uses the scope's own tagged key, nested jits included. The call itself was filed under the
-    defaults' key with the scope's flags, so every key it may have read is retired (rule 2) and the
-    current defaults are published again under a fresh epoch.
-    """
-    _JIT_KEY._obj.swap_local(_tagged(overrides))
-    _thread_state.shared_for = None
-    with defaults_lock:
-        _publication.SHARING_THREADS.discard(threading.get_ident())
-        _publication.retire_since(record.lo, None)
-        _publication.publish(_publication.current().values)
-
-
 def trace_flags() -> Any:
     """The flags a kernel must use while it is being traced (the one trace-time accessor).
 
@@ -247,10 +215,9 @@ def trace_flags() -> Any:
     agrees with these flags: a disagreement means the cache entry being built would be filed under
     other flags (an asyncio task that resumed on a thread whose key another task set), so it raises
     `FlagsOutOfSyncError`. Another thread's `set_flags` never makes it raise: a thread with no scope
-    traces with the new defaults; a scope with its own key takes them under its overrides (the key
-    names the overrides, and the defaults' key changed with them); a scope whose flags equalled the
-    old defaults (it shared their key) keeps its flags under its own key from then on. Outside a
-    trace it re-syncs the key silently.
+    traces with the new defaults, and a scope takes them under its overrides (its key names the
+    overrides, and the defaults' key changed with the defaults). Outside a trace it re-syncs the key
+    silently.
     """
     record = _publication.trace_record()
     overrides = OVERRIDES.get()
@@ -266,22 +233,17 @@ def trace_flags() -> Any:
     actual = _JIT_KEY.value
     key = tuple(getattr(snap, n) for n in TRACED)
     scoped = isinstance(actual, tuple) and actual[:1] == (_SCOPED_TAG,)
-    # A tagged key must name exactly these overrides; the defaults' key must come with the pinned defaults.
-    if (
-        not scoped
-        and key != pub.key
-        and overrides
-        and getattr(_thread_state, "shared_for", None) == overrides
-    ):
-        _adopt_scope(record, overrides)  # a scope equal to the old defaults, which another thread changed
-    elif (actual != _tagged(overrides)) if scoped else (key != pub.key):
+    # A tagged key must name this context's overrides (with `DEFAULTS_KEY`, pinned to ``pub`` by
+    # `trace_record`, the flags); the defaults' key (the global one: read at the call, from any
+    # publication since this thread's last look, which rule 2 retires) must come with the pinned
+    # defaults' traced flags.
+    if (actual != _tagged(overrides)) if scoped else (key != pub.key):
         raise FlagsOutOfSyncError(
             "jbackends flags in this context differ from the jit key of this thread, so a compiled "
             "function would be cached under the wrong flags. This happens when asyncio tasks (or "
-            "code that sets the ContextVar directly) interleave on one thread without a "
-            "with_backends-decorated coroutine: call jb.sync() before calling jitted functions (or "
-            "use jb.jit, which does), or enter jb.with_backends(...) again. "
-            f"context={dict(zip(TRACED, key))} "
+            "code that sets the ContextVar directly) interleave on one thread: call jb.sync() before "
+            "calling jitted functions (or use jb.jit, which does), or enter jb.with_backends(...) "
+            f"again. context={dict(zip(TRACED, key))} "
             f"key={dict(actual[1]) if scoped else dict(zip(TRACED, pub.key))}"
         )
     return snap
