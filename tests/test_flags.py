@@ -678,6 +678,32 @@ def _worker_in_scope_while_main_changes_flash(scope, before_change, after_change
     return results
 
 
+def test_scope_equal_to_the_defaults_never_runs_an_entry_compiled_after_the_change(defaults):
+    """As above, but the main thread compiles for the new default *after* the change and before the
+    scope's next call (the entry the scope's key must never reach)."""
+    f = jax.jit(Probe())
+    x = _x()
+    entered, compiled, results = threading.Event(), threading.Event(), {}
+
+    def worker():
+        with jb.with_backends(flash=True):  # equal to the default when entered
+            results["before"] = f(x)
+            entered.set()
+            compiled.wait(30)
+            results["after"] = f(x)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    entered.wait(30)
+    jb.set_flags(flash=False)
+    results["main"] = f(x)  # compiled for flash=False under the new defaults' key
+    compiled.set()
+    t.join(60)
+    _close(results["before"], 2 * x)
+    _close(results["main"], 3 * x)
+    _close(results["after"], 2 * x)  # the scope's flash=True, not the main thread's entry
+
+
 def test_default_changed_by_another_thread_never_serves_a_stale_executable(defaults):
     """A worker inside a scope; the main thread changes a process default the scope does not override."""
     f = jax.jit(Probe())
