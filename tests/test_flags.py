@@ -1294,6 +1294,55 @@ def test_decorated_coroutines_leave_their_scope_while_suspended(kind):
     _close(results["scoped_after"], 3 * x)
 
 
+def test_scopes_entered_inside_a_decorated_body_survive_its_suspensions():
+    """A scope a decorated coroutine / generator / async generator enters itself stays in force after
+    an `await` or a `yield` until the body leaves it; the caller never sees it."""
+    seen = []
+
+    def flags():
+        return jb.current_flags().math, jb.current_flags().flash
+
+    @jb.with_backends(flash=False)
+    async def coroutine():
+        with jb.with_backends(math=False):
+            seen.append(flags())
+            await asyncio.sleep(0)
+            seen.append(flags())
+        seen.append(flags())
+
+    @jb.with_backends(flash=False)
+    def generator():
+        with jb.with_backends(math=False):
+            yield flags()
+            yield flags()
+        yield flags()
+
+    @jb.with_backends(flash=False)
+    async def async_generator():
+        with jb.with_backends(math=False):
+            yield flags()
+            await asyncio.sleep(0)
+            yield flags()
+        yield flags()
+
+    async def outside():
+        await asyncio.sleep(0)
+        return flags()
+
+    async def main():
+        _, out = await asyncio.gather(coroutine(), outside())
+        items = [(item, flags()) async for item in async_generator()]
+        return out, items
+
+    want = [(False, False), (False, False), (True, False)]
+    out, items = asyncio.run(main())
+    assert seen == want and out == (True, True)
+    assert [item for item, _ in items] == want and all(caller == (True, True) for _, caller in items)
+    got = [(item, flags()) for item in generator()]
+    assert [item for item, _ in got] == want and all(caller == (True, True) for _, caller in got)
+    assert flags() == (True, True)
+
+
 def test_decorated_coroutine_cancelled_while_suspended_runs_its_handler_in_scope():
     seen = []
 
