@@ -10,9 +10,10 @@ skipped where JAX sees none. On a GPU machine run them with
 The ``extended`` cases: the big parameter grids below are thinned in the default run (the README's
 test line, which CI runs in three environments, must stay near 15 minutes on 2 cores): of each test
 named in ``THINNED`` the default run keeps every k-th parametrized case (in collection order) and
-the first case of each backend (ISA, engine, dtype, ...: see ``_thin``), and deselects the rest.
+the first case of each backend (ISA, engine, dtype, ...: see ``_thin``), and deselects the rest; a case
+declared with ``marks=pytest.mark.extended`` (a hand-picked grid's) is deselected too.
 ``python -m pytest --extended`` (or ``JBACKENDS_EXTENDED_TESTS=1``) runs every case; run it after touching
-a kernel, and before a release.
+a kernel, and before a release. CI's gpu-machine environment runs its files with ``--extended``.
 """
 
 import os
@@ -162,6 +163,9 @@ def _thin(config, items):
             else:
                 left_out.add(item)
                 item.add_marker(pytest.mark.extended)
+    # A case marked `extended` where it is declared (`pytest.param(..., marks=pytest.mark.extended)`: a
+    # hand-picked grid whose default cases are chosen, not strided) is left out the same way.
+    left_out |= {item for item in items if item.get_closest_marker("extended") is not None}
     if left_out and not run_all:
         config.hook.pytest_deselected(items=[it for it in items if it in left_out])
         items[:] = [it for it in items if it not in left_out]

@@ -45,35 +45,59 @@ needs_interpret = pytest.mark.skipif(
 # dropout and lengths; an additive bias (a ring of tiles in the inputs' dtype, transposed for dK / dV;
 # its gradient from the dQ kernel's dS) with causal, GQA, soft cap, dropout, lengths and a mask (refused at
 # head dim 256: shared memory). Local windows are in WINDOW_GRID.
+# The default run keeps the cases marked core below, one or more of each feature (`_extended` marks the
+# others: `pytest --extended`, and CI's gpu-machine environment, run all of them).
+_EXTENDED: set = set()
+
+
+def _extended(case):
+    """``case``, left out of the default run (an interpret-mode case costs 5-40 s on one core)."""
+    _EXTENDED.add(case)
+    return case
+
+
+def _params(cases, ids):
+    return [
+        pytest.param(
+            *c, id=i, marks=[pytest.mark.extended] if (c if len(c) > 1 else c[0]) in _EXTENDED else []
+        )
+        for c, i in zip(cases, ids)
+    ]
+
+
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
-    Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1),
+    _extended(Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1)),
     Case("bfloat16", "lower_right", 200, 333, 128, 2, K=2, B=1, jit=False),
     Case("float16", "none", 100, 70, 64, 1, K=2, B=2),
-    Case("bfloat16", "top_left", 384, 640, 128, 1, K=1, B=1),
+    _extended(Case("bfloat16", "top_left", 384, 640, 128, 1, K=1, B=1)),
     Case("bfloat16", "none", 128, 64, 256, 1, K=1, B=1),
     Case("float16", "lower_right", 200, 130, 64, 2, K=1, B=1),
     Case("bfloat16", "top_left", 256, 300, 128, 2, K=1, B=1, extra="softcap"),
     Case("float16", "none", 128, 200, 256, 1, K=1, B=1, extra="softcap"),
-    Case("float16", "lower_right", 200, 130, 64, 1, K=1, B=1, extra="softcap"),
+    _extended(Case("float16", "lower_right", 200, 130, 64, 1, K=1, B=1, extra="softcap")),
     Case("bfloat16", "top_left", 200, 200, 256, 2, K=1, B=1),
     Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="segments"),
-    Case("float16", "top_left", 256, 256, 128, 1, K=2, B=1, extra="segments"),
-    Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, extra="segments"),
+    _extended(Case("float16", "top_left", 256, 256, 128, 1, K=2, B=1, extra="segments")),
+    _extended(Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, extra="segments")),
     Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=2, dropout=0.25),
-    Case("float16", "none", 200, 333, 128, 1, K=2, B=1, dropout=0.25, extra="segments"),
-    Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, dropout=0.25),
-    Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="lengths"),
-    Case("float16", "top_left", 256, 300, 128, 1, K=2, B=2, extra="lengths", dropout=0.25),
-    Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=2, extra="lengths"),
-    Case("bfloat16", "none", 256, 256, 64, 1, K=1, B=1, mask="bool"),
-    Case("float16", "lower_right", 130, 200, 128, 2, K=1, B=2, mask="bool"),
-    Case("bfloat16", "top_left", 300, 300, 256, 1, K=1, B=2, mask="bool", extra="segments"),
+    _extended(Case("float16", "none", 200, 333, 128, 1, K=2, B=1, dropout=0.25, extra="segments")),
+    _extended(Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, dropout=0.25)),
+    _extended(Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="lengths")),
+    _extended(Case("float16", "top_left", 256, 300, 128, 1, K=2, B=2, extra="lengths", dropout=0.25)),
+    _extended(Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=2, extra="lengths")),
+    _extended(Case("bfloat16", "none", 256, 256, 64, 1, K=1, B=1, mask="bool")),
+    _extended(Case("float16", "lower_right", 130, 200, 128, 2, K=1, B=2, mask="bool")),
+    _extended(Case("bfloat16", "top_left", 300, 300, 256, 1, K=1, B=2, mask="bool", extra="segments")),
     Case("float16", "none", 130, 200, 64, 2, K=2, B=2, mask="bool", dropout=0.25, extra="lengths"),
     Case("bfloat16", "none", 256, 256, 64, 1, K=1, B=1, mask="additive"),
-    Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=1, mask="additive", extra="softcap"),
-    Case("bfloat16", "top_left", 300, 300, 64, 2, K=1, B=2, mask="additive", dropout=0.25, extra="lengths"),
-    Case("float16", "none", 130, 200, 128, 1, K=1, B=1, mask="additive", extra="segments"),
+    _extended(Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=1, mask="additive", extra="softcap")),
+    _extended(
+        Case(
+            "bfloat16", "top_left", 300, 300, 64, 2, K=1, B=2, mask="additive", dropout=0.25, extra="lengths"
+        )
+    ),
+    _extended(Case("float16", "none", 130, 200, 128, 1, K=1, B=1, mask="additive", extra="segments")),
 ]
 
 # Local windows (left, right): the ring starts past block 0, the second warpgroup releases the blocks
@@ -83,11 +107,13 @@ MOSAIC_GRID = [
 # (output 0, LSE -inf); with segment ids, dropout, lengths and the soft cap; head dim 256 (64-key
 # forward blocks, the Triton backward).
 WINDOW_GRID = [
-    (Case("bfloat16", "none", 640, 640, 64, 1, K=1, B=1), (130, 70)),
-    (Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=1), (100, 40)),
+    _extended((Case("bfloat16", "none", 640, 640, 64, 1, K=1, B=1), (130, 70))),
+    _extended((Case("float16", "lower_right", 200, 333, 128, 2, K=1, B=1), (100, 40))),
     (Case("bfloat16", "top_left", 300, 100, 64, 1, K=1, B=1), (20, 0)),
-    (Case("float16", "none", 300, 300, 256, 1, K=1, B=1, extra="segments"), (64, 64)),
-    (Case("bfloat16", "none", 256, 384, 64, 2, K=1, B=2, extra="lengths", dropout=0.25), (90, 150)),
+    _extended((Case("float16", "none", 300, 300, 256, 1, K=1, B=1, extra="segments"), (64, 64))),
+    _extended(
+        (Case("bfloat16", "none", 256, 384, 64, 2, K=1, B=2, extra="lengths", dropout=0.25), (90, 150))
+    ),
     (Case("float16", "top_left", 384, 384, 128, 1, K=1, B=1, extra="softcap"), (150, 0)),
 ]
 
@@ -100,14 +126,14 @@ class TestMosaicFlashInterpret(AttentionTestBase):
     def supports(self, args):
         return not mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
 
-    @pytest.mark.parametrize("case", MOSAIC_GRID, ids=[c.id for c in MOSAIC_GRID])
+    @pytest.mark.parametrize("case", _params([(c,) for c in MOSAIC_GRID], [c.id for c in MOSAIC_GRID]))
     def test_grid(self, case):
         args = make_case(case, seed=case.T + case.S)
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args, jit=case.jit)
 
     @pytest.mark.parametrize(
-        "case, window", WINDOW_GRID, ids=[f"{c.id}-w{w[0]}_{w[1]}" for c, w in WINDOW_GRID]
+        "case, window", _params(WINDOW_GRID, [f"{c.id}-w{w[0]}_{w[1]}" for c, w in WINDOW_GRID])
     )
     def test_window(self, case, window):
         args = make_case(case, seed=case.T + case.S).replace(window=window)
