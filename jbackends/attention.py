@@ -139,7 +139,8 @@ def sdpa_kernel(backends: Union[SDPBackend, Sequence[SDPBackend]], set_priority:
     Args:
       backends: one ``SDPBackend`` or a list of them.
       set_priority: use the list order as the priority order (the others follow, still disabled, in
-        their order of the priority in force, as torch appends its previous order).
+        their order of the priority in force when ``sdpa_kernel`` is called, as torch appends its
+        previous order; torch reads it on entering, which differs for a scope object made ahead).
 
     Raises:
       ValueError: an unknown backend, ``SDPBackend.ERROR``, or an empty list.
@@ -354,8 +355,9 @@ def dot_product_attention(
     differentiable, with the math formulation as its derivative, so
     the second-order pass materialises the ``[B, N, T, S]`` weights like MATH does. Forward mode
     (``jax.jvp``, ``jacfwd``, ``hessian``) runs MATH: the dispatcher sees it tracing the call (a forced
-    fast backend raises ``NoAvailableBackendError``), except in a function jitted inside the
-    ``jax.jvp`` (its jaxpr is reused outside it), where JAX's custom_vjp error stands; use
+    fast backend raises ``NoAvailableBackendError``), except in a function staged inside the
+    ``jax.jvp`` (``jax.jit``, ``lax.scan``, ``jax.checkpoint``: its jaxpr is reused outside it), where
+    JAX's custom_vjp error stands; use
     ``implementation="math"`` (or jit the whole ``jax.jvp``) there. cuDNN's LSE
     residual carries no gradient (``residual_gradient=True`` gives zeros there).
 
