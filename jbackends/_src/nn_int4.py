@@ -262,8 +262,18 @@ def quantize_4bit(
     edges, paths, layers = [], {}, {}  # edges: (parent, key, child) for every child of every node
     nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
     for path, node in nodes.items():
-        if isinstance(node, tuple) and path:  # `nnx.iter_children` does not yield pytree tuples
+        # `nnx.iter_children` does not yield pytree tuples, and `iter_graph` yields a tuple held twice
+        # once: every tuple a module or container holds is an edge too.
+        if isinstance(node, tuple) and path:
             edges.append((nodes[path[:-1]], path[-1], node))
+        held = (
+            vars(node).items()
+            if isinstance(node, nnx.Module)
+            else node.items()
+            if isinstance(node, dict)
+            else ()
+        )
+        edges.extend((node, key, child) for key, child in held if isinstance(child, tuple))
         try:
             children = list(nnx.iter_children(node))
         except ValueError:  # not a graph node (a Variable, an array, a static attribute)

@@ -381,6 +381,7 @@ def test_quantize_model_reaches_layers_in_plain_containers():
             self.d = nnx.data({"a": nnx.Linear(64, 64, rngs=rngs), "t": (self.enc, 3)})
             self.t = nnx.data((nnx.Linear(64, 64, rngs=rngs), (nnx.Linear(64, 64, rngs=rngs),)))
             self.p = nnx.data(Pair(nnx.Linear(64, 32, rngs=rngs), "name"))
+            self.u = nnx.data(self.t)  # one tuple held at two attributes
 
         def __call__(self, x):
             h = self.d["t"][0](self.d["a"](self.enc(x)))
@@ -392,6 +393,7 @@ def test_quantize_model_reaches_layers_in_plain_containers():
     layers = (q.enc, q.d["a"], q.d["t"][0], q.t[0], q.t[1][0], q.p.first)
     assert all(isinstance(layer, jb.nn.Int4Linear) for layer in layers)
     assert q.d["t"][0] is q.enc and q.d["t"][1] == 3 and isinstance(q.p, Pair) and q.p.second == "name"
+    assert q.u[0] is q.t[0] and q.u[1][0] is q.t[1][0]
     assert jax.tree.leaves(nnx.state(q, nnx.Param)) == []
     h = np.asarray(x, np.float64)
     for layer in (q.enc, q.d["a"], q.enc, q.t[0], q.t[1][0], q.p.first):
