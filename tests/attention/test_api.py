@@ -384,7 +384,7 @@ def test_dropout_same_output_in_every_backend_and_rng_required(rate):
                 jnp.ones((1, 4, 2, 8)),
                 query_seq_lengths=jnp.asarray([3, 4]),  # B is 1 (out-of-range values are clamped)
             ),
-            "q_seq_lengths",
+            "`query_seq_lengths`",
         ),
         (
             lambda: A.dot_product_attention(
