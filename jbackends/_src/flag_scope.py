@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -219,22 +218,23 @@ class with_backends:
     def __call__(self, fun: Callable) -> Callable:
         """Decorate `fun`: every call runs in the scope (see the class docstring).
 
-        Generator, coroutine and async generator functions hold it while their body runs, from the
-        first step to the end (also in the `finally` blocks run by `close()`), and not while they are
-        suspended: not while a generator's consumer runs between two items, nor while a coroutine
-        waits at an `await` and other asyncio tasks run on the thread (JAX's jit key is per thread).
+        Coroutine functions hold the scope for the whole coroutine. Generator and async generator
+        functions hold it while their body runs, from the first `next()` to the end (also in the
+        `finally` blocks run by `close()`), and not while the consumer runs between two items.
         """
         updates = self._updates
         if inspect.isgeneratorfunction(fun):
 
             @functools.wraps(fun)
             def generator_wrapper(*args, **kwargs):
-                body = _Body(updates)
-                gen = body.run(lambda: fun(*args, **kwargs))
+                scope = with_backends(**updates)
+                with scope:
+                    gen = fun(*args, **kwargs)
                 send, error = None, None
                 while True:
                     try:
-                        item = body.run(gen.send, send) if error is None else body.run(gen.throw, error)
+                        with scope:
+                            item = gen.send(send) if error is None else gen.throw(error)
                     except StopIteration as stop:
                         return stop.value
                     finally:
@@ -245,7 +245,8 @@ class with_backends:
                         if _state is None:  # interpreter shutdown: this module's globals are gone
                             gen.close()
                             raise
-                        body.run(gen.close)
+                        with scope:
+                            gen.close()
                         raise
                     except BaseException as e:  # thrown in by the consumer: deliver it in the scope
                         send, error = None, e
@@ -256,13 +257,14 @@ class with_backends:
 
             @functools.wraps(fun)
             async def async_generator_wrapper(*args, **kwargs):
-                body = _Body(updates)
-                agen = body.run(lambda: fun(*args, **kwargs))
+                scope = with_backends(**updates)
+                with scope:
+                    agen = fun(*args, **kwargs)
                 send, error = None, None
                 while True:
                     try:
-                        step = agen.asend(send) if error is None else agen.athrow(error)
-                        item = await _in_body(body, step)
+                        with scope:
+                            item = await (agen.asend(send) if error is None else agen.athrow(error))
                     except StopAsyncIteration:
                         return
                     finally:
@@ -270,7 +272,8 @@ class with_backends:
                     try:
                         send = yield item
                     except GeneratorExit:
-                        await _in_body(body, agen.aclose())
+                        with scope:
+                            await agen.aclose()
                         raise
                     except BaseException as e:
                         send, error = None, e
@@ -281,8 +284,8 @@ class with_backends:
 
             @functools.wraps(fun)
             async def async_wrapper(*args, **kwargs):
-                body = _Body(updates)
-                return await _in_body(body, body.run(lambda: fun(*args, **kwargs)))
+                with with_backends(**updates):
+                    return await fun(*args, **kwargs)
 
             return async_wrapper
 
@@ -298,72 +301,6 @@ class with_backends:
 
 
 with_backends.__doc__ = with_backends.__doc__.replace("{flags}", flags_doc())
-
-
-class _Body:
-    """The flags state of a decorated generator's or coroutine's body, kept between its steps.
-
-    The body runs in the scope, with whatever scopes it entered itself, each time it is stepped
-    (`run`); between steps the caller's state is in force, and so is the thread's jit key for it.
-    Both states live in the one context the body and its caller share (a generator's consumer, an
-    asyncio task), so the tokens the body's own scopes reset stay valid."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, updates: Mapping[str, Any]):
-        outer = _capture()
-        with_backends(**updates).__enter__()  # never exited: the state is dropped with the body
-        self.state = _capture()
-        _restore(outer)
-
-    def run(self, fn: Callable, *args: Any) -> Any:
-        outer = _capture()
-        _restore(self.state)
-        try:
-            return fn(*args)
-        finally:
-            self.state = _capture()
-            _restore(outer)
-
-
-def _capture() -> tuple:
-    return _state.OVERRIDES.get(), _SCOPE_TOKENS.get()
-
-
-def _restore(state: tuple) -> None:
-    _state.OVERRIDES.set(state[0])
-    _SCOPE_TOKENS.set(state[1])
-    _state.set_thread_key()
-
-
-@types.coroutine
-def _suspend(item: Any) -> Any:
-    """Hand ``item`` (what an awaitable yielded: a future, or None) to the event loop; return what the
-    loop sends back."""
-    return (yield item)
-
-
-async def _in_body(body: _Body, awaitable: Any) -> Any:
-    """Await ``awaitable`` with each of its steps run in ``body``'s state, and the caller's in force
-    while it is suspended: the thread's jit key is the body's only while the body's code runs, so other
-    asyncio tasks on the thread never run under it (nor its code under theirs). Tasks the body creates
-    copy its flags but run on their own: they call `jb.sync()` (or use `jb.jit`) like any task."""
-    it = awaitable.__await__()
-    send, error = None, None
-    while True:
-        try:
-            item = body.run(it.send, send) if error is None else body.run(it.throw, error)
-        except StopIteration as stop:
-            return stop.value
-        finally:
-            error = None
-        try:
-            send = await _suspend(item)
-        except GeneratorExit:  # the task is closed: close the awaitable in the body's state
-            body.run(it.close)
-            raise
-        except BaseException as e:  # cancellation and the like: deliver it in the body's state
-            send, error = None, e
 
 
 def propagate(fun: Callable) -> Callable:
