@@ -284,7 +284,9 @@ DECLARATIONS: tuple[Flag, ...] = (
         "float32_matmul_precision",
         "highest",
         "Internal precision of float32 matmuls: 'highest' (fp32), 'high' (TF32), 'medium' (bf16). "
-        "Bridged to jax.default_matmul_precision where set.",
+        "Bridged to jax.default_matmul_precision where set; until a precision flag is set, JAX's own "
+        "default stands (XLA's DEFAULT: TF32 for float32 dots on Ampere and newer GPUs) while "
+        "the getter reports torch's default 'highest'.",
         _choice("highest", "high", "medium"),
         torch=("torch.set_float32_matmul_precision", "torch.get_float32_matmul_precision"),
         mirrors=(
