@@ -124,7 +124,7 @@ def synced_publication() -> _publication.Publication:
 
 def key_for(overrides: _Overrides, pub: _publication.Publication) -> tuple:
     """The jit key a thread with the scoped ``overrides`` has under the defaults of ``pub``."""
-    return _thread_key_for(overrides, _snapshot(overrides, pub), pub)
+    return _thread_key_for(overrides, pub)
 
 
 def _publication_in_force() -> _publication.Publication:
@@ -159,17 +159,19 @@ def _tagged(overrides: _Overrides) -> tuple:
 _TRACED_SET = frozenset(TRACED)
 
 
-def _thread_key_for(overrides: _Overrides, snap: Any, pub: _publication.Publication) -> tuple:
-    """The value `_JIT_KEY` must have in this thread for the scope ``overrides`` (flags ``snap``
-    under the defaults of ``pub``; see the State notes)."""
-    del snap
-    return _tagged(overrides) if any(n in _TRACED_SET for n, _ in overrides) else pub.key
+def _overrides_traced(overrides: _Overrides) -> bool:
+    return any(n in _TRACED_SET for n, _ in overrides)
+
+
+def _thread_key_for(overrides: _Overrides, pub: _publication.Publication) -> tuple:
+    """The value `_JIT_KEY` must have in this thread for the scope ``overrides`` under the defaults
+    of ``pub`` (see the State notes)."""
+    return _tagged(overrides) if _overrides_traced(overrides) else pub.key
 
 
 def _expected_key() -> tuple:
-    pub = _publication_in_force()
-    overrides = OVERRIDES.get()
-    return _thread_key_for(overrides, _snapshot(overrides, pub), pub)
+    """The jit key this thread must have for the running context (tests check it)."""
+    return _thread_key_for(OVERRIDES.get(), _publication_in_force())
 
 
 def set_thread_key() -> None:
@@ -180,7 +182,7 @@ def set_thread_key() -> None:
     """
     overrides = OVERRIDES.get()
     obj = _JIT_KEY._obj
-    if any(n in _TRACED_SET for n, _ in overrides):
+    if _overrides_traced(overrides):
         obj.swap_local(_tagged(overrides))
     else:
         obj.set_local(_publication.UNSET)
@@ -225,7 +227,7 @@ def trace_flags() -> Any:
         pub = _publication.current()
         _thread_state.last_seq = pub.seq
         snap = _snapshot(overrides, pub)
-        if _JIT_KEY.value != _thread_key_for(overrides, snap, pub):
+        if _JIT_KEY.value != _thread_key_for(overrides, pub):
             set_thread_key()
         return snap
     pub = record.pub
