@@ -449,7 +449,10 @@ def _weight_only_bwd(fwd, res, g):
 
     like = [x, p.scales] + ([] if p.bias is None else [p.bias])
     got = _partition.with_auto_axes(grads, (x, g, *leaves), like)
-    dx, ds, db = got[0], got[1], (got[2] if p.bias is not None else None)
+    # Inside shard_map, a weight the same on every device gets the sum of the devices' partial
+    # gradients (as JAX's autodiff of the plain product does).
+    dx, ds = _partition.vma_like(got[0], x), _partition.vma_like(got[1], p.scales)
+    db = _partition.vma_like(got[2], p.bias) if p.bias is not None else None
     dw = np.zeros(p.weight.shape, jax.dtypes.float0)
     return dx, PackedInt4Weight(dw, ds, db, p.groupsize, p.in_features, p.out_features)
 

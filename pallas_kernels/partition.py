@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import per_shard_lowering
 
-__all__ = ["sharded", "sharded_vjp", "Factor"]
+__all__ = ["sharded", "sharded_vjp", "vary_like", "vma_like", "Factor"]
 
 #: A dimension's factor: a name, or a tuple of names for a dimension that is a product of factors
 #: (row-major: ``("k", "g")`` is the query-head dimension ``n = k * G + g`` of grouped attention).
@@ -126,18 +126,72 @@ def _specs(mesh, factors_list, chosen):
     return out
 
 
+def _explicit_axes(mesh) -> set:
+    types = getattr(mesh, "axis_types", None)
+    if not types or mesh.empty:
+        return set()
+    return {n for n, t in zip(mesh.axis_names, types) if "Explicit" in str(t)}
+
+
 def _explicit_mesh(operands):
-    """The mesh of operands typed with Explicit sharding (``jax.make_mesh``'s default in new JAX)."""
+    """The mesh of operands typed with Explicit sharding (``jax.make_mesh``'s default in new JAX).
+
+    That is the mesh of an operand sharded along an Explicit axis; else, when every operand is
+    replicated, a mesh whose axes are all Explicit (an operand's, or the one `jax.set_mesh` put in
+    force): such a program has no Auto axis left for `custom_partitioning` to partition, and XLA
+    refuses its custom call there."""
+    typed = []
     for x in operands:
         sharding = getattr(jax.typeof(x), "sharding", None)
         mesh = getattr(sharding, "mesh", None)
-        types = getattr(mesh, "axis_types", None)
-        if not types or mesh.empty:
-            continue
-        explicit = {n for n, t in zip(mesh.axis_names, types) if "Explicit" in str(t)}
+        explicit = _explicit_axes(mesh)
         if explicit & {a for e in sharding.spec for a in _as_axes(e)}:
             return mesh
+        typed.append(mesh)
+    for mesh in typed + [jax.sharding.get_abstract_mesh()]:
+        explicit = _explicit_axes(mesh)
+        if explicit and explicit == set(mesh.axis_names):
+            return mesh
     return None
+
+
+def _varying(x) -> Optional[set]:
+    t = getattr(jax.typeof(x), "manual_axis_type", None)
+    return None if t is None else set(getattr(t, "varying", ()) or ())
+
+
+def vary_like(out, *likes):
+    """``out`` typed as varying over every `shard_map` axis any of ``likes`` varies over.
+
+    A kernel's custom call (``ffi_call``) types its result as the same on every device; computed
+    per shard from operands that vary, it varies like them (unsaid, a ``shard_map`` with
+    ``out_specs=P()`` would keep one device's block). Outside `shard_map`, ``out`` as is."""
+    axes = set().union(*(v for x in likes if x is not None and (v := _varying(x)) is not None))
+    have = _varying(out)
+    if have is None or not (missing := tuple(sorted(axes - have))):
+        return out
+    return jax.lax.pcast(out, missing, to="varying")
+
+
+def vma_like(g, x):
+    """A gradient ``g`` typed over the `shard_map` axes its primal ``x`` varies over.
+
+    Inside `shard_map`, a primal that is the same on every device (a replicated key or weight used with
+    sharded queries) gets a per-device partial gradient from a kernel: JAX's own autodiff sums it across
+    those devices (the transpose of the implicit `pcast` to varying), and a `custom_vjp` rule must do
+    the same, or JAX refuses its output type. A primal that varies over an axis the gradient does not
+    gets the gradient cast to varying. Outside `shard_map` (or with ``check_vma=False``) ``g`` as is.
+    """
+    tg = getattr(jax.typeof(g), "manual_axis_type", None)
+    tx = getattr(jax.typeof(x), "manual_axis_type", None)
+    if tg is None or tx is None:
+        return g
+    have, want = set(getattr(tg, "varying", ()) or ()), set(getattr(tx, "varying", ()) or ())
+    if extra := tuple(sorted(have - want)):
+        g = jax.lax.psum(g, extra)
+    if missing := tuple(sorted(want - have)):
+        g = jax.lax.pcast(g, missing, to="varying")
+    return g
 
 
 def with_auto_axes(fn: Callable, operands: Sequence, like: Sequence) -> tuple:
@@ -484,7 +538,7 @@ def sharded_vjp(
         grads = backward(*xs, *outs, *cts)
         full = [None] * len(xs)
         for i, g in zip(want, grads):
-            full[i] = _typed_like(g, xs[i])
+            full[i] = _typed_like(vma_like(g, xs[i]), xs[i])
         return tuple(full)
 
     call.defvjp(call_fwd, call_bwd, symbolic_zeros=bool(skippable))

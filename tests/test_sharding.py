@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jbackends as jb
 from pallas_kernels import partition
+from pallas_kernels.int4_matmul import cpp as int4_cpp
 
 B, T, N, K, H = 4, 40, 4, 2, 16
 
@@ -324,6 +325,121 @@ def test_int4_keeps_row_and_feature_sharding(engine, op, axis_type):
     for a, r in zip(got, ref):
         r = np.asarray(r)
         np.testing.assert_allclose(np.asarray(a), r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
+
+
+def _int4_weight(K=128, Nf=16, g=32, bias=False):
+    import jbackends.quantized as Q  # noqa: PLC0415
+
+    qw, s = Q.quantize_4bit(jax.random.normal(jax.random.key(3), (Nf, K)), g)
+    b = jnp.linspace(-1, 1, Nf) if bias else None
+    return qw, s, b, lambda s_: Q.dyn_quant_pack_4bit_weight(qw, s_, b, g, K, Nf)
+
+
+_CPP = ("cpp",) if int4_cpp.available() else ()  # the C++ engine by name, where it is built
+
+INT4_OPS = {
+    "weight_only": lambda x, p, impl: jb.quantized.int4_matmul(x, p, implementation=impl),
+    "dyn_quant": lambda x, p, impl: jb.quantized.dyn_quant_matmul_4bit(
+        x, p, p.groupsize, p.in_features, p.out_features, implementation=impl
+    ),
+}
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh (Explicit meshes in force)")
+@pytest.mark.parametrize("how", ["device_put", "numpy"])
+def test_explicit_mesh_with_replicated_inputs(how):
+    """Under `jax.set_mesh` with Explicit axes, replicated (or numpy) operands run every kernel
+    replicated, with the unsharded values: jax 0.12 refused the custom-partitioning call there
+    ("No registered implementation for untyped custom call to Sharding")."""
+    mesh = _mesh("Explicit")
+    q, k, v, _, _ = _inputs(2)
+    x = jax.random.normal(jax.random.key(4), (4, 8, 128))
+    packed = _int4_weight(bias=True)[3](_int4_weight()[1])
+    attn_ref = {}
+    for name in ("flash_cpp", "flash_xla", "efficient"):
+        attn_ref[name] = _call(name, False)(q, k, v, None, None)
+    int4_ref = {
+        (op, impl): jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x, packed, impl))))(x)
+        for op, f in INT4_OPS.items()
+        for impl in (None, "xla") + _CPP
+    }
+    with jax.set_mesh(mesh):
+        put = (lambda a: jax.device_put(a, P())) if how == "device_put" else np.asarray
+        for name, ref in attn_ref.items():
+            out, _, grads = jax.jit(_call(name, False))(put(q), put(k), put(v), None, None)
+            assert out.sharding.spec == P(None, None, None, None), (name, out.sharding)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(ref[0]), rtol=2e-5, atol=2e-5)
+            for g, r in zip(grads[:3], ref[2][:3]):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+        for (op, impl), (ref_l, ref_g) in int4_ref.items():
+            f = INT4_OPS[op]
+            l, g = jax.jit(jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x, packed, impl)))))(put(x))
+            assert g.sharding.spec == P(None, None, None), (op, impl, g.sharding)
+            np.testing.assert_allclose(float(l), float(ref_l), rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(ref_g), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", list(INT4_OPS))
+def test_int4_inside_shard_map_with_a_replicated_weight(op):
+    """Inside `shard_map` (vma checked, JAX's default): the default dispatch (whose GPU branch is
+    traced too) runs; the product of split rows varies over the split, so ``out_specs=P()`` is
+    refused rather than keeping one device's rows; and the gradient of the weight that is the same
+    on every device sums the devices' parts, as JAX's autodiff of the plain product does."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    qw, s, b, pack = _int4_weight(bias=True)
+    x = jax.random.normal(jax.random.key(5), (8, 4, 128))
+    f = INT4_OPS[op]
+    fwd = jax.jit(
+        jax.shard_map(lambda x, p: f(x, p, None), mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    )
+    want = np.asarray(f(x, pack(s), None))  # weight-only: the kernel for 4 rows, not 32, sums in its order
+    np.testing.assert_allclose(np.asarray(fwd(x, pack(s))), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    for impl in (None,) + _CPP:
+        bad = jax.shard_map(lambda x, p: f(x, p, impl), mesh=mesh, in_specs=(P("d"), P()), out_specs=P())
+        with pytest.raises(ValueError, match="(?i)vary|varying|out_specs"):
+            jax.jit(bad)(x, pack(s))
+
+    def loss(x, s_):
+        return jnp.sum(jnp.sin(f(x, pack(s_), None)))
+
+    grads = jax.jit(
+        jax.shard_map(
+            jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P())
+        )
+    )(x, s)
+    want = jax.grad(loss, argnums=(0, 1))(x, s)
+    for g, w in zip(grads, want):
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+
+
+@pytest.mark.parametrize("name", ["flash_cpp", "flash_xla", "efficient"])
+def test_fused_backward_inside_shard_map_with_replicated_keys(name):
+    """Queries split along the sequence inside `shard_map`, keys and values the same on every
+    device: the fused backward's dk / dv are per-device parts, summed across the devices as
+    jax.nn's autodiff sums them (JAX refused the custom_vjp's output type before)."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v, _, _ = _inputs(6)
+    q = jnp.concatenate([q, q], axis=1)  # T = 80: ten rows per device
+    cfg = dict(BACKENDS[name])
+    backends = cfg.pop("backends")
+
+    def grads(attn):
+        def body(q, k, v):
+            return jax.grad(lambda *a: jnp.sum(jnp.sin(attn(*a))), argnums=(0, 1, 2))(q, k, v)
+
+        spec = P(None, "d")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P()), out_specs=(spec, P(), P())))(
+            q, k, v
+        )
+
+    def ours(q, k, v):
+        with jb.sdpa_kernel(backends), jb.with_backends(**cfg):
+            return jb.dot_product_attention(q, k, v)
+
+    want = grads(jax.nn.dot_product_attention)
+    for g, w in zip(grads(ours), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
 # ---- sequence parallelism (a ring over the devices that split the sequence) ----------------------

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import ffi
+from .. import ffi, partition
 from ..ffi import load_library, xla_pool_setter
 from . import base
 from .base import PackedInt4Weight
@@ -214,7 +214,8 @@ def _op(target: str, groupsize: int, has_bias: bool):
 
     def call(x, w, s, b):
         out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), out_dtype)
-        return jax.ffi.ffi_call(target, out)(x, w, s, b, groupsize=groupsize, has_bias=has_bias)
+        y = jax.ffi.ffi_call(target, out)(x, w, s, b, groupsize=groupsize, has_bias=has_bias)
+        return partition.vary_like(y, x, w, s, b)
 
     @jax.custom_batching.custom_vmap
     def op(x, w, s, b):

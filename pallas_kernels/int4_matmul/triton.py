@@ -384,6 +384,24 @@ def _prepare(x2: jax.Array):
     return x2[:, 0::2], x2[:, 1::2]
 
 
+def _varying(*operands):
+    """The operands cast to vary over every `shard_map` axis any of them varies over, and that typing
+    (for the kernel's ``out_shape``; None outside `shard_map`). Under ``check_vma`` Pallas needs an
+    output's typing, and the product of rows split over one axis with a weight split over another
+    varies over both."""
+    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in operands]
+    if any(t is None for t in types):
+        return operands, None
+    axes = set().union(*(set(getattr(t, "varying", ()) or ()) for t in types))
+    out = tuple(
+        jax.lax.pcast(a, missing, to="varying")
+        if (missing := tuple(sorted(axes - set(getattr(t, "varying", ()) or ()))))
+        else a
+        for a, t in zip(operands, types)
+    )
+    return out, jax.typeof(out[0]).manual_axis_type
+
+
 def _specs(cfg: Config, Kh: int, G: int):
     x_spec = pl.BlockSpec((cfg.block_m, Kh), lambda n, m, s: (m, 0))
     w_spec = pl.BlockSpec((cfg.block_n, Kh), lambda n, m, s: (n, 0))
@@ -416,11 +434,12 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
     Kh = ae.shape[1]
     x_spec, w_spec, st_spec = _specs(cfg, Kh, G)
     grid = (pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), split)
+    (ae, ao, zp, w, st), vma = _varying(ae, ao, zp, w, packed.scales.T)
     if fused:
-        out_shape = jax.ShapeDtypeStruct((M, N), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((M, N), jnp.float32, manual_axis_type=vma)
         out_spec = pl.BlockSpec((cfg.block_m, cfg.block_n), lambda n, m, s: (m, n))
     else:
-        out_shape = jax.ShapeDtypeStruct((G, M, N), jnp.int32)
+        out_shape = jax.ShapeDtypeStruct((G, M, N), jnp.int32, manual_axis_type=vma)
         out_spec = pl.BlockSpec((gpp, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n))
     kernel = functools.partial(
         _w4a8_kernel,
@@ -444,7 +463,7 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
         compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
-    )(ae, ao, zp, w, packed.scales.T)
+    )(ae, ao, zp, w, st)
 
 
 def dyn_quant_matmul(
@@ -547,6 +566,7 @@ def weight_only_matmul(
         out = jnp.zeros((0, N), jnp.float32)
     else:
         xe, xo = _prepare(x2)
+        (xe, xo, w, st), vma = _varying(xe, xo, packed.weight, packed.scales.T)
         x_spec, w_spec, st_spec = _specs(cfg, K // 2, packed.num_groups)
         kernel = functools.partial(
             _w4a16_kernel,
@@ -569,11 +589,11 @@ def weight_only_matmul(
             grid=(pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), cfg.split_k),
             in_specs=(x_spec, x_spec, w_spec, st_spec),
             out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n)),
-            out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32, manual_axis_type=vma),
             compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
             interpret=interpret,
             name="jb_int4_w4a16",
-        )(xe, xo, packed.weight, packed.scales.T)
+        )(xe, xo, w, st)
         out = jnp.sum(parts, axis=0)
     if packed.bias is not None:
         out = out + packed.bias[None]
