@@ -45,8 +45,9 @@ needs_interpret = pytest.mark.skipif(
 # dropout and lengths; an additive bias (a ring of tiles in the inputs' dtype, transposed for dK / dV;
 # its gradient from the dQ kernel's dS) with causal, GQA, soft cap, dropout, lengths and a mask (refused at
 # head dim 256: shared memory). Local windows are in WINDOW_GRID.
-# The default run keeps the cases marked core below, one or more of each feature (`_extended` marks the
-# others: `pytest --extended`, and CI's gpu-machine environment, run all of them).
+# The default run keeps a few of the cases below, one or more of each feature (`_extended` marks the
+# others, and `pytest.mark.extended` the heavier checks of the class below: the GPU interpreter takes
+# 10-50 s a case on one core; `pytest --extended`, and CI's gpu-machine environment, run all of them).
 _EXTENDED: set = set()
 
 
@@ -68,16 +69,16 @@ def _params(cases, ids):
 MOSAIC_GRID = [
     Case("bfloat16", "none", 128, 128, 64, 1, K=1, B=1),
     _extended(Case("float16", "top_left", 256, 256, 64, 2, K=1, B=1)),
-    Case("bfloat16", "lower_right", 200, 333, 128, 2, K=2, B=1, jit=False),
+    _extended(Case("bfloat16", "lower_right", 200, 333, 128, 2, K=2, B=1, jit=False)),
     Case("float16", "none", 100, 70, 64, 1, K=2, B=2),
     _extended(Case("bfloat16", "top_left", 384, 640, 128, 1, K=1, B=1)),
     Case("bfloat16", "none", 128, 64, 256, 1, K=1, B=1),
     Case("float16", "lower_right", 200, 130, 64, 2, K=1, B=1),
     Case("bfloat16", "top_left", 256, 300, 128, 2, K=1, B=1, extra="softcap"),
-    Case("float16", "none", 128, 200, 256, 1, K=1, B=1, extra="softcap"),
+    _extended(Case("float16", "none", 128, 200, 256, 1, K=1, B=1, extra="softcap")),
     _extended(Case("float16", "lower_right", 200, 130, 64, 1, K=1, B=1, extra="softcap")),
-    Case("bfloat16", "top_left", 200, 200, 256, 2, K=1, B=1),
-    Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="segments"),
+    _extended(Case("bfloat16", "top_left", 200, 200, 256, 2, K=1, B=1)),
+    _extended(Case("bfloat16", "none", 200, 333, 64, 2, K=1, B=2, extra="segments")),
     _extended(Case("float16", "top_left", 256, 256, 128, 1, K=2, B=1, extra="segments")),
     _extended(Case("bfloat16", "lower_right", 130, 200, 256, 1, K=1, B=1, extra="segments")),
     Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=2, dropout=0.25),
@@ -114,7 +115,7 @@ WINDOW_GRID = [
     _extended(
         (Case("bfloat16", "none", 256, 384, 64, 2, K=1, B=2, extra="lengths", dropout=0.25), (90, 150))
     ),
-    (Case("float16", "top_left", 384, 384, 128, 1, K=1, B=1, extra="softcap"), (150, 0)),
+    _extended((Case("float16", "top_left", 384, 384, 128, 1, K=1, B=1, extra="softcap"), (150, 0))),
 ]
 
 
@@ -140,7 +141,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
-    @pytest.mark.parametrize("shape", ["per_head", "key_padding"])
+    @pytest.mark.parametrize("shape", ["per_head", pytest.param("key_padding", marks=pytest.mark.extended)])
     def test_mask_broadcasts_and_empties_rows(self, shape):
         """A mask per query head ``[1, N, T, S]`` and a key-padding mask ``[B, 1, 1, S]`` (broadcast over
         batch / heads / rows in the kernels' tiles), each leaving some rows without a key (output 0,
@@ -158,7 +159,9 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
-    @pytest.mark.parametrize("what, causal", [("segments", "none"), ("mask", "top_left")])
+    @pytest.mark.parametrize(
+        "what, causal", [("segments", "none"), pytest.param("mask", "top_left", marks=pytest.mark.extended)]
+    )
     def test_tiles_without_a_visible_pair_are_skipped(self, what, causal):
         """Five packed sequences per row (sorted segment ids), or a per-head block-diagonal mask: most
         tiles have no visible pair and are released without a multiply (the block flags say which;
@@ -181,6 +184,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
             assert 0 < int((flags == 0).sum()) < flags.size, (rows, keys)
         self.check(args)
 
+    @pytest.mark.extended
     def test_bias_broadcasts_with_a_mask_and_minus_inf(self):
         """A bias per batch over the keys ``[B, 1, 1, S]`` (ALiBi-like, broadcast over heads and rows)
         with a boolean mask and ``-inf`` entries (whole rows of them: output 0, LSE -inf), causal with a
@@ -196,6 +200,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         assert self.supports(args), mosaic_flash.unsupported(args, "cuda", compute_capability=9.0)
         self.check(args)
 
+    @pytest.mark.extended
     def test_finfo_min_padding_bias_like_jax_nn(self):
         """The usual additive padding mask (bf16 ``finfo.min`` on padded keys and queries): a padded row
         is the mean of V as in jax.nn (``(logits + bias) * log2(e)`` overflowed to -inf, and such a row
@@ -223,6 +228,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         for a, b in zip(got, want):
             np.testing.assert_allclose(np.asarray(f32(a)), np.asarray(b), atol=3e-2, rtol=3e-2)
 
+    @pytest.mark.extended
     def test_fully_masked_rows_give_zero_output_and_grads(self):
         """Rows a bottom-right diagonal leaves without a key: output 0, LSE -inf, zero finite grads."""
         args = make_case(Case("float16", "lower_right", 256, 100, 64, 1, K=1, B=1))
@@ -239,6 +245,7 @@ class TestMosaicFlashInterpret(AttentionTestBase):
         for g in (dq, dk, dv):
             assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
 
+    @pytest.mark.extended
     def test_lengths_that_empty_a_batch_give_zero_output_and_grads(self):
         """A query length of 0 (batch 0) and a key length of 0 (batch 1): every row empty, output 0,
         LSE -inf, zero finite gradients; a third batch with lengths inside a tile is compared with the
@@ -259,11 +266,13 @@ class TestMosaicFlashInterpret(AttentionTestBase):
             assert float(jnp.abs(g[:2]).max()) == 0.0 and bool(jnp.all(jnp.isfinite(g)))
         self.check(args)
 
+    @pytest.mark.extended
     def test_deterministic(self):
         args = make_case(Case("bfloat16", "top_left", 256, 256, 64, 2, K=1, B=1, dropout=0.25))
         a, b = (jax.jit(self.run)(args)[0] for _ in range(2))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
+    @pytest.mark.extended
     def test_vjp_wrt_outputs_and_lse(self):
         """Cotangents on both outputs (the LSE too), in half precision: the kernel's ``out`` and
         ``lse`` feed the backward."""
@@ -504,11 +513,12 @@ def test_vmap_lowers_for_cuda():
         ),
         # a boolean mask under 192-key forward / dQ blocks and 192-query dK / dV blocks (the mask
         # rings' 64-byte swizzle)
-        (
+        pytest.param(
             Case("bfloat16", "none", 200, 384, 64, 2, K=1, B=1, mask="bool"),
             8,
             mosaic_flash.Config(block_kv=192),
             mosaic_flash.BwdConfig(block_kv_dq=192, block_q_dkv=192),
+            marks=pytest.mark.extended,
         ),
     ],
     ids=["rings_of_three", "mask_192_wide"],
