@@ -317,6 +317,10 @@ def dyn_quant_matmul_4bit(
     output is the bias (0 without one). The output says nothing about the NaN: check ``jnp.isfinite`` on
     the input if it may hold one.
 
+    **Subnormal** scales and inputs (below ``finfo(float32).tiny``) count as 0
+    on CPU: XLA:CPU flushes them, and the C++ kernels run on its threads.
+    torch keeps them, so bit-exactness holds for normal numbers.
+
     **Gradients** (``jax.grad`` / ``jax.vjp``; torch has no derivative for
     this op and raises): the straight-through estimator on every engine, i.e.
     the activation quantization counts as the identity and the gradients are
@@ -371,6 +375,13 @@ def int4_matmul(
     a NaN or inf, take the float32 kernel.) Differentiable in ``x`` and in the
     packed scales and bias (the backward pass is XLA on the dequantized
     weight), e.g. for LoRA-style training on a frozen int4 base.
+
+    Limits: the dequantized weight ``scale * (q - 8)`` must be finite in
+    float32 (``|scale| <= finfo(float32).max / 8``): past it the kernels that
+    dequantize before multiplying (the vector C++ paths, XLA's) give inf or
+    NaN where the exact product may be finite, depending on the ISA and M.
+    Subnormal scales and inputs count as 0 on CPU (XLA:CPU flushes them, and
+    the C++ kernels run on its threads).
 
     Args:
       x: ``[..., in_features]`` float32, bfloat16 or float16.
