@@ -136,10 +136,11 @@ def _explicit_axes(mesh) -> set:
 def _explicit_mesh(operands):
     """The mesh of operands typed with Explicit sharding (``jax.make_mesh``'s default in new JAX).
 
-    That is the mesh of an operand sharded along an Explicit axis; else, when every operand is
-    replicated, a mesh whose axes are all Explicit (an operand's, or the one `jax.set_mesh` put in
-    force): such a program has no Auto axis left for `custom_partitioning` to partition, and XLA
-    refuses its custom call there."""
+    That is the mesh of an operand sharded along an Explicit axis; else a mesh with an Explicit axis
+    (an operand's, or the one `jax.set_mesh` or a `shard_map` over some of its axes put in force):
+    XLA refuses `custom_partitioning`'s custom call in such a program, so the kernel runs whole along
+    the axes its operands' types do not split (an operand split along an Auto axis of a mixed mesh
+    is gathered along it)."""
     typed = []
     for x in operands:
         sharding = getattr(jax.typeof(x), "sharding", None)
@@ -150,7 +151,7 @@ def _explicit_mesh(operands):
         typed.append(mesh)
     for mesh in typed + [jax.sharding.get_abstract_mesh()]:
         explicit = _explicit_axes(mesh)
-        if explicit and explicit == set(mesh.axis_names):
+        if explicit:
             return mesh
     return None
 

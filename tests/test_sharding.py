@@ -346,12 +346,17 @@ INT4_OPS = {
 
 
 @pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh (Explicit meshes in force)")
-@pytest.mark.parametrize("how", ["device_put", "numpy"])
+@pytest.mark.parametrize("how", ["device_put", "numpy", "mixed_mesh"])
 def test_explicit_mesh_with_replicated_inputs(how):
-    """Under `jax.set_mesh` with Explicit axes, replicated (or numpy) operands run every kernel
-    replicated, with the unsharded values: jax 0.12 refused the custom-partitioning call there
-    ("No registered implementation for untyped custom call to Sharding")."""
-    mesh = _mesh("Explicit")
+    """Under `jax.set_mesh` with Explicit axes (all, or one beside an Auto axis), replicated (or
+    numpy) operands run every kernel replicated, with the unsharded values: jax 0.12 refused the
+    custom-partitioning call there ("No registered implementation for untyped custom call to
+    Sharding")."""
+    if how == "mixed_mesh":
+        AT = jax.sharding.AxisType
+        mesh = jax.make_mesh((4, 2), ("b", "h"), axis_types=(AT.Explicit, AT.Auto))
+    else:
+        mesh = _mesh("Explicit")
     q, k, v, _, _ = _inputs(2)
     x = jax.random.normal(jax.random.key(4), (4, 8, 128))
     packed = _int4_weight(bias=True)[3](_int4_weight()[1])
@@ -364,7 +369,7 @@ def test_explicit_mesh_with_replicated_inputs(how):
         for impl in (None, "xla") + _CPP
     }
     with jax.set_mesh(mesh):
-        put = (lambda a: jax.device_put(a, P())) if how == "device_put" else np.asarray
+        put = np.asarray if how == "numpy" else (lambda a: jax.device_put(a, P()))
         for name, ref in attn_ref.items():
             out, _, grads = jax.jit(_call(name, False))(put(q), put(k), put(v), None, None)
             assert out.sharding.spec == P(None, None, None, None), (name, out.sharding)
