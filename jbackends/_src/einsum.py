@@ -93,6 +93,8 @@ def einsum_path(subscripts: Any, *operands: Any, optimize: Any = None) -> tuple[
     """
     subs, ops = _split(subscripts, operands)
     path, _, _ = _choose(subs, ops, optimize)
+    if path is False:  # what jnp.einsum does with it (opt_einsum reads False as "all at once")
+        path = [tuple(p) for p in jnp.einsum_path(subs, *ops, optimize=False)[0]]
     shapes = [np.shape(op) for op in ops]
     path_out, info = _oe.contract_path(subs, *shapes, optimize=path, shapes=True)
     return [tuple(p) for p in path_out], info

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from jbackends._src import verbose as _verbose
@@ -178,26 +180,38 @@ cufft_plan_cache = PlanCacheManager()
 # --------------------------------------------------------------------------------------------------
 
 
+def _ints(value: Any, name: str) -> Any:
+    """``value`` as an int or a tuple of ints, as jnp.fft takes it (Python or NumPy integers, a
+    sequence or a 1-D integer array of them); anything else (a float, a bool) is a TypeError naming
+    ``name``: ``int()`` would truncate 2.9 to 2 and run a transform nobody asked for."""
+
+    def one(v: Any) -> int:
+        if not isinstance(v, (bool, np.bool_)):
+            try:
+                return operator.index(v)
+            except TypeError:
+                pass
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {type(v).__name__} {v!r}")
+
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return tuple(one(v) for v in value)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(one(v) for v in value)
+    return one(value)
+
+
 def _canon_axes(value: Any, ndim: int, name: str) -> Any:
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        if not -ndim <= value < ndim:
-            raise ValueError(f"{name}={value} is out of range for an array of rank {ndim}")
-        return value % ndim
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return tuple(_canon_axes(int(v), ndim, name) for v in value)
-    raise TypeError(f"{name} must be an int or a sequence of ints, got {type(value).__name__} {value!r}")
+    value = _ints(value, name)
+    for v in value if isinstance(value, tuple) else (value,):
+        if not -ndim <= v < ndim:
+            raise ValueError(f"{name}={v} is out of range for an array of rank {ndim}")
+    return tuple(v % ndim for v in value) if isinstance(value, tuple) else value % ndim
 
 
 def _canon_sizes(value: Any, name: str) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return tuple(int(v) for v in value)
-    raise TypeError(f"{name} must be an int or a sequence of ints, got {type(value).__name__} {value!r}")
+    return None if value is None else _ints(value, name)
 
 
 def _run(fn_name: str, a: Any, size_name: str, size: Any, axis_name: str, axis: Any, norm: Any) -> Any:

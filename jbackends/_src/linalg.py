@@ -18,7 +18,7 @@ The flag is read at trace time (`trace_flags()`) and is part of the jit key.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,24 +42,41 @@ def eig_implementation(preference: str, platform: str) -> tuple[Any, dict[str, s
     return None, {preference: f"{platform} has only the LAPACK eigensolver"}
 
 
+class EigResult(NamedTuple):
+    """`eig`'s result, named like `jnp.linalg.eig`'s (and a plain ``(w, v)`` tuple)."""
+
+    eigenvalues: Any
+    eigenvectors: Any
+
+
 def _eig(a: Any, *, vectors: bool, platform: str | None = None) -> Any:
     a = jnp.asarray(a) if not isinstance(a, jax.core.Tracer) else a
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"a must be a batch of square matrices [..., n, n], got shape {a.shape}")
-    platform = platform or jax.default_backend()
+    if not jnp.issubdtype(a.dtype, jnp.inexact):  # integers and bools, promoted as jnp.linalg.eig does
+        a = a.astype(jax.dtypes.canonicalize_dtype(jnp.float64))
     pref = _flag_state.trace_flags().preferred_linalg_library
-    impl, reasons = eig_implementation(pref, platform)
+    impl, reasons = eig_implementation(pref, platform or jax.default_backend())
+
+    def run(implementation):
+        return lambda a: tuple(
+            lax.linalg.eig(
+                a,
+                compute_left_eigenvectors=False,
+                compute_right_eigenvectors=vectors,
+                implementation=implementation,
+            )
+        )
+
+    if platform is not None or _GPU_IMPL[pref] is None:
+        fn = run(impl)
+    else:  # per lowering platform: an array on the CPU of a GPU machine (or a CPU export) gets LAPACK
+        gpu = run(_GPU_IMPL[pref])
+        fn = lambda a: lax.platform_dependent(a, cuda=gpu, rocm=gpu, default=run(None))  # noqa: E731
     _verbose.report_dispatch(
         "linalg.eig", impl.value if impl is not None else "default", reasons, (a.shape,), (a.dtype,)
     )
-    return _verbose.call(
-        "linalg.eig",
-        lax.linalg.eig,
-        a,
-        compute_left_eigenvectors=False,
-        compute_right_eigenvectors=vectors,
-        implementation=impl,
-    )
+    return _verbose.call("linalg.eig", fn, a)
 
 
 def eig(a: Any) -> tuple[Any, Any]:
@@ -74,7 +91,7 @@ def eig(a: Any) -> tuple[Any, Any]:
       [2.0, 3.0]
     """
     w, v = _eig(a, vectors=True)
-    return w, v
+    return EigResult(w, v)
 
 
 def eigvals(a: Any) -> Any:

@@ -102,3 +102,16 @@ def test_verbose_reports_the_path_choice(ops, caplog):
         "jbackends dispatch op=einsum chosen=left_to_right shapes=2x30,30x40,40x5,5x60 "
         "dtypes=float32,float32,float32,float32 rejected=opt_einsum: jb.opt_einsum.enabled is False"
     ]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_einsum_path_with_optimize_false_is_the_path_einsum_runs(n):
+    """``optimize=False`` reaches jnp.einsum, which contracts pairwise in list order; opt_einsum
+    itself would read it as one contraction of every operand, which jb.einsum never runs."""
+    subs = ",".join(["ab", "bc", "cd", "de", "ef"][:n]) + "->a" + "bcdef"[n - 1]
+    ops = [np.ones((3, 3), np.float32)] * n
+    path = jb.einsum_path(subs, *ops, optimize=False)[0]
+    assert path == [tuple(p) for p in jnp.einsum_path(subs, *ops, optimize=False)[0]]
+    assert all(len(p) == 2 for p in path)
+    jaxpr = jax.make_jaxpr(lambda *o: jb.einsum(subs, *o, optimize=False))(*ops)
+    assert sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) == len(path)

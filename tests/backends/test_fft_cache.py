@@ -111,3 +111,22 @@ def test_bad_arguments(cache):
         jb.fft.fft(jnp.ones(8), norm="unitary")
     with pytest.raises(ValueError, match="axis"):
         jb.fft.fft(jnp.ones(8), axis=3)
+
+
+def test_sizes_and_axes_take_numpy_integers_and_refuse_floats_like_jnp(cache):
+    """``n`` / ``axis`` / ``s`` / ``axes`` as jnp.fft takes them (NumPy integers, integer arrays);
+    a float or a bool is a TypeError naming the argument (``int()`` truncated 2.9 to 2 before)."""
+    x = jnp.arange(24.0).reshape(4, 6)
+    np.testing.assert_allclose(jb.fft.fft(x, n=np.int64(4)), jnp.fft.fft(x, n=4))
+    np.testing.assert_allclose(jb.fft.fft(x, axis=np.int32(0)), jnp.fft.fft(x, axis=0))
+    np.testing.assert_allclose(jb.fft.rfftn(x, s=np.array([4, 6])), jnp.fft.rfftn(x, s=(4, 6)), atol=1e-4)
+    np.testing.assert_allclose(
+        jb.fft.fftn(x, s=[3, 5], axes=[1, 0]), jnp.fft.fftn(x, s=(3, 5), axes=(1, 0)), atol=1e-4
+    )
+    for kw, name in ((dict(s=(2.9, 6)), "s"), (dict(axes=(0.9,)), "axes"), (dict(s=(True, 6)), "s")):
+        with pytest.raises(TypeError, match=f"^{name} must be an int"):
+            jb.fft.fftn(x, **kw)
+    with pytest.raises(TypeError, match="^n must be an int"):
+        jb.fft.fft(x, n=4.0)
+    with pytest.raises(ValueError, match="axis=2 is out of range"):
+        jb.fft.fft(x, axis=2)

@@ -49,6 +49,41 @@ def test_eig_on_cpu_matches_numpy_and_reports(caplog):
         jb.linalg.eig(np.ones((2, 3), np.float32))
 
 
+@pytest.mark.parametrize("pref", ["cusolver", "magma"])
+def test_eig_picks_the_solver_per_lowering_platform(pref):
+    """The GPU solver goes in a per-platform branch: a computation lowered for the CPU (an array on
+    the host of a GPU machine, `jax.jit(..., backend="cpu")`) gets LAPACK, whatever the default backend."""
+    x = np.eye(3, dtype=np.float32)
+    with jb.with_backends(preferred_linalg_library=pref):
+        jaxpr = jax.make_jaxpr(jb.linalg.eigvals)(x)
+        (index,) = [e for e in jaxpr.eqns if e.primitive.name == "platform_index"]
+        (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+        got = jb.linalg.eigvals(x)  # lowered for the CPU here: LAPACK
+    assert ("cuda", "rocm") in index.params["platforms"]
+    impls = {
+        e.params["implementation"]
+        for br in cond.params["branches"]
+        for e in br.jaxpr.eqns
+        if e.primitive.name == "eig"
+    }
+    assert impls == {None, getattr(lax.linalg.EigImplementation, pref.upper())}
+    np.testing.assert_allclose(np.asarray(got), np.ones(3))
+
+
+def test_eig_takes_integer_and_bool_matrices_and_names_its_results_like_jnp():
+    for m in (np.array([[2, 1], [0, 3]]), np.array([[True, False], [True, True]])):
+        want, got = jnp.linalg.eig(m), jb.linalg.eig(m)
+        assert got.eigenvalues.dtype == want.eigenvalues.dtype
+        np.testing.assert_allclose(
+            np.sort_complex(np.asarray(got.eigenvalues)), np.sort_complex(np.asarray(want.eigenvalues))
+        )
+        np.testing.assert_allclose(
+            np.sort_complex(np.asarray(jb.linalg.eigvals(m))), np.sort_complex(np.asarray(want.eigenvalues))
+        )
+        w, v = got  # still a (w, v) pair
+        np.testing.assert_allclose(np.asarray(m @ v), np.asarray(v * w[None, :]), atol=1e-5)
+
+
 def _conv_precisions(fn, *args):
     text = jax.jit(fn).lower(*args).as_text()
     return [
