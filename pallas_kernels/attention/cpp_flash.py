@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import partition
 from pallas_kernels.attention import base, sharded
 from pallas_kernels.ffi import load_library, unavailable_reason, xla_pool_setter
 
@@ -419,15 +420,9 @@ def _varying(outs, like):
     """Types the FFI outputs as varying over the ``shard_map`` axes ``like`` varies over.
 
     ``ffi_call`` types its results as replicated (and refuses output types that carry axes); each
-    shard's kernel computes its own values, so they vary like the inputs do.
+    shard's kernel computes its own values, so they vary like the inputs do (`partition.vary_like`).
     """
-    axes = set()
-    for x in like:
-        t = base.manual_axis_type(x)
-        axes |= set(getattr(t, "varying", ()) or ())
-    if not axes:
-        return outs
-    return tuple(jax.lax.pcast(o, tuple(sorted(axes)), to="varying") for o in outs)
+    return tuple(partition.vary_like(o, *like) for o in outs)
 
 
 #: A name scope around the kernel's custom calls. jax.export's refusal of a custom call names the

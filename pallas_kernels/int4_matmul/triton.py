@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import gpu, triton_backend
+from pallas_kernels import gpu, partition, triton_backend
 
 from . import base
 from .base import PackedInt4Weight
@@ -386,20 +386,10 @@ def _prepare(x2: jax.Array):
 
 def _varying(*operands):
     """The operands cast to vary over every `shard_map` axis any of them varies over, and that typing
-    (for the kernel's ``out_shape``; None outside `shard_map`). Under ``check_vma`` Pallas needs an
-    output's typing, and the product of rows split over one axis with a weight split over another
-    varies over both."""
-    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in operands]
-    if any(t is None for t in types):
-        return operands, None
-    axes = set().union(*(set(getattr(t, "varying", ()) or ()) for t in types))
-    out = tuple(
-        jax.lax.pcast(a, missing, to="varying")
-        if (missing := tuple(sorted(axes - set(getattr(t, "varying", ()) or ()))))
-        else a
-        for a, t in zip(operands, types)
-    )
-    return out, jax.typeof(out[0]).manual_axis_type
+    (for the kernel's ``out_shape``). Under ``check_vma`` Pallas needs an output's typing, and the
+    product of rows split over one axis with a weight split over another varies over both."""
+    out = tuple(partition.vary_like(a, *operands) for a in operands)
+    return out, getattr(jax.typeof(out[0]), "manual_axis_type", None)
 
 
 def _specs(cfg: Config, Kh: int, G: int):
