@@ -612,6 +612,33 @@ def test_jb_jit_compile_time_flags_give_distinct_executables():
     assert compiled is not None
 
 
+def test_jb_jit_aot_methods_follow_the_flags_in_force_and_clear_cache_clears_every_executable():
+    probe = Probe()
+    inner = jb.jit(lambda x: x * 3)
+    f = jb.jit(lambda x: probe(inner(x)))
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the inner jb.jit is staged under the outer's options: no warning
+        with jb.with_backends(deterministic=True):
+            traced = f.trace(x)
+            _close(traced.lower().compile()(x), 2 * (3 * x) + 0.5)
+            assert f.eval_shape(x) == jax.ShapeDtypeStruct(x.shape, x.dtype)
+            _close(f.lower(x).compile()(x), 2 * (3 * x) + 0.5)
+        _close(f.trace(x).lower().compile()(x), 2 * (3 * x))
+    _close(f(x), 2 * (3 * x))
+    with jb.with_backends(deterministic=True):
+        _close(f(x), 2 * (3 * x) + 0.5)
+    assert len(f.executables) == 2
+    before = probe.traces
+    _close(f(x), 2 * (3 * x))
+    assert probe.traces == before  # cached
+    f.clear_cache()
+    _close(f(x), 2 * (3 * x))
+    with jb.with_backends(deterministic=True):
+        _close(f(x), 2 * (3 * x) + 0.5)
+    assert probe.traces == before + 2  # both option sets traced again
+
+
 @pytest.mark.parametrize(
     "scope",
     [
