@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from jbackends._src import verbose as _verbose
+from jbackends._src.arrays import check_arraylike
 
 DEFAULT_MAX_SIZE = 4096  # torch's default for CUDA >= 10
 _NORMS = (None, "backward", "ortho", "forward")
@@ -217,6 +218,7 @@ def _canon_sizes(value: Any, name: str) -> Any:
 def _run(fn_name: str, a: Any, size_name: str, size: Any, axis_name: str, axis: Any, norm: Any) -> Any:
     if norm not in _NORMS:
         raise ValueError(f"norm must be one of {list(_NORMS)}, got {norm!r}")
+    check_arraylike(f"jb.fft.{fn_name}", "a", a)
     jnp_fn = getattr(jnp.fft, fn_name)
     kwargs = {size_name: size, axis_name: axis, "norm": norm}
     if isinstance(a, jax.core.Tracer):

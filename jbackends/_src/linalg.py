@@ -26,6 +26,7 @@ from jax import lax
 
 from jbackends._src import flag_state as _flag_state
 from jbackends._src import verbose as _verbose
+from jbackends._src.arrays import check_arraylike
 
 _Impl = lax.linalg.EigImplementation
 _GPU_IMPL = {"default": None, "cusolver": _Impl.CUSOLVER, "magma": _Impl.MAGMA}
@@ -50,6 +51,7 @@ class EigResult(NamedTuple):
 
 
 def _eig(a: Any, *, vectors: bool, platform: str | None = None) -> Any:
+    check_arraylike("jb.linalg.eig" if vectors else "jb.linalg.eigvals", "a", a)
     a = jnp.asarray(a) if not isinstance(a, jax.core.Tracer) else a
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"a must be a batch of square matrices [..., n, n], got shape {a.shape}")

@@ -130,3 +130,20 @@ def test_sizes_and_axes_take_numpy_integers_and_refuse_floats_like_jnp(cache):
         jb.fft.fft(x, n=4.0)
     with pytest.raises(ValueError, match="axis=2 is out of range"):
         jb.fft.fft(x, axis=2)
+
+
+@pytest.mark.parametrize("fn", ["fft", "rfft", "fftn", "irfftn", "hfft", "ihfft"])
+def test_the_input_is_taken_like_jnp_arrays_and_scalars_not_lists(cache, fn):
+    """A list or tuple input is a TypeError, as in jnp.fft (it used to be converted silently); NumPy
+    arrays, NumPy scalars and objects with ``__jax_array__`` run."""
+    x = np.arange(8.0, dtype=np.float32)
+    np.testing.assert_allclose(getattr(jb.fft, fn)(x), getattr(jnp.fft, fn)(x), rtol=1e-5, atol=1e-4)
+
+    class Wrapped:
+        def __jax_array__(self):
+            return jnp.asarray(x)
+
+    np.testing.assert_allclose(getattr(jb.fft, fn)(Wrapped()), getattr(jnp.fft, fn)(x), rtol=1e-5, atol=1e-4)
+    for bad in (x.tolist(), tuple(x.tolist())):
+        with pytest.raises(TypeError, match=f"^jb.fft.{fn} requires an array or a scalar for a, got"):
+            getattr(jb.fft, fn)(bad)

@@ -82,6 +82,9 @@ def test_eig_takes_integer_and_bool_matrices_and_names_its_results_like_jnp():
         )
         w, v = got  # still a (w, v) pair
         np.testing.assert_allclose(np.asarray(m @ v), np.asarray(v * w[None, :]), atol=1e-5)
+    for fn in ("eig", "eigvals"):  # a nested list is refused, as jnp.linalg refuses it
+        with pytest.raises(TypeError, match=f"^jb.linalg.{fn} requires an array or a scalar for a, got list"):
+            getattr(jb.linalg, fn)([[2.0, 1.0], [0.0, 3.0]])
 
 
 def _conv_precisions(fn, *args):
