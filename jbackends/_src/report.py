@@ -93,8 +93,10 @@ def _flag_rows() -> Iterator[tuple[str, str]]:
     snap = _flag_state.current_flags()
     for f in _flag_declarations.FLAGS.values():
         torch = f.torch[0] if f.torch else ""
-        kind = "traced" if f.traced else ("compile-time" if f.compiler_options else "runtime")
-        yield f.name, f"{getattr(snap, f.name)!r:<22} {kind:<12} {torch}"
+        # traced: part of the jit key (a change retraces); compile-time: XLA options through jb.jit
+        kinds = [k for k, on in (("traced", f.traced), ("compile-time", f.compiler_options)) if on]
+        kind = "+".join(kinds) or "runtime"
+        yield f.name, f"{getattr(snap, f.name)!r:<22} {kind:<19} {torch}"
 
 
 SECTIONS: tuple[tuple[str, Callable[[], Iterator[tuple[str, str]]]], ...] = (
