@@ -33,7 +33,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import per_shard_lowering
 
-__all__ = ["sharded", "sharded_vjp", "vary_like", "vma_like", "Factor"]
+__all__ = [
+    "sharded",
+    "sharded_vjp",
+    "manual_axis_type",
+    "varying_axes",
+    "vary",
+    "vary_like",
+    "vma_like",
+    "Factor",
+]
 
 #: A dimension's factor: a name, or a tuple of names for a dimension that is a product of factors
 #: (row-major: ``("k", "g")`` is the query-head dimension ``n = k * G + g`` of grouped attention).
@@ -156,9 +165,39 @@ def _explicit_mesh(operands):
     return None
 
 
+def manual_axis_type(x):
+    """The `shard_map` axis typing of ``x`` (which mesh axes it varies over); None outside JAX types
+    (outside `shard_map`, or under ``check_vma=False``, its ``varying`` is empty)."""
+    return getattr(jax.typeof(x), "manual_axis_type", None)
+
+
 def _varying(x) -> Optional[set]:
-    t = getattr(jax.typeof(x), "manual_axis_type", None)
+    t = manual_axis_type(x)
     return None if t is None else set(getattr(t, "varying", ()) or ())
+
+
+def varying_axes(*trees) -> Tuple[str, ...]:
+    """The `shard_map` axes any leaf of ``trees`` varies over, sorted (loop carries and kernel
+    results computed from them must vary over them too)."""
+    axes: set = set()
+    for x in jax.tree.leaves(trees):
+        axes |= _varying(x) or set()
+    return tuple(sorted(axes))
+
+
+def vary(tree, axes):
+    """Every leaf of ``tree`` cast to vary over ``axes`` as well (``lax.pcast``); leaves outside JAX
+    types as they are."""
+    if not axes:
+        return tree
+
+    def one(x):
+        have = _varying(x)
+        if have is None or not (missing := tuple(a for a in axes if a not in have)):
+            return x
+        return jax.lax.pcast(x, missing, to="varying")
+
+    return jax.tree.map(one, tree)
 
 
 def vary_like(out, *likes):
@@ -167,11 +206,7 @@ def vary_like(out, *likes):
     A kernel's custom call (``ffi_call``) types its result as the same on every device; computed
     per shard from operands that vary, it varies like them (unsaid, a ``shard_map`` with
     ``out_specs=P()`` would keep one device's block). Outside `shard_map`, ``out`` as is."""
-    axes = set().union(*(v for x in likes if x is not None and (v := _varying(x)) is not None))
-    have = _varying(out)
-    if have is None or not (missing := tuple(sorted(axes - have))):
-        return out
-    return jax.lax.pcast(out, missing, to="varying")
+    return vary(out, varying_axes(*(x for x in likes if x is not None)))
 
 
 def vma_like(g, x):
@@ -183,11 +218,9 @@ def vma_like(g, x):
     the same, or JAX refuses its output type. A primal that varies over an axis the gradient does not
     gets the gradient cast to varying. Outside `shard_map` (or with ``check_vma=False``) ``g`` as is.
     """
-    tg = getattr(jax.typeof(g), "manual_axis_type", None)
-    tx = getattr(jax.typeof(x), "manual_axis_type", None)
-    if tg is None or tx is None:
+    have, want = _varying(g), _varying(x)
+    if have is None or want is None:
         return g
-    have, want = set(getattr(tg, "varying", ()) or ()), set(getattr(tx, "varying", ()) or ())
     if extra := tuple(sorted(have - want)):
         g = jax.lax.psum(g, extra)
     if missing := tuple(sorted(want - have)):

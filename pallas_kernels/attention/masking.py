@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.partition import manual_axis_type, varying_axes
+
 Array = Any
 
 __all__ = [
@@ -165,11 +167,6 @@ def _fmix(h):
     return h ^ (h >> jnp.uint32(16))
 
 
-def manual_axis_type(x):
-    """The ``shard_map`` axis typing of ``x`` (which mesh axes it varies over); None outside JAX types."""
-    return getattr(jax.typeof(x), "manual_axis_type", None)
-
-
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     """A kernel output's ``ShapeDtypeStruct`` that varies over the same mesh axes as ``like``.
 
@@ -191,11 +188,7 @@ def dropout_seed(rng, like=None) -> Array:
     """
     seed = _dropout_seed(rng)
     arrays = like if isinstance(like, (tuple, list)) else (like,)
-    varying = set()
-    for x in arrays:
-        if x is not None:
-            varying |= set(getattr(manual_axis_type(x), "varying", ()) or ())
-    for name in sorted(varying):
+    for name in varying_axes(*(x for x in arrays if x is not None)):
         seed = jnp.stack([_mix(seed[0], _u32(jax.lax.axis_index(name))), seed[1]])
     return seed
 

@@ -1,15 +1,13 @@
 """Block helpers of the blockwise XLA flash engine (:mod:`xla_blockwise`): the engine's static record
 (:class:`Blocked`), the blocked layouts of q / k / v / rows and of broadcastable bias / mask tensors,
 the block ranges that causal / window structure lets a block see, the per-block logits (soft cap,
-bias, masks from indices) and dropout bits, and the ``shard_map`` varying-axes bookkeeping of loop
-carries.
+bias, masks from indices) and dropout bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -294,24 +292,3 @@ def tile_data(d, b, i, j):
         out["q_seg"] = d["q_seg_all"][i, b]
         out["kv_seg"] = d["kv_seg_all"][j, b]
     return out
-
-
-def varying_axes(*trees):
-    """shard_map axes along which any input varies (loop carries must vary along them too)."""
-    axes = set()
-    for x in jax.tree.leaves(trees):
-        t = getattr(jax.typeof(x), "manual_axis_type", None)
-        if t is not None:
-            axes |= set(t.varying)
-    return tuple(sorted(axes))
-
-
-def vary(tree, axes):
-    if not axes:
-        return tree
-
-    def one(x):
-        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import partition
 from pallas_kernels.attention import base, sharded, xla_blocks as blk
 
 __all__ = ["blockwise_attention", "prepare", "forward", "backward"]
@@ -77,7 +78,7 @@ def forward(st, q, k, v, bias, aux):
         aux,
         bq,
         bk,
-        blk.varying_axes(q, k, v, bias, aux),
+        partition.varying_axes(q, k, v, bias, aux),
     )
     if st.dropout_rate > 0:
         acc = acc * (1.0 / (1.0 - st.dropout_rate))
@@ -144,7 +145,7 @@ def _softmax_rows(st, qb_all, kb_all, vb_all, d, aux, bq, bk, axes):
         if values:
             carry += (jnp.zeros((1, 1, R, st.Hv), jnp.float32),)
         carry = blk.banded_loop(
-            jlo, ulo, uhi, jhi, step, blk.vary(carry, axes), st.structural or st.S % bk > 0
+            jlo, ulo, uhi, jhi, step, partition.vary(carry, axes), st.structural or st.S % bk > 0
         )
         return None, tuple(x[0, 0] for x in carry)
 
@@ -179,10 +180,10 @@ def _exact_stats(st, lse_all, live, qb_all, kb_all, d, aux, bq, bk, axes):
         use = big & (l > 0) & jnp.isfinite(l)
         lo = jnp.log2(jnp.where(use, l, 1.0))
         use &= jnp.abs(m + lo - lse_all) <= jnp.abs(lse_all) * 2.0**-20
-        return blk.vary((jnp.where(use, m, lse_all), jnp.where(use, lo, 0.0)), axes)
+        return partition.vary((jnp.where(use, m, lse_all), jnp.where(use, lo, 0.0)), axes)
 
     def keep():
-        return blk.vary((lse_all, jnp.zeros_like(lse_all)), axes)
+        return partition.vary((lse_all, jnp.zeros_like(lse_all)), axes)
 
     return lax.cond(jnp.any(big), exact, keep)
 
@@ -206,12 +207,12 @@ def backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
     lse_all = blk.row_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse * blk.LOG2E), st, bq, jnp.inf)
     d = blk.data_blocks(st, bias, aux, bq, bk)
     B, K, nk = st.B, st.K, kb_all.shape[2]
-    axes = blk.varying_axes(q, k, v, bias, aux, out, lse, g_out, g_lse)
+    axes = partition.varying_axes(q, k, v, bias, aux, out, lse, g_out, g_lse)
     live = jnp.any(g_out != 0, axis=-1).transpose(0, 2, 1) | (delta != 0)  # rows whose P is used
     live = blk.row_blocks(live, st, bq, False)
     lse_all, lo_all = _exact_stats(st, lse_all, live, qb_all, kb_all, d, aux, bq, bk, axes)
-    dq0 = blk.vary(jnp.zeros(qb_all.shape, jnp.float32), axes)
-    db0 = None if d["bias"] is None else blk.vary(jnp.zeros(d["bias"].shape, jnp.float32), axes)
+    dq0 = partition.vary(jnp.zeros(qb_all.shape, jnp.float32), axes)
+    db0 = None if d["bias"] is None else partition.vary(jnp.zeros(d["bias"].shape, jnp.float32), axes)
 
     def k_block(carry, xs):
         dq_all, db_all = carry
@@ -270,7 +271,7 @@ def backward(st, q, k, v, bias, aux, out, lse, g_out, g_lse):
 
         ilo, ulo, uhi, ihi = blk.bwd_ranges(st, j, bq, bk)
         c = (
-            *blk.vary(
+            *partition.vary(
                 (jnp.zeros((1, 1, st.H, bk), jnp.float32), jnp.zeros((1, 1, st.Hv, bk), jnp.float32)), axes
             ),
             dq_all,

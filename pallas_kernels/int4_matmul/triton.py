@@ -389,7 +389,7 @@ def _varying(*operands):
     (for the kernel's ``out_shape``). Under ``check_vma`` Pallas needs an output's typing, and the
     product of rows split over one axis with a weight split over another varies over both."""
     out = tuple(partition.vary_like(a, *operands) for a in operands)
-    return out, getattr(jax.typeof(out[0]), "manual_axis_type", None)
+    return out, partition.manual_axis_type(out[0])
 
 
 def _specs(cfg: Config, Kh: int, G: int):
