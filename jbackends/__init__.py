@@ -85,6 +85,11 @@ _LAZY_SUBMODULES = ("nn", "quantized")
 # back ends (Triton, Mosaic) stay lazy.
 import jax.experimental.pallas as _pallas  # noqa: E402,F401
 
+# The C++ CPU kernels' FFI targets are registered at import (ctypes loads, nothing compiled): a
+# deserialized `jax.export` carrying them runs in a fresh process once it has imported jbackends.
+from pallas_kernels.attention import cpp_flash as _cpp_flash  # noqa: E402,F401
+from pallas_kernels.int4_matmul import cpp as _int4_cpp  # noqa: E402,F401
+
 
 def __getattr__(name: str):
     if name in _LAZY_SUBMODULES:

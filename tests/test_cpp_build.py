@@ -105,3 +105,73 @@ def test_explain_reasons_carry_a_refusal(monkeypatch):
     assert "refused: int4" in cpp.unavailable_reason()
     monkeypatch.setenv(ffi.DISABLE_ENV, "1")
     assert "JBACKENDS_NO_CPP" in cpp.unavailable_reason()
+
+
+# ---- a serialized CPU export carrying the kernels runs in a fresh process after `import jbackends` ----
+
+_FRESH = r"""
+import sys
+import numpy as np
+import jax
+import jbackends  # registers the kernels' FFI targets; nothing else of ours is imported here
+
+data = np.load(sys.argv[1])
+for name in ("attention", "int4"):
+    exp = jax.export.deserialize(bytearray(open(sys.argv[1] + "." + name, "rb").read()))
+    # the arguments rebuilt from the export's own tree (the int4 one holds a PackedInt4Weight)
+    args, kwargs = jax.tree.unflatten(exp.in_tree, [data[f"{name}_in{i}"] for i in range(len(exp.in_avals))])
+    got = exp.call(*args, **kwargs)
+    for i, g in enumerate(jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), data[f"{name}_out{i}"])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not (cpp.available() and cpp_flash.available()), reason="the C++ kernels are not built")
+def test_a_serialized_cpu_export_with_the_kernels_runs_in_a_fresh_process(tmp_path):
+    """The kernels are registered when `jbackends` is imported (not when a call first needs them):
+    an exported forward + gradient of the default CPU FLASH path and an int4 matmul, serialized,
+    run in a new process that only imported jbackends, with the live call's exact numbers."""
+    pytest.importorskip("flatbuffers")  # jax.export's serialization format
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    import jbackends as jb
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 40, 4, 32)), jnp.float32) for _ in range(3))
+
+    def attention(q, k, v):
+        loss = lambda q, k, v: jb.dot_product_attention(q, k, v, is_causal=True).sum()
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((128, 48)), jnp.float32)
+    Q = jb.quantized
+    q4, s4 = Q.quantize_4bit(w.T, 32)
+    packed = Q.dyn_quant_pack_4bit_weight(q4, s4, jnp.arange(48.0), 32, 128, 48)
+
+    def int4(x, p):  # a packed weight as an export argument (registered for serialization)
+        return Q.int4_matmul(x, p), Q.dyn_quant_matmul_4bit(x, p, 32, 128, 48)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*cpp_flash.TARGETS, *cpp.TARGETS)]
+    data = {}
+    for name, fn, args in (("attention", attention, (q, k, v)), ("int4", int4, (x, packed))):
+        exp = jax.export.export(jax.jit(fn), platforms=["cpu"], disabled_checks=checks)(*args)
+        text = exp.mlir_module()
+        assert ("jb_flash_attention" if name == "attention" else "jb_int4") in text, "no kernel exported"
+        (tmp_path / f"data.npz.{name}").write_bytes(exp.serialize())
+        data.update({f"{name}_in{i}": np.asarray(a) for i, a in enumerate(jax.tree.leaves(args))})
+        data.update(
+            {f"{name}_out{i}": np.asarray(o, np.float32) for i, o in enumerate(jax.tree.leaves(fn(*args)))}
+        )
+    np.savez(tmp_path / "data.npz", **data)
+    res = subprocess.run(
+        [sys.executable, "-c", _FRESH, str(tmp_path / "data.npz")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]

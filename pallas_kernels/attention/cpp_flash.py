@@ -112,8 +112,9 @@ def _library() -> Optional[ctypes.CDLL]:
     )
 
 
-# Registered at import, so that a deserialized CPU export carrying the kernels runs in a fresh
-# process that imported jbackends (ctypes loading is cheap; nothing is compiled here).
+# Registered at import (`jbackends` imports this module), so that a deserialized CPU export carrying
+# the kernels runs in a fresh process that imported jbackends (ctypes loading is cheap; nothing is
+# compiled here).
 _library()
 
 

@@ -67,6 +67,17 @@ _DYN_TARGET = "jb_int4_dyn_quant_matmul_f32"
 _WO_TARGET = "jb_int4_matmul_f32"
 _WO_BF16_TARGET = "jb_int4_matmul_bf16"
 _DYN_BF16_TARGET = "jb_int4_dyn_quant_matmul_bf16"
+#: The kernels' custom-call targets: a `jax.export` for CPU that carries them needs
+#: ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]`` (an artifact
+#: that runs where jbackends is imported: the targets are registered at its import).
+TARGETS = (_DYN_TARGET, _WO_TARGET, _WO_BF16_TARGET, _DYN_BF16_TARGET)
+
+#: A name scope around the custom calls, which jax.export's refusal quotes (with the call's location).
+EXPORT_HINT = (
+    "jbackends C++ int4 kernel: for a portable jax.export pass implementation=xla to the int4 call, "
+    "or opt in with disabled_checks="
+    "[DisabledSafetyCheck.custom_call(target)] for the jb_int4 targets (pallas_kernels.int4_matmul.cpp.TARGETS)"
+)
 _MODULE = f"{__package__}._int4_cpu"
 
 
@@ -93,6 +104,11 @@ def _library() -> ctypes.CDLL | None:
             "JbInt4WeightOnlyBf16Path": [ctypes.c_int64, ctypes.c_int64],
         },
     )
+
+
+# Registered at import (`jbackends` imports this module), so that a deserialized CPU export carrying
+# the kernels runs in a fresh process that imported jbackends (ctypes loading is cheap).
+_library()
 
 
 def available() -> bool:
@@ -214,7 +230,8 @@ def _op(target: str, groupsize: int, has_bias: bool):
 
     def call(x, w, s, b):
         out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), out_dtype)
-        y = jax.ffi.ffi_call(target, out)(x, w, s, b, groupsize=groupsize, has_bias=has_bias)
+        with jax.named_scope(EXPORT_HINT):  # jax.export's refusal names the call's scope: the way out
+            y = jax.ffi.ffi_call(target, out)(x, w, s, b, groupsize=groupsize, has_bias=has_bias)
         return partition.vary_like(y, x, w, s, b)
 
     @jax.custom_batching.custom_vmap

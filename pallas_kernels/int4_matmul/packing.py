@@ -84,6 +84,24 @@ class PackedInt4Weight:
         return int(n)
 
 
+def _serialize_sizes(sizes: tuple) -> bytes:
+    return ",".join(str(int(n)) for n in sizes).encode()
+
+
+def _deserialize_sizes(data: bytes) -> tuple:
+    return tuple(int(n) for n in data.decode().split(","))
+
+
+# A packed weight may be an argument or a result of a serialized `jax.export` (its sizes are the
+# tree's static data: groupsize, in_features, out_features).
+jax.export.register_pytree_node_serialization(
+    PackedInt4Weight,
+    serialized_name="jbackends.PackedInt4Weight",
+    serialize_auxdata=_serialize_sizes,
+    deserialize_auxdata=_deserialize_sizes,
+)
+
+
 # ----------------------------------------------------------------- validation
 
 
