@@ -49,7 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jbackends as jb  # noqa: E402
-from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time  # noqa: E402
+from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time, write_table  # noqa: E402
 from pallas_kernels.attention import base, triton_flash  # noqa: E402
 
 JAX_IMPLS = ("jb", "jb_pallas", "jb_mosaic", "cudnn", "jax_xla", "mgpu_example", "tokamax")
@@ -80,7 +80,9 @@ def _mgpu_example():
         return None
 
     def f(q, k, v, causal):
-        cfg = m.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+        # Its backward needs its own blocks (and has no causal form: those cells stay empty).
+        bwd = {} if causal else dict(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+        cfg = m.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal, **bwd)
         return m.attention(q, k, v, cfg)
 
     f.dtype = jnp.float16  # the example kernel's scratch is float16: it runs on float16 copies
@@ -128,24 +130,40 @@ def jax_impls(smoke: bool) -> dict:
     return impls
 
 
-def time_jax(fn, scope, q, k, v, causal, bwd, iters):
-    """Seconds per call (forward, or forward + backward w.r.t. q, k, v), traced under ``scope``."""
+def time_jax(fn, scope, q, k, v, causal, bwd, iters, extra=None):
+    """Seconds per call (forward, or forward + backward w.r.t. q, k, v and the floating ``extra``
+    operands), traced under ``scope``. ``extra``: keyword operands of ``fn`` (a feature row's mask or
+    bias), made beforehand and passed into the timed loop, so that making them is not timed."""
+    extra = dict(extra or {})
+    floats = {n for n, x in extra.items() if jnp.issubdtype(x.dtype, jnp.floating)}
     if bwd:
 
-        def call(q, k, v):
-            w = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)).reshape(
-                1, 1, 1, -1
-            )  # non-trivial cotangent
-            return jax.grad(lambda q, k, v: (fn(q, k, v, causal).astype(jnp.float32) * w).sum(), (0, 1, 2))(
-                q, k, v
-            )
+        def call(q, k, v, extra):
+            w = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)).reshape(1, 1, 1, -1)  # a cotangent
+            fixed = {n: x for n, x in extra.items() if n not in floats}
+
+            def loss(q, k, v, diff):
+                return (fn(q, k, v, causal, **diff, **fixed).astype(jnp.float32) * w).sum()
+
+            return jax.grad(loss, (0, 1, 2, 3))(q, k, v, {n: extra[n] for n in floats})
     else:
 
-        def call(q, k, v):
-            return fn(q, k, v, causal)
+        def call(q, k, v, extra):
+            return fn(q, k, v, causal, **extra)
 
     with jb.with_backends(**scope) if scope else contextlib.nullcontext():
-        return jax_time(call, (q, k, v), iters=iters)
+        return jax_time(call, (q, k, v, extra), iters=iters)
+
+
+#: (column, case, error) of every timing that failed: listed under the table; a failed jb* cell makes
+#: the run exit 3.
+FAILURES = []
+
+
+def _failed(name, case, err):
+    line = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    FAILURES.append((name, case, line))
+    print(f"  {name} {case}: {line}", file=sys.stderr, flush=True)
 
 
 def time_torch(name, q, k, v, causal, bwd, iters):
@@ -177,8 +195,9 @@ def flops(B, N, T, S, H, causal, bwd):
     return f * (3.5 if bwd else 1.0)
 
 
-def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_xla_bytes):
-    """{name: seconds per call (NaN where it cannot run)} and the backend ``jb`` chose."""
+def run_case(impls, torch_names, B, T, S, N, K, H, causal, bwd, iters, dtype, max_xla_bytes):
+    """{name: seconds per call (NaN where it cannot run)} and the backend ``jb`` chose; ``torch_names``:
+    the torch rows to time (those of `TORCH_IMPLS` asked for, when torch with CUDA is there)."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32).astype(dtype)
     k, v = (jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32).astype(dtype) for _ in range(2))
@@ -193,17 +212,13 @@ def run_case(impls, use_torch, B, T, S, N, K, H, causal, bwd, iters, dtype, max_
         try:
             res[name] = time_jax(fn, scope, *args, causal, bwd, iters)
         except Exception as e:  # noqa: BLE001 - unsupported shapes / OOM: reported, the sweep goes on
-            print(
-                f"  {name} B={B} T={T} S={S} H={H} causal={causal} bwd={bwd}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:160] if str(e) else ''}",
-                file=sys.stderr,
-            )
+            _failed(name, f"B={B} T={T} S={S} H={H} causal={causal} bwd={bwd}", e)
             res[name] = math.nan
-    for name in TORCH_IMPLS if use_torch else ():
+    for name in torch_names:
         try:
             res[name] = time_torch(name, q, k, v, causal, bwd, iters)
         except Exception as e:  # noqa: BLE001
-            print(f"  {name} T={T} S={S} H={H}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+            _failed(name, f"B={B} T={T} S={S} H={H} causal={causal} bwd={bwd}", e)
             res[name] = math.nan
     label = f"{chosen.chosen.name}[{chosen.implementation}]" if chosen.chosen is not None else "-"
     return res, label
@@ -219,30 +234,42 @@ FEATURES = ("softcap", "segments", "dropout")
 MOSAIC_FEATURES = ("softcap", "segments", "dropout", "mask", "bias", "window")
 
 
-def _with_feature(name):
-    def f(q, k, v, causal):
-        if name == "softcap":
-            kw = dict(logits_soft_cap=30.0)
-        elif name == "segments":  # 4 packed sequences per row
-            B, T = q.shape[:2]
-            kw = dict(segment_ids=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) * 4 // T, (B, T)))
-        elif name == "mask":  # one [T, S] mask shared by the batch and heads
-            T, S = q.shape[1], k.shape[1]
-            kw = dict(mask=jax.random.bernoulli(jax.random.key(1), 0.7, (1, 1, T, S)))
-        elif name == "bias":
-            T, S = q.shape[1], k.shape[1]
-            kw = dict(bias=jax.random.normal(jax.random.key(2), (1, 1, T, S), q.dtype))
-        elif name == "window":
-            kw = dict(local_window_size=(k.shape[1] // 8, k.shape[1] // 8))
-        else:
-            kw = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
-        return jb.dot_product_attention(q, k, v, is_causal=causal, **kw)
+def _with_feature(name, q, k):
+    """``(fn, operands, visible)`` of a feature row: ``fn(q, k, v, causal, **operands)`` calls jb with the
+    feature; ``operands`` (a mask, a bias) are made here, outside the timed loop; ``visible`` is the
+    fraction of the (query, key) pairs the feature leaves to compute (4 packed segments: 1/4; a window
+    of S/8 each side: about 1/4), so that a row's speed counts the work it has to do, not the skipped."""
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    operands, kw, visible = {}, {}, 1.0
+    if name == "softcap":
+        kw = dict(logits_soft_cap=30.0)
+    elif name == "segments":  # 4 packed sequences per row
+        ids = np.arange(T) * 4 // T
+        operands = dict(segment_ids=jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (B, T)))
+        visible = float(np.sum(np.bincount(ids) ** 2)) / (T * S)
+    elif name == "mask":  # one [T, S] mask shared by the batch and heads
+        operands = dict(mask=jax.random.bernoulli(jax.random.key(1), 0.7, (1, 1, T, S)))
+    elif name == "bias":  # its gradient is timed too (time_jax differentiates floating operands)
+        operands = dict(bias=jax.random.normal(jax.random.key(2), (1, 1, T, S), q.dtype))
+    elif name == "window":
+        w = S // 8
+        kw = dict(local_window_size=(w, w))
+        i = np.arange(T)[:, None] + (S - T)  # lower-right aligned, as the call aligns it
+        visible = float(np.sum(np.clip(np.minimum(i + w, S - 1) - np.maximum(i - w, 0) + 1, 0, None))) / (
+            T * S
+        )
+    else:
+        kw = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))
 
-    return f
+    def f(q, k, v, causal, **ops):
+        return jb.dot_product_attention(q, k, v, is_causal=causal, **ops, **kw)
+
+    return f, operands, visible
 
 
 def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
-    """``[(feature, {"jb": seconds with it, column: seconds of FLASH without it}, jb's choice)]`` for
+    """``[(feature, {"jb": seconds with it, column: seconds of FLASH without it}, jb's choice, the
+    fraction of pairs visible with the feature)]`` for
     forward + backward (non-causal), where ``column`` is the FLASH kernel that runs the call without the
     feature under the default flags (``jb_mosaic`` on sm90 in half precision, else ``jb_pallas``); with
     a ``jb_mosaic`` column, then the features the Mosaic GPU kernels also run, under its flags
@@ -251,11 +278,11 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32).astype(dtype) for _ in range(3))
 
-    def timed(fn, scope, what):
+    def timed(fn, scope, what, extra=None):
         try:
-            return time_jax(fn, scope, q, k, v, False, True, iters)
+            return time_jax(fn, scope, q, k, v, False, True, iters, extra)
         except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
-            print(f"  {what}: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
+            _failed("jb", f"{what}, fwd+bwd B={B} L={L} H={H}", err)  # every row here is one of ours
             return math.nan
 
     column = "jb_pallas"
@@ -272,7 +299,7 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
 
     out = []
     for name in FEATURES:
-        fn = _with_feature(name)
+        fn, ops, visible = _with_feature(name, q, k)
         if name == "softcap":
             e = jb.explain(q, k, v, logits_soft_cap=30.0)
         elif name == "dropout":
@@ -280,7 +307,7 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
         else:
             e = jb.explain(q, k, v, segment_ids=jnp.zeros((B, L), jnp.int32))
         label = f"{e.chosen.name}[{e.implementation}] {name}" if e.chosen is not None else name
-        out.append((name, {"jb": timed(fn, None, f"feature {name}"), column: plain}, label))
+        out.append((name, {"jb": timed(fn, None, f"feature {name}", ops), column: plain}, label, visible))
     if "jb_mosaic" in impls:  # last (see jax_impls): the features the Mosaic GPU kernels run
         mosaic_fn, mosaic_scope = impls["jb_mosaic"]
         if column != "jb_mosaic":
@@ -290,9 +317,10 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
         for name in MOSAIC_FEATURES:
             if column == "jb_mosaic" and name in FEATURES:
                 continue  # timed on it above
-            t = timed(_with_feature(name), mosaic_scope, f"feature {name} (mosaic)")
+            fn, ops, visible = _with_feature(name, q, k)
+            t = timed(fn, mosaic_scope, f"feature {name} (mosaic)", ops)
             label = f"FLASH[mosaic_flash] {name} (flash_cuda_kernel='mosaic', in the jb column)"
-            out.append((name, {"jb": t, "jb_mosaic": plain}, label))
+            out.append((name, {"jb": t, "jb_mosaic": plain}, label, visible))
     return out
 
 
@@ -328,6 +356,7 @@ def main(argv=None):
         "--smoke", action="store_true", help="CPU check of the script: tiny shapes, interpret mode"
     )
     a = p.parse_args(argv)
+    FAILURES.clear()  # this run's
 
     if a.quick:
         a.head_dims, a.lengths, a.decode_lengths = [64, 128], [4096, 16384], [16384, 131072]
@@ -337,18 +366,37 @@ def main(argv=None):
     elif jax.default_backend() != "gpu":
         sys.exit("attention_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
     impls = jax_impls(a.smoke)
-    use_torch = not a.no_torch and torch_cuda() is not None
+    torch_names = list(TORCH_IMPLS) if not a.no_torch and torch_cuda() is not None else []
     if a.impls:
         impls = {k: v for k, v in impls.items() if k in a.impls}
-        use_torch = use_torch and any(n in a.impls for n in TORCH_IMPLS)
-    names = list(impls) + (list(TORCH_IMPLS) if use_torch else [])
-    if a.impls:
-        names = [n for n in names if n in a.impls]
+        torch_names = [n for n in torch_names if n in a.impls]
+    names = list(impls) + torch_names
     dtype = jnp.dtype(a.dtype)
     device = jax.devices()[0].device_kind
     max_xla = 8 << 30
+    head = (
+        f"Attention on {device}, {dtype.name}, jax {jax.__version__}"
+        + (f", torch {torch_cuda().__version__}" if torch_names else "")
+        + f". Training rows: TFLOP/s ({a.tokens} tokens, model dim {a.model_dim}); decode rows: "
+        "microseconds per call (T=1, GQA 32/8 heads of 128, batch 4). `jb/best`: the fastest time of "
+        "cudnn, jb_pallas and jb_mosaic over jb's (> 1: jb is faster; >= 0.97 is the goal); on a feature "
+        "row, jb's speed with the feature (cuDNN cannot run it) over FLASH's without it (in the column of "
+        "the kernel FLASH runs it on: jb_pallas, or jb_mosaic on sm90), or on a mosaic_flash feature row "
+        "over jb_mosaic's (>= 0.8 is the goal). Speeds count the pairs a feature leaves to compute: 1/4 "
+        "with 4 packed segments, about 1/4 with the window; its TFLOP/s cell in the jb column too."
+    )
 
-    rows = []  # (section, mode, H, L, causal, {name: seconds}, flops, jb's choice)
+    rows = []  # (section, mode, H, L, causal, {name: seconds}, flops, jb's choice, {name: flops})
+
+    def add(row):
+        """Keeps a finished row: its table line to stderr at once, and the markdown file rewritten, so
+        that a run killed mid-compile (a time limit's SIGKILL) keeps every row done before it."""
+        rows.append(row)
+        cols = _columns(names, rows)
+        print("  row: " + _line(row, cols), file=sys.stderr, flush=True)
+        if a.md:
+            write_table(a.md, _table(head, cols, rows) + f"\n\n(in progress: {len(rows)} rows so far)")
+
     interrupted = False
     try:
         for mode in a.modes:
@@ -358,71 +406,79 @@ def main(argv=None):
                     B, N = max(1, a.tokens // L), max(1, a.model_dim // H)
                     for causal in (False, True):
                         res, label = run_case(
-                            impls, use_torch, B, L, L, N, N, H, causal, bwd, a.iters, dtype, max_xla
+                            impls, torch_names, B, L, L, N, N, H, causal, bwd, a.iters, dtype, max_xla
                         )
-                        rows.append(
-                            ("train", mode, H, L, causal, res, flops(B, N, L, L, H, causal, bwd), label)
-                        )
-                        print(f"  done {mode} H={H} L={L} causal={causal}", file=sys.stderr, flush=True)
+                        add(("train", mode, H, L, causal, res, flops(B, N, L, L, H, causal, bwd), label, {}))
         if not a.no_features:  # fwd+bwd at the largest head dim asked for, L = 4k (32 in --smoke)
             H, L = max(a.head_dims), 32 if a.smoke else 4096
             B, N = max(1, a.tokens // L), max(1, a.model_dim // H)
-            for name, res, label in run_features(impls, B, L, N, H, a.iters, dtype, smoke=a.smoke):
-                rows.append(
-                    ("feature", "fwd+bwd", H, L, False, res, flops(B, N, L, L, H, False, True), label)
-                )
-            print(f"  done features H={H} L={L}", file=sys.stderr, flush=True)
+            f = flops(B, N, L, L, H, False, True)
+            for name, res, label, visible in run_features(impls, B, L, N, H, a.iters, dtype, smoke=a.smoke):
+                add(("feature", "fwd+bwd", H, L, False, res, f, label, {"jb": f * visible}))
         if not a.no_decode:  # one query row, GQA 32 / 8 heads of 128, batch 4
             B, N, K, H = (1, 4, 2, 16) if a.smoke else (4, 32, 8, 128)
             for S in a.decode_lengths:
                 res, label = run_case(
-                    impls, use_torch, B, 1, S, N, K, H, False, False, a.iters, dtype, max_xla
+                    impls, torch_names, B, 1, S, N, K, H, False, False, a.iters, dtype, max_xla
                 )
-                rows.append(("decode", "fwd", H, S, False, res, flops(B, N, 1, S, H, False, False), label))
+                add(("decode", "fwd", H, S, False, res, flops(B, N, 1, S, H, False, False), label, {}))
     except KeyboardInterrupt:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep the rows done
         interrupted = True
         print(f"interrupted after {len(rows)} rows: writing those", file=sys.stderr, flush=True)
     if interrupted and not rows:
         sys.exit(130)
-    for row in rows:  # a feature row's baseline in a column --impls left out: shown all the same
-        names += [n for n in row[5] if n not in names and n != "jb"]
-
-    lines = [
-        f"Attention on {device}, {dtype.name}, jax {jax.__version__}"
-        + (f", torch {torch_cuda().__version__}" if use_torch else "")
-        + f". Training rows: TFLOP/s ({a.tokens} tokens, model dim {a.model_dim}); decode rows: "
-        "microseconds per call (T=1, GQA 32/8 heads of 128, batch 4). `jb/best`: jb's time ratio to the "
-        "fastest of cudnn, jb_pallas and jb_mosaic (>= 0.97 is the goal); on a feature row, jb's speed with the feature "
-        "(cuDNN cannot run it) over FLASH's without it (in the column of the kernel FLASH runs it on: jb_pallas, or "
-        "jb_mosaic on sm90), or on a mosaic_flash feature row over jb_mosaic's (>= 0.8 is the goal).",
-        "",
-        "| section | pass | H | L or S | causal | " + " | ".join(names) + " | jb/best | jb runs |",
-        "|" + "---|" * (len(names) + 7),
-    ]
-    for section, mode, H, L, causal, res, f, label in rows:
-        if section == "decode":
-            cells = [f"{res.get(n, math.nan) * 1e6:.1f}" if res.get(n) == res.get(n) else "-" for n in names]
-        else:
-            cells = [
-                f"{f / res[n] / 1e12:.1f}" if res.get(n) == res.get(n) and n in res else "-" for n in names
-            ]
-        best = best_of_ours_and_cudnn(res)
-        lines.append(
-            f"| {section} | {mode} | {H} | {L} | {causal} | "
-            + " | ".join(cells)
-            + f" | {ratio(best, res.get('jb', math.nan))} | {label} |"
-        )
-    text = "\n".join(lines)
+    names = _columns(names, rows)
+    text = _table(head, names, rows)
     if interrupted:
         text += f"\n\n(interrupted: {len(rows)} rows done)"
     print("\n" + text)
     if a.md:
-        with open(a.md, "w") as fh:
-            fh.write(text + "\n")
+        write_table(a.md, text)
     write_png(rows, names, a, device, dtype)
     if interrupted:
         sys.exit(130)
+    if any(name.startswith("jb") for name, _, _ in FAILURES):
+        sys.exit(3)  # one of our own kernels failed somewhere: the summary must not say exit 0
     return rows
+
+
+def _columns(names, rows):
+    """``names``, then any column a row timed that ``--impls`` left out (a feature row's baseline)."""
+    names = list(names)
+    for row in rows:
+        names += [n for n in row[5] if n not in names and n != "jb"]
+    return names
+
+
+def _line(row, names):
+    section, mode, H, L, causal, res, f, label, col_flops = row
+    ok = lambda n: n in res and res[n] == res[n]  # noqa: E731 - timed (not NaN)
+    if section == "decode":
+        cells = [f"{res[n] * 1e6:.1f}" if ok(n) else "-" for n in names]
+    else:
+        cells = [f"{col_flops.get(n, f) / res[n] / 1e12:.1f}" if ok(n) else "-" for n in names]
+    best, mine = best_of_ours_and_cudnn(res), res.get("jb", math.nan)
+    # speed ratio: on a feature row the jb cell does the visible pairs' work only
+    scaled = best * col_flops.get("jb", f) / f if best == best else best
+    return (
+        f"| {section} | {mode} | {H} | {L} | {causal} | "
+        + " | ".join(cells)
+        + f" | {ratio(scaled, mine)} | {label} |"
+    )
+
+
+def _table(head, names, rows):
+    lines = [
+        head,
+        "",
+        "| section | pass | H | L or S | causal | " + " | ".join(names) + " | jb/best | jb runs |",
+        "|" + "---|" * (len(names) + 7),
+    ]
+    lines += [_line(row, names) for row in rows]
+    if FAILURES:
+        lines += ["", "Failed (the first line of each error; the log has the rest):"]
+        lines += [f"- {name}, {case}: {err}" for name, case, err in FAILURES]
+    return "\n".join(lines)
 
 
 def write_png(rows, names, a, device, dtype):

@@ -26,7 +26,9 @@
 #              kernels' default configs (the Mosaic GPU flash kernels first, on sm90) against the
 #              fastest of their search spaces (limit 210 s; not in the default steps; its table goes
 #              to its log, so that the second call's "attention int4 tune" stays within the 8 files)
-# A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later. The step
+# A limit sends SIGINT (the benchmarks then write the rows they finished), SIGKILL 10 s later: a compile
+# does not return to Python within that, so the benchmarks also rewrite their table after every row and
+# print each row (tune: each config's time) to their log as it ends; a kill keeps all of those. The step
 # summaries and the markdown tables are printed last, so that they are in the tail of the output the
 # device tool returns even where the files are not fetched. Exit status: 0 when every step exited 0,
 # 1 when one did not, 2 for bad settings.
@@ -140,8 +142,13 @@ for s in "${steps[@]}"; do
     echo "---- $log.md"
     cat "$OUT/$log.md"
   elif [ "$s" = tune ]; then
-    echo "---- $log.log (its table)"
-    sed -n '/^Pallas kernel configs/,$p' "$OUT/$log.log" 2>/dev/null
+    if grep -q '^Pallas kernel configs' "$OUT/$log.log" 2>/dev/null; then
+      echo "---- $log.log (its table)"
+      sed -n '/^Pallas kernel configs/,$p' "$OUT/$log.log"
+    else  # killed before its table: the rows it printed as they ended
+      echo "---- $log.log (its rows; no table: the step was cut short)"
+      grep '^  row: ' "$OUT/$log.log" 2>/dev/null
+    fi
   else
     echo "---- $log.log (last lines)"
     tail -n 12 "$OUT/$log.log" 2>/dev/null

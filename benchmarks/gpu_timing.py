@@ -20,7 +20,7 @@ import numpy as np
 
 from pallas_kernels.timing import loop_time
 
-__all__ = ["jax_time", "torch_cuda", "torch_time", "ratio", "pyplot"]
+__all__ = ["jax_time", "torch_cuda", "torch_time", "ratio", "pyplot", "write_table"]
 
 
 def jax_time(
@@ -88,3 +88,14 @@ def pyplot() -> Optional[Any]:
         print("matplotlib not installed: no PNG written", file=sys.stderr)
         return None
     return plt
+
+
+def write_table(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` whole (a temporary file renamed over it), so that a run killed while
+    rewriting its table after a row leaves the previous table, never half of one."""
+    import os  # noqa: PLC0415
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text + "\n")
+    os.replace(tmp, path)

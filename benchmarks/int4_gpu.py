@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jbackends.quantized as Q  # noqa: E402
-from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time  # noqa: E402
+from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time, write_table  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 11008), (8192, 28672))
 MS = (1, 4, 16, 64, 256, 1024, 2048)
@@ -56,10 +56,20 @@ def torch_operands(torch, q_packed, scales, K, N, groupsize):
     return w4, sz.to(torch.bfloat16).cuda()
 
 
-def run(shapes, ms, groupsize, iters, use_torch, rows=None):
+#: (row, case, error) of every timing that failed: listed under the table; a failed jb row makes the
+#: run exit 3.
+FAILURES = []
+
+
+def _failed(name, case, err):
+    line = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    FAILURES.append((name, case, line))
+    print(f"  {name} {case}: {line}", file=sys.stderr, flush=True)
+
+
+def run(shapes, ms, groupsize, iters, use_torch, rows=None, on_row=None):
     """Times every (shape, M); appends each finished row to `rows` (a new list if None) and returns it, so
-    that a caller interrupted part way keeps the rows done."""
-    torch = torch_cuda() if use_torch else None
+    that a caller interrupted part way keeps the rows done; ``on_row(rows)`` after each."""
     rng = np.random.default_rng(0)
     rows = [] if rows is None else rows
     for K, N in shapes:
@@ -68,9 +78,14 @@ def run(shapes, ms, groupsize, iters, use_torch, rows=None):
         packed = Q.dyn_quant_pack_4bit_weight(q, s, None, groupsize, K, N)
         wbf = jnp.asarray(Q.dequantize_4bit(packed)).T.astype(jnp.bfloat16)  # [K, N]
         int4_bytes = packed.nbytes
+        torch = torch_cuda() if use_torch else None
         if torch is not None:
-            w4, sz = torch_operands(torch, q, s, K, N, groupsize)
-            tw = torch.from_dlpack(wbf)
+            try:
+                w4, sz = torch_operands(torch, q, s, K, N, groupsize)
+                tw = torch.from_dlpack(wbf)
+            except Exception as e:  # noqa: BLE001 - no torch rows for this shape, the jb rows go on
+                _failed("torch", f"operands K={K} N={N}", e)
+                torch = None
         for M in ms:
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
             xb = x.astype(jnp.bfloat16)
@@ -90,7 +105,7 @@ def run(shapes, ms, groupsize, iters, use_torch, rows=None):
                     # recompilation for a longer one, see gpu_timing.jax_time)
                     r[name] = jax_time(fn, args, iters=iters if M > 16 else max(iters, 200))
                 except Exception as e:  # noqa: BLE001 - report, go on
-                    print(f"  {name} K={K} N={N} M={M}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                    _failed(name, f"K={K} N={N} M={M}", e)
                     r[name] = math.nan
             if torch is not None:
                 tx = torch.from_dlpack(xb)
@@ -107,18 +122,20 @@ def run(shapes, ms, groupsize, iters, use_torch, rows=None):
                             file=sys.stderr,
                         )
                 except Exception as e:  # noqa: BLE001
-                    print(
-                        f"  torch int4pack K={K} N={N} M={M}: {type(e).__name__}: {str(e)[:160]}",
-                        file=sys.stderr,
-                    )
+                    _failed("torch int4pack", f"K={K} N={N} M={M}", e)
                     r["torch int4pack"] = math.nan
-                r["torch dense bf16"] = torch_time(lambda: torch.mm(tx, tw), iters=iters)
+                try:
+                    r["torch dense bf16"] = torch_time(lambda: torch.mm(tx, tw), iters=iters)
+                except Exception as e:  # noqa: BLE001
+                    _failed("torch dense bf16", f"K={K} N={N} M={M}", e)
+                    r["torch dense bf16"] = math.nan
             engines = {
                 "jb int4_matmul": Q.explain(xb, packed, op="int4_matmul").implementation,
                 "jb dyn-quant": Q.explain(x, packed, op="dyn_quant_matmul_4bit").implementation,
             }
             rows.append(((K, N, M), r, engines, int4_bytes))
-            print(f"  done K={K} N={N} M={M}", file=sys.stderr, flush=True)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -150,6 +167,9 @@ def table(rows, groupsize, use_torch):
             + f" | {ratio(r.get('torch int4pack', math.nan), w16)} | {ratio(r.get('dense bf16', math.nan), w16)}"
             + f" | {ratio(w16, w8)} | {engines['jb int4_matmul']} / {engines['jb dyn-quant']} |"
         )
+    if FAILURES:
+        lines += ["", "Failed (the first line of each error; the log has the rest):"]
+        lines += [f"- {name}, {case}: {err}" for name, case, err in FAILURES]
     return "\n".join(lines), names
 
 
@@ -187,6 +207,7 @@ def main(argv=None):
     ap.add_argument("--png", default="int4_gpu.png")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shapes")
     a = ap.parse_args(argv)
+    FAILURES.clear()  # this run's
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes] if a.shapes else list(SHAPES)
     if a.smoke:
         shapes, a.ms, a.iters, a.no_torch = [(256, 128)], [1, 16], 2, True
@@ -194,9 +215,19 @@ def main(argv=None):
         sys.exit("int4_gpu.py needs a GPU (or pass --smoke for a CPU check of the script)")
     use_torch = not a.no_torch and torch_cuda() is not None
     rows = []
+    total = len(shapes) * len(a.ms)
+
+    def on_row(rows):
+        """Each finished row: its table line to stderr at once and the markdown file rewritten, so that
+        a run killed mid-compile (a time limit's SIGKILL) keeps the rows done before it."""
+        text, _ = table(rows, a.groupsize, use_torch)
+        print("  row: " + text.split("\n")[3 + len(rows)], file=sys.stderr, flush=True)
+        if a.md:
+            write_table(a.md, text + f"\n\n(in progress: {len(rows)} of {total} rows so far)")
+
     interrupted = False
     try:
-        run(shapes, a.ms, a.groupsize, a.iters, use_torch, rows)
+        run(shapes, a.ms, a.groupsize, a.iters, use_torch, rows, on_row)
     except KeyboardInterrupt:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep the rows done
         interrupted = True
         print(f"interrupted after {len(rows)} rows: writing those", file=sys.stderr, flush=True)
@@ -204,14 +235,15 @@ def main(argv=None):
         sys.exit(130)
     text, names = table(rows, a.groupsize, use_torch)
     if interrupted:
-        text += f"\n\n(interrupted: {len(rows)} of {len(shapes) * len(a.ms)} rows)"
+        text += f"\n\n(interrupted: {len(rows)} of {total} rows)"
     print("\n" + text)
     if a.md:
-        with open(a.md, "w") as fh:
-            fh.write(text + "\n")
+        write_table(a.md, text)
     write_png(rows, names, a.png, a.groupsize)
     if interrupted:
         sys.exit(130)
+    if any(name.startswith("jb") for name, _, _ in FAILURES):
+        sys.exit(3)  # one of our kernels failed somewhere: the summary must not say exit 0
     return rows
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.gpu_timing import write_table  # noqa: E402
 from pallas_kernels.attention import autotune, base, mosaic_flash  # noqa: E402
 from pallas_kernels.int4_matmul import base as int4_base, triton_config as int4_config  # noqa: E402
 
@@ -259,8 +260,9 @@ def tune(
                 make_fn, [cfg], operands, repeats=repeats, iters=iters, min_loop_s=min_loop_s
             )
             timed[c] = t if t is not None else math.nan
-            if err is not None:
-                print(f"  {case.label}: {cfg}: {err[:160]}", file=sys.stderr)
+            # each time as soon as it is measured: a run killed mid-compile keeps them in its log
+            us = f"{t * 1e6:.1f} us" if t is not None else f"failed: {(err or '')[:160]}"
+            print(f"  {case.label}: {_fmt_cfg(c)}: {us}", file=sys.stderr, flush=True)
 
     try:
         run([default])
@@ -370,7 +372,10 @@ def main(argv=None):
                     min_loop_s=a.min_loop_ms / 1e3,
                 )
             )
-            print(f"  done {case.label}", file=sys.stderr, flush=True)
+            text = table(rows, jax.devices()[0].device_kind)
+            print("  row: " + text.split("\n")[-1], file=sys.stderr, flush=True)
+            if a.md:  # rewritten after each call: a run killed mid-compile keeps the calls done
+                write_table(a.md, text + f"\n\n(in progress: {len(rows)} of {len(cases)} calls so far)")
     except Interrupted as e:  # a time limit's SIGINT (benchmarks/gpu_session.sh): keep what was timed
         interrupted = True
         if e.row["tried"]:
@@ -384,8 +389,7 @@ def main(argv=None):
         text += f"\n\n(--budget-s spent: {len(rows)} of {len(cases)} calls)"
     print("\n" + text)
     if a.md:
-        with open(a.md, "w") as fh:
-            fh.write(text + "\n")
+        write_table(a.md, text)
     if interrupted:
         sys.exit(130)
     return rows

@@ -15,11 +15,11 @@ def test_attention_gpu_smoke(tmp_path):
     md, png = tmp_path / "a.md", tmp_path / "a.png"
     rows = attention_gpu.main(["--smoke", "--md", str(md), "--png", str(png)])
     assert [r[0] for r in rows] == ["train"] * 4 + ["feature"] * 3 + ["decode"]
-    for section, *_, res, _flops, label in rows:
+    for section, *_, res, _flops, label, _column_flops in rows:
         assert set(res) == ({"jb", "jb_pallas"} if section == "feature" else {"jb", "jb_pallas", "jax_xla"})
         assert all(t > 0 for t in res.values()), res  # every row ran (NaN would fail)
         assert label.startswith("FLASH_ATTENTION[")  # jb's choice, named
-    assert [r[-1].split()[-1] for r in rows if r[0] == "feature"] == ["softcap", "segments", "dropout"]
+    assert [r[7].split()[-1] for r in rows if r[0] == "feature"] == ["softcap", "segments", "dropout"]
     text = md.read_text()
     assert "| train | fwd+bwd | 16 | 32 | True |" in text and "| decode |" in text
     assert png.stat().st_size > 0
@@ -33,9 +33,87 @@ def test_attention_gpu_feature_rows_of_the_mosaic_kernel():
     impls["jb_mosaic"] = (attention_gpu._jb, {"flash": True, "flash_cuda_kernel": "mosaic"})
     rows = attention_gpu.run_features(impls, 1, 32, 2, 16, 2, "float32", smoke=True)
     assert [name for name, *_ in rows] == ["softcap", "segments", "dropout"] * 2 + ["mask", "bias", "window"]
-    for name, res, label in rows[3:]:
+    for name, res, label, _visible in rows[3:]:
         assert set(res) == {"jb", "jb_mosaic"} and all(t > 0 for t in res.values()), res
         assert label.startswith("FLASH[mosaic_flash]") and name in label
+
+
+def test_attention_gpu_feature_operands_are_made_outside_the_timed_loop_and_rows_count_visible_pairs(
+    monkeypatch,
+):
+    """A feature row's mask or bias is made once and passed into the timed loop (random generation in
+    the loop would be timed with the kernel), the bias's gradient is part of the backward timed, and the
+    segment-id and window rows count only the (query, key) pairs they leave to compute."""
+    import jax
+    import numpy as np
+
+    captured = []
+    monkeypatch.setattr(attention_gpu, "jax_time", lambda fn, args, iters: captured.append((fn, args)) or 1.0)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 32, 2, 16)), jnp.float32)
+    for name in ("mask", "bias"):
+        fn, ops, visible = attention_gpu._with_feature(name, q, q)
+        assert visible == 1.0 and set(ops) == {name} and ops[name].shape == (1, 1, 32, 32)
+        attention_gpu.time_jax(fn, None, q, q, q, False, True, 2, ops)
+        call, args = captured[-1]
+        text = str(jax.make_jaxpr(call)(*args))
+        assert "threefry" not in text and "random_bits" not in text, name
+        grads = jax.eval_shape(call, *args)
+        assert (set(grads[3]) == {"bias"}) == (name == "bias")  # dbias is timed, a bool mask has none
+    T = 32
+    _, ops, visible = attention_gpu._with_feature("segments", q, q)
+    ids = np.asarray(ops["segment_ids"][0])
+    assert visible == np.mean(ids[:, None] == ids[None, :]) == 0.25
+    _, _, visible = attention_gpu._with_feature("window", q, q)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    assert visible == pytest.approx(np.mean(np.abs(i - j) <= T // 8))
+
+
+def test_attention_gpu_mgpu_example_gets_backward_blocks_where_it_has_a_backward(monkeypatch):
+    """jax's example kernel refuses a backward without its own block sizes; it has no causal backward."""
+    m = pytest.importorskip("jax.experimental.pallas.ops.gpu.attention_mgpu")
+    seen = []
+    monkeypatch.setattr(m, "attention", lambda q, k, v, cfg: seen.append(cfg) or q)
+    fn = attention_gpu._mgpu_example()
+    q = jnp.zeros((1, 128, 1, 64), jnp.float16)
+    fn(q, q, q, False)
+    fn(q, q, q, True)
+    assert seen[0].has_backward_blocks and not seen[0].causal
+    assert seen[1].causal and not seen[1].has_backward_blocks
+
+
+def test_gpu_benchmarks_list_failed_cells_and_exit_3(tmp_path, monkeypatch):
+    """A timing that fails is a '-' cell, its error's first line under the table, and a failed jb row
+    makes the run exit 3, so that the GPU session's summary does not say exit 0."""
+
+    def boom(*args, **kwargs):
+        raise ValueError("boom\nthe rest of the message")
+
+    monkeypatch.setattr(attention_gpu, "_interpreted_pallas", boom)
+    md = tmp_path / "a.md"
+    argv = [
+        "--smoke",
+        "--no-features",
+        "--no-decode",
+        "--modes",
+        "fwd",
+        "--md",
+        str(md),
+        "--png",
+        str(tmp_path / "a.png"),
+    ]
+    with pytest.raises(SystemExit) as e:
+        attention_gpu.main(argv)
+    assert e.value.code == 3
+    text = md.read_text()
+    assert text.count("| train | fwd | 16 | 32 |") == 2 and "| - |" in text
+    assert "- jb_pallas, B=2 T=32 S=32 H=16 causal=False bwd=False: ValueError: boom" in text
+
+    monkeypatch.setattr(int4_gpu.Q, "dyn_quant_matmul_4bit", boom)
+    md = tmp_path / "i.md"
+    with pytest.raises(SystemExit) as e:
+        int4_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "i.png")])
+    assert e.value.code == 3
+    assert "- jb dyn-quant, K=256 N=128 M=16: ValueError: boom" in md.read_text()
 
 
 def test_attention_gpu_columns_pin_their_kernels():
@@ -174,14 +252,15 @@ def test_tune_gpu_mosaic_forward_space_without_overlap():
             assert has_overlap == (overlap and c.name == "mosaic" and mosaic_flash.overlap_available())
 
 
-def _interrupt_after(monkeypatch, module, name, calls):
-    """Patches module.name to run as before `calls` times, then raise KeyboardInterrupt (what SIGINT does)."""
+def _interrupt_after(monkeypatch, module, name, calls, exc=KeyboardInterrupt):
+    """Patches module.name to run as before `calls` times, then raise `exc` (KeyboardInterrupt: what SIGINT
+    does)."""
     real, count = getattr(module, name), [0]
 
     def wrapper(*args, **kw):
         count[0] += 1
         if count[0] > calls:
-            raise KeyboardInterrupt
+            raise exc
         return real(*args, **kw)
 
     monkeypatch.setattr(module, name, wrapper)
@@ -216,6 +295,37 @@ def test_gpu_benchmarks_keep_their_rows_when_interrupted(tmp_path, monkeypatch):
     assert e.value.code == 130
     text = md.read_text()
     assert text.count("| train |") == 1 and "(interrupted: 1 rows done)" in text
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing of the script's own handling runs after it."""
+
+
+def test_gpu_benchmarks_keep_their_rows_when_killed(tmp_path, monkeypatch, capsys):
+    """A compile outlasts the SIGINT and SIGKILL comes: the markdown table was rewritten after each row,
+    and every row (tune: every config's time) was printed to the log as it ended."""
+    _interrupt_after(monkeypatch, attention_gpu, "run_case", 1, _Killed)
+    md = tmp_path / "a.md"
+    with pytest.raises(_Killed):
+        attention_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "a.png")])
+    text = md.read_text()
+    assert text.count("| train |") == 1 and "(in progress: 1 rows so far)" in text
+
+    _interrupt_after(monkeypatch, int4_gpu, "jax_time", 4, _Killed)  # the 4 timings of the first row
+    md = tmp_path / "i.md"
+    with pytest.raises(_Killed):
+        int4_gpu.main(["--smoke", "--md", str(md), "--png", str(tmp_path / "i.png")])
+    text = md.read_text()
+    assert "| 256x128 | 1 |" in text and "(in progress: 1 of 2 rows so far)" in text
+    assert "  row: | 256x128 | 1 |" in capsys.readouterr().err
+
+    from pallas_kernels.attention import autotune
+
+    _interrupt_after(monkeypatch, autotune, "timings", 2, _Killed)
+    with pytest.raises(_Killed):
+        tune_gpu.main(["--smoke", "--cases", "int4_w4a8"])
+    err = capsys.readouterr().err
+    assert err.count("int4_w4a8 256x128 M=1: ") == 2 and err.count(" us\n") == 2, err
 
 
 def _session(tmp_path, **env_over):
