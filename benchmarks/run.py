@@ -96,10 +96,13 @@ def run_int4(full: bool, out: str) -> dict[str, Any]:
                 by_shape.setdefault((k, n), {}).setdefault(name, []).append((m, f32 / t))
     print("\nsummary: dense f32 time / int4 time (>1x: int4 is faster)")
     for (k, n), series in by_shape.items():
-        ms = [m for m, _ in next(iter(series.values()))]
+        # every M any series has, each value under its own M (a series may skip some: '-')
+        ms = sorted({m for pts in series.values() for m, _ in pts})
         print(f"  K={k} N={n}: {'impl':36s} " + " ".join(f"{f'M={m}':>8s}" for m in ms))
         for name, pts in series.items():
-            print(f"  {'':{len(f'K={k} N={n}: ')}}{name:36s} " + " ".join(f"{s:7.2f}x" for _, s in pts))
+            at = dict(pts)
+            cells = " ".join(f"{at[m]:7.2f}x" if m in at else f"{'-':>8s}" for m in ms)
+            print(f"  {'':{len(f'K={k} N={n}: ')}}{name:36s} " + cells)
 
     plt = _plt()
     fig, axes = plt.subplots(1, len(by_shape), figsize=(5.5 * len(by_shape), 3.8), squeeze=False)
