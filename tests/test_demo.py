@@ -93,3 +93,10 @@ def test_kv_cache_decode_matches_full_forward():
     for pos in range(cfg.seq_len):
         logits, caches = step(model, tokens[:, pos], pos, caches)
         np.testing.assert_allclose(np.asarray(logits)[0], full[pos], atol=1e-4, rtol=1e-4, err_msg=f"{pos=}")
+    # eager, with a Python int position (it raised AttributeError in the position embedding)
+    caches = [
+        (jax.numpy.zeros((1, cfg.seq_len, cfg.n_heads, cfg.head_dim)),) * 2 for _ in range(cfg.n_layers)
+    ]
+    for pos in range(2):
+        logits, caches = model.decode_step(tokens[:, pos], pos, caches)
+        np.testing.assert_allclose(np.asarray(logits)[0], full[pos], atol=1e-4, rtol=1e-4, err_msg=f"{pos=}")

@@ -323,6 +323,17 @@ def lowering_platforms(platforms, arrays) -> Tuple[tuple, tuple]:
     if platforms is not None:
         if isinstance(platforms, str):
             platforms = (platforms,)
+        known = ("cpu", "cuda", "gpu", "rocm", "tpu")
+        try:
+            platforms = tuple(platforms)
+        except TypeError:
+            raise TypeError(f"`platforms` must be a sequence of platform names, got {platforms!r}") from None
+        bad = [p for p in platforms if not isinstance(p, str) or p.lower() not in known]
+        if bad or not platforms:
+            raise ValueError(
+                f"`platforms` must name lowering platforms among {list(known)}, got {platforms!r}"
+                + (f" ({', '.join(map(repr, bad))} unknown)" if bad else " (empty)")
+            )
         return tuple(_dispatch.canonical_platform(p) for p in platforms), ()
     primary = None
     for x in arrays:

@@ -134,7 +134,8 @@ class GPT(nnx.Module):
         return self.head(self.ln_f(x))
 
     def decode_step(self, token, pos, caches):
-        """token [B] at position `pos` -> (logits [B, vocab], updated caches)."""
+        """token [B] at position `pos` (an int or an int array) -> (logits [B, vocab], updated caches)."""
+        pos = jnp.asarray(pos, jnp.int32)
         x = self.tok_emb(token[:, None]) + self.pos_emb(pos)[None, None]
         new_caches = []
         for block, (k_cache, v_cache) in zip(self.blocks, caches):

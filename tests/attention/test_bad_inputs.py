@@ -8,6 +8,7 @@ outside ``jax.export``; l: length and segment-id errors name the jax.nn API's ar
 """
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -354,3 +355,19 @@ def test_plain_calls_trace_only_their_platform_and_export_traces_both(monkeypatc
     seen.clear()
     A.dot_product_attention(q, q, q, platforms=("cpu", "cuda"))
     assert seen == ["cpu", "cuda"]
+
+
+def test_platforms_are_checked_like_explains_platform():
+    """A misspelt lowering platform raised nothing (or Pallas' "Only interpret mode" error) before."""
+    q = rand((1, 8, 2, 16))
+    for fn in (A.dot_product_attention, A.scaled_dot_product_attention):
+        for bad, what in ((["cdua"], "'cdua' unknown"), (("cpu", "tpuu"), "'tpuu' unknown"), ([], "(empty)")):
+            with pytest.raises(
+                ValueError, match=r"^`platforms` must name lowering platforms .*" + re.escape(what)
+            ):
+                fn(q, q, q, platforms=bad)
+        with pytest.raises(TypeError, match="^`platforms` must be a sequence"):
+            fn(q, q, q, platforms=3)
+    want = A.dot_product_attention(q, q, q)
+    for ok in ("cpu", ("CPU",), ["cpu", "cuda"]):
+        np.testing.assert_allclose(A.dot_product_attention(q, q, q, platforms=ok), want, rtol=1e-6, atol=1e-6)
