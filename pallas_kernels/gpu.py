@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
 
 __all__ = [
+    "gpu_call",
+    "triton_call",
     "GPU_PLATFORMS",
     "TRITON_PLATFORMS",
     "cuda_target",
@@ -143,3 +147,99 @@ def cuda_target(device_kind: str = "NVIDIA H100 80GB HBM3") -> Iterator[None]:
         mesh = sharding.AbstractMesh((), (), abstract_device=dev)
     with sharding.use_abstract_mesh(mesh):
         yield
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-platform lowering of a GPU pallas_call (Triton or Mosaic GPU).
+# ----------------------------------------------------------------------------------------------
+#
+# `jax.lax.platform_dependent(cpu=xla_path, cuda=triton_path)` lowers *both* branches for every
+# lowering platform of the module, and a Triton `pallas_call` refuses to lower for "cpu" ("Only
+# interpret mode is supported on CPU backend"), so an export for ("cpu", "cuda") failed. This
+# primitive wraps the pallas_call: on "cuda" it lowers to the GPU kernel; in a multi-platform
+# lowering its other-platform branch (never selected by the dispatch's platform_dependent) is a
+# stand-in of the same outputs in plain, correct HLO (the kernel in interpret mode, or an XLA
+# path). Lowered for "cpu" alone it raises, like Pallas does.
+
+_gpu_call_p = jex_core.Primitive("jb_pallas_gpu_call")
+_gpu_call_p.multiple_results = True
+
+
+def _gpu_call_impl(*args, gpu, cpu):
+    del cpu
+    return jex_core.jaxpr_as_fun(gpu)(*args)
+
+
+def _gpu_call_abstract_eval(*avals, gpu, cpu):
+    del avals, cpu
+    return list(gpu.out_avals)
+
+
+def _gpu_call_lower_gpu(ctx, *args, gpu, cpu):
+    del cpu
+    return mlir.lower_fun(jex_core.jaxpr_as_fun(gpu), multiple_results=True)(ctx, *args)
+
+
+def _gpu_call_lower_other(ctx, *args, gpu, cpu):
+    del gpu
+    platforms = ctx.platforms or ctx.module_context.platforms
+    if len(ctx.module_context.platforms) == 1:
+        raise ValueError(
+            f"the Pallas GPU kernels lower for CUDA only, not for "
+            f"{tuple(platforms)}; pass interpret=True (testing) or use the XLA backend"
+        )
+    return mlir.lower_fun(jex_core.jaxpr_as_fun(cpu), multiple_results=True)(ctx, *args)
+
+
+def _gpu_call_batch(args, dims, *, gpu, cpu):
+    axes = [d if isinstance(d, int) else None for d in dims]  # not-mapped dims are None here
+    fg = jax.vmap(jex_core.jaxpr_as_fun(gpu), in_axes=axes)
+    fc = jax.vmap(jex_core.jaxpr_as_fun(cpu), in_axes=axes)
+    outs = bind_gpu_call(fg, fc, args)
+    return outs, [0] * len(outs)
+
+
+def bind_gpu_call(fn_gpu, fn_cpu, leaves):
+    gpu = jax.make_jaxpr(lambda *a: tuple(fn_gpu(*a)))(*leaves)
+    cpu = jax.make_jaxpr(lambda *a: tuple(fn_cpu(*a)))(*leaves)
+    return _gpu_call_p.bind(*leaves, gpu=gpu, cpu=cpu)
+
+
+_gpu_call_p.def_impl(_gpu_call_impl)
+_gpu_call_p.def_abstract_eval(_gpu_call_abstract_eval)
+mlir.register_lowering(_gpu_call_p, _gpu_call_lower_other)
+for _p in ("cuda", "rocm"):
+    mlir.register_lowering(_gpu_call_p, _gpu_call_lower_gpu, platform=_p)
+batching.primitive_batchers[_gpu_call_p] = _gpu_call_batch
+
+
+def gpu_call(gpu_fn: Callable, other_fn: Callable, operands: tuple):
+    """``gpu_fn(*operands)`` (a tuple of arrays) lowered for CUDA; in a multi-platform lowering its
+    branch for any other platform is ``other_fn`` (same outputs, never selected there: see above)."""
+    leaves = list(operands)
+    out_tree = jax.tree.structure(jax.eval_shape(gpu_fn, *leaves))
+    outs = bind_gpu_call(
+        lambda *a: jax.tree.leaves(gpu_fn(*a)), lambda *a: jax.tree.leaves(other_fn(*a)), leaves
+    )
+    return jax.tree.unflatten(out_tree, outs)
+
+
+def triton_call(make_call: Callable, operands: tuple, *, interpret: bool):
+    """Runs ``make_call(interpret)(*operands)`` (a ``pl.pallas_call``; ``None`` operands allowed).
+
+    With ``interpret=False`` the call is wrapped so that it also lowers inside a multi-platform
+    (e.g. ``platforms=("cpu", "cuda")``) export (`pallas_kernels.gpu.gpu_call`; its other-platform
+    branch, never selected, is the kernel in interpret mode).
+    """
+    if interpret:
+        return make_call(True)(*operands)
+    leaves, tree = jax.tree.flatten(operands)
+    out_tree = jax.tree.structure(
+        jax.eval_shape(lambda *a: make_call(False)(*jax.tree.unflatten(tree, a)), *leaves)
+    )
+
+    def flat(interp):
+        return lambda *a: jax.tree.leaves(make_call(interp)(*jax.tree.unflatten(tree, a)))
+
+    outs = bind_gpu_call(flat(False), flat(True), leaves)
+    return jax.tree.unflatten(out_tree, outs)

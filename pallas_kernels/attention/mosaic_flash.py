@@ -95,7 +95,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu
-from pallas_kernels.attention import base, sharded, triton_common, triton_flash_vjp
+from pallas_kernels.attention import base, sharded, triton_flash_vjp
 
 __all__ = ["Config", "BwdConfig", "attention", "forward", "backward", "unsupported", "available"]
 
@@ -1724,7 +1724,7 @@ def backward(
 
         # The cotangents, segment ids and dropout seed are operands (a closure would make them
         # constants of the other branch).
-        grads = triton_common.gpu_call(lambda *a: run(*a[:-1]), on_cpu, operands)
+        grads = gpu.gpu_call(lambda *a: run(*a[:-1]), on_cpu, operands)
     dq, dk, dv, *rest = grads
     return dq, dk, dv, (rest[0] if dbias else None)
 
@@ -2039,7 +2039,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
     # In a multi-platform lowering (jax.export for cpu and cuda) every branch of the dispatch's
     # platform_dependent is lowered for every platform, and a Mosaic GPU kernel has no CPU lowering:
     # on other platforms this lowers the reference instead (never selected there).
-    return triton_common.gpu_call(
+    return gpu.gpu_call(
         run, lambda q, k, v, *extras: base.reference(_with_extras(args, q, k, v, extras)), operands
     )
 

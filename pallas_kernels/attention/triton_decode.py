@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_backend
+from pallas_kernels import gpu, triton_backend
 from pallas_kernels.attention import base, triton_common as common, triton_flash_vjp
 from pallas_kernels.attention.triton_tuning import DecodeConfig as Config
 from pallas_kernels.attention.triton_tuning import decode_heuristics as heuristics
@@ -188,7 +188,7 @@ def forward(
         interpret=interp,
         name="jb_decode_fwd",
     )
-    o_part, lse_part = common.triton_call(make_call, operands, interpret=interpret)
+    o_part, lse_part = gpu.triton_call(make_call, operands, interpret=interpret)
     # Combine step: rescale each split's normalised partial by its share of the total softmax mass.
     lse_max = jnp.max(lse_part, axis=2, keepdims=True)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)

@@ -73,8 +73,8 @@ from pallas_kernels.attention.triton_common import (
     logits_mask,
     scores,
     store_tile,
-    triton_call,
 )
+from pallas_kernels.gpu import triton_call
 
 __all__ = ["Config", "heuristics", "unsupported", "attention", "forward", "GPU_PLATFORMS"]
 

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_backend
+from pallas_kernels import gpu, triton_backend
 from pallas_kernels.attention import base, sharded, triton_common as common
 from pallas_kernels.attention.triton_tuning import BackwardConfig as Config
 from pallas_kernels.attention.triton_tuning import backward_heuristics as heuristics
@@ -374,7 +374,7 @@ def backward(
         interpret=interp,
         name=name,
     )
-    dq, dk, dv, dbias = common.triton_call(make_call, operands, interpret=interpret)
+    dq, dk, dv, dbias = gpu.triton_call(make_call, operands, interpret=interpret)
     if dbias is not None:
         bb, nb, tb, sb = spec.bias_shape
         axes = tuple(ax for ax, keep in ((0, bb != 1), (1, nb != 1), (2, tb != 1)) if not keep)

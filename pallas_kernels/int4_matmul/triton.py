@@ -444,16 +444,21 @@ def _w4a8_idots_or_acc(qa, zp, packed: PackedInt4Weight, cfg: Config, interpret:
         swap_ab=cfg.swap_ab,
         byte_planes=cfg.byte_planes,
     )
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=(x_spec, x_spec, pl.BlockSpec((cfg.block_m,), lambda n, m, s: (m,)), w_spec, st_spec),
-        out_specs=out_spec,
-        out_shape=out_shape,
-        compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    # gpu.triton_call: lowers inside a multi-platform (cpu + cuda) export as well
+    return gpu.triton_call(
+        lambda interp: pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=(x_spec, x_spec, pl.BlockSpec((cfg.block_m,), lambda n, m, s: (m,)), w_spec, st_spec),
+            out_specs=out_spec,
+            out_shape=out_shape,
+            compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            interpret=interp,
+            name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
+        ),
+        (ae, ao, zp, w, st),
         interpret=interpret,
-        name="jb_int4_w4a8_fused" if fused else "jb_int4_w4a8_group_dots",
-    )(ae, ao, zp, w, st)
+    )
 
 
 def dyn_quant_matmul(
@@ -574,16 +579,22 @@ def weight_only_matmul(
                 cfg.swap_ab,
             ),
         )
-        parts = pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), cfg.split_k),
-            in_specs=(x_spec, x_spec, w_spec, st_spec),
-            out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n)),
-            out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32, manual_axis_type=vma),
-            compiler_params=triton_backend.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        parts = gpu.triton_call(  # lowers inside a multi-platform (cpu + cuda) export as well
+            lambda interp: pl.pallas_call(
+                kernel,
+                grid=(pl.cdiv(N, cfg.block_n), pl.cdiv(M, cfg.block_m), cfg.split_k),
+                in_specs=(x_spec, x_spec, w_spec, st_spec),
+                out_specs=pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda n, m, s: (s, m, n)),
+                out_shape=jax.ShapeDtypeStruct((cfg.split_k, M, N), jnp.float32, manual_axis_type=vma),
+                compiler_params=triton_backend.CompilerParams(
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages
+                ),
+                interpret=interp,
+                name="jb_int4_w4a16",
+            ),
+            (xe, xo, w, st),
             interpret=interpret,
-            name="jb_int4_w4a16",
-        )(xe, xo, w, st)
+        )
         out = jnp.sum(parts, axis=0)
     if packed.bias is not None:
         out = out + packed.bias[None]

@@ -1,6 +1,7 @@
 """The public API (`jb.quantized`, `jb.nn` int4 layers): engine choice per lowering platform, export
 for CUDA from CPU carrying the Pallas (Triton) kernel, pytrees under jit / vmap, flax layers."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -66,6 +67,36 @@ def test_export_for_cuda_carries_triton(M, g, mode):
     assert TRITON in text
     assert "jb_int4_dyn_quant_matmul_f32" not in text and "jb_int4_matmul_f32" not in text
     assert exp.out_avals[0].shape == (2, M, N)
+
+
+@pytest.mark.parametrize("mode", ["dyn_quant", "weight_only"])
+def test_export_for_cpu_and_cuda_runs_the_cpu_branch_exactly(mode):
+    """One artifact for CPU and CUDA (a Triton pallas_call refused to lower for the CPU branch that
+    `platform_dependent` lowers too): the CUDA branch carries the Triton kernel, and the exported
+    function, called on CPU, gives the live call's numbers, forward and gradients."""
+    from pallas_kernels.int4_matmul import cpp
+
+    K, N, g = 128, 48, 32
+    rng = np.random.default_rng(0)
+    q, s = Q.quantize_4bit(jnp.asarray(rng.standard_normal((N, K)), jnp.float32), g)
+    p = Q.dyn_quant_pack_4bit_weight(q, s, jnp.asarray(rng.standard_normal(N), jnp.float32), g, K, N)
+    x = jnp.asarray(rng.standard_normal((3, K)), jnp.float32)
+    if mode == "dyn_quant":
+        f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N)
+    else:
+        f = lambda x, p: Q.int4_matmul(x, p)
+    # gradients in x and the scales (the packed nibbles are integers)
+    loss = lambda x, sc: (f(x, dataclasses.replace(p, scales=sc)) * jnp.cos(jnp.arange(N))[None]).sum()
+    grads = jax.grad(loss, argnums=(0, 1))
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, *cpp.TARGETS)]
+    with gpu.cuda_target():
+        exp_f = export.export(jax.jit(f), platforms=["cpu", "cuda"], disabled_checks=checks)(x, p)
+        exp_g = export.export(jax.jit(grads), platforms=["cpu", "cuda"], disabled_checks=checks)(x, p.scales)
+    assert TRITON in exp_f.mlir_module()
+    np.testing.assert_array_equal(np.asarray(exp_f.call(x, p)), np.asarray(f(x, p)))
+    got, want = exp_g.call(x, p.scales), grads(x, p.scales)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize(
