@@ -68,3 +68,36 @@ def test_every_thinned_key_names_a_test_that_exists():
         elif k and not any(_parametrized(f, fixtures_with_params) for f in defs):
             problems.append(f"{key}: k = {k} but the test is not parametrized")
     assert not problems, "stale THINNED keys in tests/conftest.py:\n" + "\n".join(problems)
+
+
+def test_every_case_also_kept_exists():
+    """ALSO_KEEP names cases by full node id: a renamed case would silently stop running by default."""
+    import ast as _ast
+    import re
+    import subprocess
+    import sys
+
+    text = (ROOT / "tests" / "conftest.py").read_text()
+    ids = _ast.literal_eval(re.search(r"^ALSO_KEEP = (\(.*?^\))", text, re.S | re.M).group(1))
+    assert ids, "ALSO_KEEP is empty"
+    files = sorted({i.split("::", 1)[0] for i in ids})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "--extended",
+            "-p",
+            "no:cacheprovider",
+            *files,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    collected = set(out.stdout.split())
+    missing = [i for i in ids if i not in collected]
+    assert not missing, f"ALSO_KEEP names cases that no longer exist: {missing}"
