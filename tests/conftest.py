@@ -60,7 +60,7 @@ THINNED = {  # node id without parameters -> k: every k-th case (_thin), 0: none
     "tests/attention/test_jaxnn_dropin.py::test_traced_scale_like_jaxnn": 2,
     "tests/attention/test_jaxnn_dropin.py::test_cudnn_second_order_matches_math": 3,
     "tests/attention/test_jaxnn_dropin.py::test_upstream_local_window_without_mask": 2,
-    "tests/attention/test_math.py::TestMath::test_grid": 4,
+    "tests/attention/test_math.py::TestMath::test_grid": 0,  # MATH against itself (test_math has a float64 check)
     "tests/attention/test_xla_flash.py::TestXlaFlash::test_grid": 4,
     "tests/attention/test_cpp_flash.py::TestCpuFlash::test_grid": 8,
     "tests/attention/test_xla_mem_efficient.py::TestXlaMemEfficient::test_grid": 3,

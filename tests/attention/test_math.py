@@ -1,6 +1,6 @@
-"""The MATH backend (the reference) on the shared grid, its low-precision mode and the dropout hash."""
-
-import functools
+"""The MATH backend (the reference): against float64 NumPy on the shared grid, its low-precision mode and
+the dropout hash. (`TestMath` runs the shared base on it, which compares it with itself: only in
+--extended runs.)"""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import base
-from tests.attention.attention_base import AttentionTestBase, Case, assert_close, make_case
+from tests.attention.attention_base import GRID, AttentionTestBase, Case, assert_close, make_case, upcast
 
 
 class TestMath(AttentionTestBase):
@@ -145,3 +145,67 @@ def test_a_window_wider_than_the_sequences_is_clamped_and_masks_nothing_more():
     want, want_lse = base.reference(base.make_args(q, k, v))
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+
+
+def _float64_attention(args):
+    """Attention in float64 NumPy, written from the contract of `base.make_args` (not from the
+    reference's code): scaled logits, soft cap ``cap * tanh(s / cap)``, additive bias, then every mask
+    (causal ``j <= i + diag_offset``; window ``i + off - left <= j <= i + off + right``; ``i < q_len``,
+    ``j < kv_len`` per batch row; equal segment ids; the bool mask), softmax, dropout's kept weights
+    scaled by ``1 / (1 - rate)``. Query head ``n`` reads key / value head ``n // groups``. Returns
+    ``(out [B, T, N, Hv], lse [B, N, T])``; a row with no key has output 0 and LSE -inf."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731 - exact upcast
+    q, k, v = f64(args.q), f64(args.k), f64(args.v)
+    B, T, N, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    k, v = np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) * args.scale
+    if args.logits_soft_cap is not None:
+        s = args.logits_soft_cap * np.tanh(s / args.logits_soft_cap)
+    if args.bias is not None:
+        s = s + f64(args.bias)
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    allow = np.ones((B, N, T, S), bool)
+    off = args.diag_offset
+    if args.causal:
+        allow &= j <= i + off
+    if args.window is not None:
+        left, right = args.window
+        allow &= (j >= i + off - left) & (j <= i + off + right)
+    for b in range(B):
+        if args.q_seq_lengths is not None:
+            allow[b] &= i < int(args.q_seq_lengths[b])
+        if args.kv_seq_lengths is not None:
+            allow[b] &= j < int(args.kv_seq_lengths[b])
+        if args.q_segment_ids is not None:
+            qs, ks = np.asarray(args.q_segment_ids[b]), np.asarray(args.kv_segment_ids[b])
+            allow[b] &= qs[:, None] == ks[None, :]
+    if args.mask is not None:
+        allow &= np.asarray(args.mask)
+    s = np.where(allow, s, -np.inf)
+    empty = ~allow.any(-1)
+    m = np.where(empty, 0.0, s.max(-1))
+    p = np.exp(s - m[..., None])
+    denom = p.sum(-1)
+    lse = np.where(empty, -np.inf, np.log(np.where(empty, 1.0, denom)) + m)
+    w = p / np.where(empty, 1.0, denom)[..., None]
+    if args.dropout_rate:
+        bnij = np.ix_(np.arange(B), np.arange(N), np.arange(T), np.arange(S))
+        keep = np.asarray(base.dropout_keep_mask(args.dropout_rng, *bnij, args.dropout_rate))
+        w = np.where(keep, w / (1.0 - args.dropout_rate), 0.0)
+    return np.einsum("bnts,bsnh->btnh", w, v), lse
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: c.id)
+def test_reference_matches_float64_numpy_written_from_the_contract(case):
+    """The MATH backend is every other backend's reference: here it is checked on the whole grid (masks,
+    windows, soft cap, lengths, segment ids, dropout, GQA) against an independent float64 version. Its
+    gradients are JAX's autodiff of this forward."""
+    args = make_case(case)
+    out, lse = base.reference(upcast(args))  # float32 inputs of the same values
+    want_out, want_lse = _float64_attention(args)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    scale = max(1.0, float(np.abs(want_out).max()))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=1e-5, atol=2e-6 * scale)
