@@ -67,7 +67,7 @@ def torch_to_args(
     if not isinstance(enable_gqa, (bool, np.bool_)):  # torch: TypeError; bool("no") would enable it
         raise TypeError(f"`enable_gqa` must be a bool; got {type(enable_gqa).__name__} {enable_gqa!r}")
     try:
-        out_lead = np.broadcast_shapes(*(tuple(x.shape[:-2]) for x in (query, key)), tuple(value.shape[:-2]))
+        out_lead = jnp.broadcast_shapes(*(tuple(x.shape[:-2]) for x in (query, key)), tuple(value.shape[:-2]))
     except ValueError:
         out_lead = None
     rank = max(3, query.ndim, key.ndim, value.ndim)
@@ -76,7 +76,7 @@ def torch_to_args(
         for x in (query, key, value)
     )
     try:
-        batch_shape = np.broadcast_shapes(*(tuple(x.shape[:-3]) for x in (query, key, value)))
+        batch_shape = jnp.broadcast_shapes(*(tuple(x.shape[:-3]) for x in (query, key, value)))
     except ValueError:
         raise ValueError(
             f"the batch dims of query {tuple(query.shape[:-3])}, key {tuple(key.shape[:-3])} and value "
@@ -107,7 +107,7 @@ def torch_to_args(
         raise ValueError(f"`dropout_p` must be a float in [0, 1]; got {dropout_p!r}")
     Hq, L, E = query.shape[-3:]
     S = key.shape[-2]
-    B = int(np.prod(batch_shape)) if batch_shape else 1
+    B = math.prod(batch_shape)  # symbolic dims (a shape-polymorphic export) multiply too
 
     def btnh(x):
         return jnp.swapaxes(x.reshape((B,) + tuple(x.shape[-3:])), 1, 2)

@@ -96,6 +96,9 @@ class Implementation:
       description: one line for reports and docs.
       forward_mode: False for a ``jax.custom_vjp`` kernel, which cannot run under forward-mode
         autodiff (`forward_mode_active`); None (not declared) never refuses a call for it.
+      symbolic_shapes: True when it traces calls whose arrays have symbolic dimensions (a
+        shape-polymorphic ``jax.export``); the others are refused such calls with a reason, before
+        their ``unsupported`` (whose shape checks could not decide) is asked.
     """
 
     name: str
@@ -106,11 +109,14 @@ class Implementation:
     options: Callable[[Any, str], dict] = _no_options
     description: str = ""
     forward_mode: bool | None = None
+    symbolic_shapes: bool = False
 
     def reasons(self, call: Any, platform: str, device: Mapping[str, Any] | None = None) -> list[str]:
         """Why this implementation cannot run ``call`` on ``platform`` (empty if it can)."""
         if self.platforms is not None and platform not in self.platforms:
             return [f"{self.technology} runs on {'/'.join(self.platforms)} only (lowering for {platform})"]
+        if not self.symbolic_shapes and has_symbolic_dims(call):
+            return ["symbolic dimensions (a shape-polymorphic jax.export): its shape checks need sizes"]
         why = list(self.unsupported(call, platform, device or {}))
         if self.forward_mode is False and forward_mode_active():
             why.append(
@@ -159,6 +165,14 @@ def set_ranker(op: str, fn: Ranker | None) -> Ranker | None:
 def ranker(op: str) -> Ranker | None:
     """The ranker installed for ``op`` (None: registry order)."""
     return _RANKERS.get(op)
+
+
+def has_symbolic_dims(call: Any) -> bool:
+    """Whether an array of ``call`` (a pytree) has a symbolic dimension (``jax.export.symbolic_shape``);
+    a call record that is no pytree of arrays says so itself (its ``symbolic``)."""
+    if isinstance(getattr(call, "symbolic", None), bool):
+        return call.symbolic
+    return any(jax.export.is_symbolic_dim(d) for x in jax.tree.leaves(call) for d in getattr(x, "shape", ()))
 
 
 def choose(

@@ -118,7 +118,13 @@ CPP = Implementation(
     ),
 )
 XLA = Implementation(
-    "xla", "XLA", None, _reasons("xla:unsupported"), _xla_run, description="int4 unpack + grouped dots in XLA"
+    "xla",
+    "XLA",
+    None,
+    _reasons("xla:unsupported"),
+    _xla_run,
+    description="int4 unpack + grouped dots in XLA",
+    symbolic_shapes=True,  # shape-polymorphic exports (a symbolic batch)
 )
 REFERENCE = Implementation(
     "reference",

@@ -153,6 +153,7 @@ MATH = Implementation(
     _math_options,
     "the reference: materialised scores, float32 softmax",
     forward_mode=True,  # plain JAX ops: jax.jvp, jacfwd and hessian run through it
+    symbolic_shapes=True,  # and shape-polymorphic exports
 )
 
 #: backend -> {lowering platform, or "*" for every other one: implementations in the order tried}.

@@ -11,6 +11,7 @@ weights feed are in `reference` (the contract) and in the engines.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -121,10 +122,13 @@ class Int4Call:
         """The call of ``op`` on activations ``x`` (an array or a ``jax.ShapeDtypeStruct``)."""
         if op not in ("dyn_quant", "weight_only"):
             raise ValueError(f"`op` must be 'dyn_quant' or 'weight_only'; got {op!r}")
-        rows = 1
-        for d in tuple(x.shape)[:-1]:
-            rows *= int(d)
-        return cls(op, packed, jnp.dtype(x.dtype), rows)
+        rows = math.prod(tuple(x.shape)[:-1])  # symbolic under a shape-polymorphic export
+        return cls(op, packed, jnp.dtype(x.dtype), rows if jax.export.is_symbolic_dim(rows) else int(rows))
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether ``rows`` is a symbolic dimension (a shape-polymorphic ``jax.export``)."""
+        return jax.export.is_symbolic_dim(self.rows)
 
 
 def check_groupsize(groupsize: Any, in_features: int) -> int:

@@ -38,6 +38,13 @@ from .base import PackedInt4Weight
 __all__ = ["unsupported", "dyn_quant_matmul", "weight_only_matmul", "SMALL_M", "EXACT_BLOCK"]
 
 SMALL_M = 8
+
+
+def _small(M) -> bool:
+    """The decode path's row count; a symbolic ``M`` (a shape-polymorphic export) takes the general one."""
+    return not jax.export.is_symbolic_dim(M) and M <= SMALL_M
+
+
 """Rows up to which the fused multiply-reduce form is used."""
 
 EXACT_BLOCK = 4096
@@ -154,7 +161,7 @@ def dyn_quant_matmul(x: jax.Array, packed: PackedInt4Weight) -> jax.Array:
     x2, lead = _flatten(x)
     qa, zp, recip = base.quantize_activations(x2, packed.channelwise)
     a = qa - zp[:, None]
-    if x2.shape[0] <= SMALL_M:
+    if _small(x2.shape[0]):
         idots = _group_dots_small(a, packed.weight, packed.groupsize)
     else:
         idots = _group_dots_large(a.astype(jnp.float32), packed.weight, packed.groupsize)
@@ -176,7 +183,7 @@ def weight_only_matmul(x: jax.Array, packed: PackedInt4Weight, *, compute_dtype=
     N, g = packed.out_features, packed.groupsize
     G = K // g
     xf = x2.astype(jnp.float32)
-    if M <= SMALL_M:  # fused unpack-multiply-reduce, never a dequantized weight (see _sub_block_dots)
+    if _small(M):  # fused unpack-multiply-reduce, never a dequantized weight (see _sub_block_dots)
         sub, _ = _small_m_layout(K, g)
         s = _sub_block_dots(xf, packed.weight, g, jnp.float32).reshape(M, N, G, g // sub)
         out = jnp.sum(jnp.sum(s, axis=-1) * packed.scales[None], axis=-1)

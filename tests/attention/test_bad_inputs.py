@@ -371,3 +371,44 @@ def test_platforms_are_checked_like_explains_platform():
     want = A.dot_product_attention(q, q, q)
     for ok in ("cpu", ("CPU",), ["cpu", "cuda"]):
         np.testing.assert_allclose(A.dot_product_attention(q, q, q, platforms=ok), want, rtol=1e-6, atol=1e-6)
+
+
+def test_shape_polymorphic_export_runs_math_like_jax_nn():
+    """Symbolic batch and lengths (``jax.export.symbolic_shape``): the kernels' shape checks cannot
+    decide, so they are refused with a reason and MATH traces the call (it raised
+    InconclusiveDimensionOperation before, in both APIs); the artifact matches jax.nn at any size,
+    forward and gradients."""
+    from jax import export
+
+    b, t = export.symbolic_shape("b, t")
+    qs, ks = (jax.ShapeDtypeStruct((b, t, n, 16), jnp.float32) for n in (4, 2))
+
+    def f(q, k, v):
+        return A.dot_product_attention(q, k, v, is_causal=True)
+
+    def ref(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    grad = lambda fn: jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2))  # noqa: E731
+    exp_f = export.export(jax.jit(f), platforms=["cpu"])(qs, ks, ks)
+    exp_g = export.export(jax.jit(grad(f)), platforms=["cpu"])(qs, ks, ks)
+    exp_t = export.export(
+        jax.jit(lambda q: A.scaled_dot_product_attention(q, q, q, is_causal=True)), platforms=["cpu"]
+    )(jax.ShapeDtypeStruct((b, 4, t, 16), jnp.float32))
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    exp_l = export.export(
+        jax.jit(lambda q, n: A.dot_product_attention(q, q, q, key_value_seq_lengths=n)), platforms=["cpu"]
+    )(jax.ShapeDtypeStruct((b, 8, 2, 16), jnp.float32), lens)
+    for B, T in ((1, 5), (3, 17)):
+        q, k, v = rand((B, T, 4, 16), 1), rand((B, T, 2, 16), 2), rand((B, T, 2, 16), 3)
+        np.testing.assert_allclose(exp_f.call(q, k, v), ref(q, k, v), rtol=1e-5, atol=1e-5)
+        for got, want in zip(exp_g.call(q, k, v), grad(ref)(q, k, v)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        x = jnp.swapaxes(q, 1, 2)
+        want = jnp.swapaxes(ref(q, q, q), 1, 2)
+        np.testing.assert_allclose(exp_t.call(x), want, rtol=1e-5, atol=1e-5)
+    x, n = rand((3, 8, 2, 16), 4), jnp.asarray([8, 3, 5], jnp.int32)
+    np.testing.assert_allclose(
+        exp_l.call(x, n), jax.nn.dot_product_attention(x, x, x, key_value_seq_lengths=n), rtol=1e-5, atol=1e-5
+    )
+    assert "jb_flash" not in exp_f.mlir_module()  # MATH: no custom call, nothing to opt in to

@@ -351,3 +351,24 @@ def test_xla_weight_only_channelwise_short_rows(K):
     x = jnp.asarray(rng.standard_normal((3, K)), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(base.dequantize(p.weight, p.scales, K), np.float64).T
     np.testing.assert_allclose(np.asarray(jax.jit(xla.weight_only_matmul)(x, p)), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["dyn_quant", "weight_only"])
+def test_shape_polymorphic_export_with_a_symbolic_batch(mode):
+    """A symbolic number of rows: the C++ and Pallas engines are refused with a reason (their checks
+    need M) and the XLA engine traces the call (Int4Call.of raised InconclusiveDimensionOperation)."""
+    K, N, g = 128, 48, 32
+    rng = np.random.default_rng(1)
+    q, s = Q.quantize_4bit(jnp.asarray(rng.standard_normal((N, K)), jnp.float32), g)
+    p = Q.dyn_quant_pack_4bit_weight(q, s, jnp.asarray(rng.standard_normal(N), jnp.float32), g, K, N)
+    if mode == "dyn_quant":
+        f = lambda x, p, **kw: Q.dyn_quant_matmul_4bit(x, p, g, K, N, **kw)
+    else:
+        f = lambda x, p, **kw: Q.int4_matmul(x, p, **kw)
+    (b,) = export.symbolic_shape("b")
+    exp = export.export(jax.jit(f), platforms=["cpu"])(jax.ShapeDtypeStruct((b, 3, K), jnp.float32), p)
+    assert "jb_int4" not in exp.mlir_module()
+    for rows in (1, 7):
+        x = jnp.asarray(rng.standard_normal((rows, 3, K)), jnp.float32)
+        want = f(x, p, implementation="xla")
+        np.testing.assert_allclose(np.asarray(exp.call(x, p)), np.asarray(want), rtol=1e-5, atol=1e-5)
