@@ -346,7 +346,9 @@ INT4_OPS = {
 
 
 @pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="jax.set_mesh (Explicit meshes in force)")
-@pytest.mark.parametrize("how", ["device_put", "numpy", "mixed_mesh"])
+@pytest.mark.parametrize(
+    "how", ["device_put", pytest.param("numpy", marks=pytest.mark.extended), "mixed_mesh"]
+)  # numpy operands take the device_put path's route once converted: the default run keeps two
 def test_explicit_mesh_with_replicated_inputs(how):
     """Under `jax.set_mesh` with Explicit axes (all, or one beside an Auto axis), replicated (or
     numpy) operands run every kernel replicated, with the unsharded values: jax 0.12 refused the
