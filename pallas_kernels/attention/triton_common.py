@@ -76,7 +76,10 @@ class Spec(base.Statics):
 
     @property
     def precision(self):
-        return lax.Precision.HIGH if self.allow_tf32 else None
+        """The kernels' dot precision: TF32 where allowed, else HIGHEST (Pallas Triton lowers None, i.e.
+        DEFAULT, to TF32 for float32 operands: not what ``allow_tf32=False`` promises). Half-precision
+        operands multiply as they are either way."""
+        return lax.Precision.HIGH if self.allow_tf32 else lax.Precision.HIGHEST
 
     @property
     def dropout_threshold(self) -> int:

@@ -196,7 +196,9 @@ def forward(
     total = jnp.sum(w, axis=2, keepdims=True)
     lse = jnp.where(total[:, :, 0] > 0, jnp.log(total[:, :, 0]) + lse_max[:, :, 0], -jnp.inf)
     w = w / jnp.where(total > 0, total, 1.0)
-    out = jnp.einsum("bksm,bksmh->bkmh", w, o_part)  # [B, K, M, Hv]
+    out = jnp.einsum(
+        "bksm,bksmh->bkmh", w, o_part, precision=lax.Precision.HIGHEST
+    )  # [B, K, M, Hv], float32 (TF32 would round the partials)
     out = out.reshape(B, K, T, G, spec.Hv).transpose(0, 2, 1, 3, 4).reshape(B, T, N, spec.Hv)
     lse = lse.reshape(B, K, T, G).transpose(0, 1, 3, 2).reshape(B, N, T)
     return out.astype(args.dtype), lse

@@ -291,7 +291,9 @@ def backward(
     B, T, S, N, K = spec.B, spec.T, spec.S, spec.N, spec.K
 
     # delta = rowsum(dO * O) - dlse, [B, N, T] float32 (a cheap memory-bound XLA fusion).
-    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.einsum(  # D = rowsum(dO * O) in float32 (an elementwise product: no TF32 rounding)
+        "btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # fully masked rows: every logit is -inf, P = 0

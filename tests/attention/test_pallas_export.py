@@ -11,6 +11,7 @@ needs to lower a Pallas GPU kernel on a machine with no GPU.
 """
 
 import functools
+from contextlib import nullcontext
 import warnings
 import re
 from unittest import mock
@@ -299,3 +300,48 @@ def test_jax_triton_deprecation_is_kept_from_users():
         ]
         args = _zeros(1, T, 40, 2, 1, 32, is_causal=True, diag_offset=35 if kernel == "decode" else 0)
         assert not _triton_deprecation_warnings(lambda: _export_fwd_bwd(module.attention, args)), kernel
+
+
+def _dot_precisions(closed):
+    """The precisions of the dot_generals of a jaxpr: (inside kernel bodies (pallas_call jaxprs), around
+    them)."""
+    from jax.extend import core as jex_core
+
+    found = ([], [])
+
+    def walk(jaxpr, inside):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                found[0 if inside else 1].append(e.params["precision"])
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+                    if isinstance(sub, jex_core.Jaxpr):
+                        walk(sub, inside or e.primitive.name == "pallas_call")
+
+    walk(closed.jaxpr, False)
+    return found
+
+
+@pytest.mark.parametrize("impl,T", [("flash", 64), ("mem_efficient", 64), ("flash", 1)])
+def test_float32_kernels_use_ieee_dots_unless_tf32_is_allowed(impl, T):
+    """The Triton kernels' float32 dots, forward and backward (and decode's): HIGHEST precision under
+    ``allow_tf32=False`` (torch's default; what the docstrings promise), TF32 (HIGH) only when allowed.
+    Pallas Triton lowers a dot without a precision (DEFAULT) to TF32 for float32: the kernels passed
+    none, so float32 attention ran in TF32 on Ampere and newer GPUs whatever the flag said."""
+    k = jnp.ones((1, 64, 2, 32), jnp.float32)
+    q = k[:, :T]
+
+    def loss(q, k, v):
+        return jb.dot_product_attention(q, k, v, implementation=impl, platforms=("cuda",)).sum()
+
+    # the default flags (no scope: jb's precision bridge to JAX is not in force, as for most users), and
+    # a scope allowing TF32
+    # (the float32 dots around the kernels, the backward's D = rowsum(dO * O) and decode's combine of
+    # its splits, are HIGHEST either way)
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    for scope, want in ((None, highest), ({"allow_tf32": True}, (jax.lax.Precision.HIGH,) * 2)):
+        with gpu.cuda_target("NVIDIA H100 80GB HBM3"), jb.with_backends(**scope) if scope else nullcontext():
+            kernels, around = _dot_precisions(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k))
+        assert kernels and set(kernels) == {want}, (scope, set(kernels))
+        assert set(around) <= {highest}, (scope, set(around))
