@@ -22,7 +22,14 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 
-__all__ = ["DISABLE_ENV", "disabled", "load_library", "load_failure", "unavailable_reason"]
+__all__ = [
+    "DISABLE_ENV",
+    "disabled",
+    "load_library",
+    "load_failure",
+    "register_at_import",
+    "unavailable_reason",
+]
 
 #: Set (to anything non-empty) in the environment, the C++ kernels are neither built nor loaded.
 DISABLE_ENV = "JBACKENDS_NO_CPP"
@@ -57,12 +64,14 @@ def _version_text(v: int) -> str:
 def load_failure(module: str) -> Optional[str]:
     """Why the extension ``module`` was built and loaded but cannot be used (XLA refused one of its
     FFI handlers), or ``None``."""
+    _warn_pending(module)
     return _FAILURES.get(module)
 
 
 def unavailable_reason(module: str, what: str, not_built: str) -> str:
     """Why ``module`` (``what``: its name in words) gave no library: switched off, refused (the
     :func:`load_failure` reason), else ``not_built``."""
+    _warn_pending(module)
     if disabled():
         return f"{what} is switched off ({DISABLE_ENV} is set)"
     if (failure := _FAILURES.get(module)) is not None:
@@ -131,15 +140,42 @@ def load_library(
     return lib
 
 
+_QUIET = [False]  # register_at_import: a refusal's warning waits for the kernels' first use
+_PENDING: set = set()
+
+
 def _refuse(module: str, why: str) -> None:
     _FAILURES[module] = (
         f"{why}; rebuild it against this jaxlib (pip install --force-reinstall --no-deps -e . in this "
         "environment: the build takes the installed jaxlib's FFI headers)"
     )
-    warnings.warn(
-        f"jbackends: {_FAILURES[module]}. The XLA fallbacks run instead.", RuntimeWarning, stacklevel=3
-    )
+    if _QUIET[0]:
+        _PENDING.add(module)
+    else:
+        warnings.warn(
+            f"jbackends: {_FAILURES[module]}. The XLA fallbacks run instead.", RuntimeWarning, stacklevel=3
+        )
     return None
+
+
+def _warn_pending(module: str) -> None:
+    if module in _PENDING:
+        _PENDING.discard(module)
+        warnings.warn(
+            f"jbackends: {_FAILURES[module]}. The XLA fallbacks run instead.", RuntimeWarning, stacklevel=4
+        )
+
+
+def register_at_import(loader) -> None:
+    """Calls ``loader()`` (a cached `load_library` wrapper) at a module's import, so that its FFI
+    targets are registered (a deserialized export carrying them runs after ``import jbackends``)
+    without a word at import: a refusal warns when the kernels are first asked for (their
+    ``unavailable_reason`` / :func:`load_failure`), as it did when loading waited for that use."""
+    _QUIET[0] = True
+    try:
+        loader()
+    finally:
+        _QUIET[0] = False
 
 
 def xla_pool_setter(library, symbol: str):

@@ -4,6 +4,7 @@ without this check a compile error would only show as skipped tests."""
 import os
 import platform
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,25 @@ def test_an_extension_built_for_a_newer_ffi_api_is_refused_before_registering(mo
         assert _load_flash() is None
     why = ffi.load_failure(cpp_flash._MODULE)
     assert f"{built // 1000}.{built % 1000}" in why and "--force-reinstall --no-deps -e ." in why
+
+
+@needs_flash
+def test_a_refusal_at_import_warns_at_first_use_not_at_import(monkeypatch):
+    """`import jbackends` registers the kernels: a stale build's refusal must not warn there (a
+    ``-W error`` run would fail to import), but once, where the kernels are first asked for."""
+    built = cpp_flash._library().JbFfiApiVersion()
+    monkeypatch.setattr(ffi, "framework_api_version", lambda: built - 1)
+    monkeypatch.setattr(ffi, "_FAILURES", {})
+    monkeypatch.setattr(ffi, "_PENDING", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ffi.register_at_import(_load_flash)
+    with pytest.warns(RuntimeWarning, match="built for XLA FFI API .* rebuild it"):
+        why = ffi.unavailable_reason(cpp_flash._MODULE, "the flash kernel", "is not built")
+    assert "rebuild" in why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert "rebuild" in ffi.load_failure(cpp_flash._MODULE)
 
 
 @needs_flash

@@ -60,7 +60,7 @@ import numpy as np
 
 from pallas_kernels import partition
 from pallas_kernels.attention import base, sharded
-from pallas_kernels.ffi import load_library, unavailable_reason, xla_pool_setter
+from pallas_kernels.ffi import load_library, register_at_import, unavailable_reason, xla_pool_setter
 
 __all__ = [
     "Config",
@@ -114,8 +114,8 @@ def _library() -> Optional[ctypes.CDLL]:
 
 # Registered at import (`jbackends` imports this module), so that a deserialized CPU export carrying
 # the kernels runs in a fresh process that imported jbackends (ctypes loading is cheap; nothing is
-# compiled here).
-_library()
+# compiled here; a refusal warns at the kernels' first use, not at import).
+register_at_import(_library)
 
 
 def set_threads(n: int = 0) -> None:

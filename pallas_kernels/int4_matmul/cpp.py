@@ -107,8 +107,9 @@ def _library() -> ctypes.CDLL | None:
 
 
 # Registered at import (`jbackends` imports this module), so that a deserialized CPU export carrying
-# the kernels runs in a fresh process that imported jbackends (ctypes loading is cheap).
-_library()
+# the kernels runs in a fresh process that imported jbackends (ctypes loading is cheap; a refusal
+# warns at the kernels' first use, not at import).
+ffi.register_at_import(_library)
 
 
 def available() -> bool:
