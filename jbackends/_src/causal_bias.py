@@ -36,6 +36,8 @@ class CausalBias:
     def __post_init__(self):
         for name in ("seq_len_q", "seq_len_kv"):
             val = getattr(self, name)
+            if jax.export.is_symbolic_dim(val):  # a shape-polymorphic export's size
+                continue
             if not isinstance(val, (int, np.integer)) or val < 0:
                 raise ValueError(f"CausalBias.{name} must be an int >= 0; got {val!r}")
 
@@ -56,7 +58,8 @@ def _sizes(size) -> Tuple[int, int]:
         size = tuple(size[0])
     if len(size) != 2:
         raise ValueError(f"expected (seq_len_q, seq_len_kv); got {size!r}")
-    return int(size[0]), int(size[1])
+    # a symbolic size (a shape-polymorphic export's) stays symbolic
+    return tuple(d if jax.export.is_symbolic_dim(d) else int(d) for d in size)
 
 
 def causal_upper_left(*size) -> CausalBias:

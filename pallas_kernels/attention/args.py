@@ -404,8 +404,11 @@ def make_args(
     # means what it means at their end: both are clamped to [-T, S] (the window re-expressed around
     # the clamped diagonal), so that the kernels' int32 index arithmetic cannot wrap (a diag_offset of
     # 2**40, a window side of 2**31 - 1).
-    given_offset = int(diag_offset)
-    diag_offset = min(max(given_offset, -T), S)
+    # Symbolic sizes (a shape-polymorphic export) cannot be compared: the values stay as given there.
+    symbolic = any(jax.export.is_symbolic_dim(d) for d in (T, S, diag_offset))
+    given_offset = diag_offset if symbolic else int(diag_offset)
+    clamp = (lambda x: x) if symbolic else (lambda x: min(max(x, -T), S))  # noqa: E731
+    diag_offset = clamp(given_offset)
     if window is not None:
         if (
             not isinstance(window, (tuple, list))
@@ -413,8 +416,8 @@ def make_args(
             or any(not isinstance(w, (int, np.integer)) or w < 0 for w in window)
         ):
             raise ValueError(f"`window` must be a (left, right) pair of ints >= 0; got {window=}")
-        lo = min(max(given_offset - int(window[0]), -T), S)
-        hi = min(max(given_offset + int(window[1]), -T), S)
+        lo = clamp(given_offset - int(window[0]))
+        hi = clamp(given_offset + int(window[1]))
         window = (diag_offset - lo, hi - diag_offset)
     name = lambda arg: (names or {}).get(arg, arg)  # noqa: E731
     if q_seq_lengths is not None:

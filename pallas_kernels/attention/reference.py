@@ -70,12 +70,13 @@ def structure_empties_rows(args: AttentionArgs) -> bool:
     without a key; decided at trace time with numpy, ``O(T)``. A top-left causal mask (jax.nn's) never
     does; a bottom-right one with more queries than keys, or a window past the keys, does."""
     T, S = args.q_len, args.kv_len
+    symbolic = jax.export.is_symbolic_dim(T) or jax.export.is_symbolic_dim(S)
+    if not symbolic and S == 0:
+        return T > 0
     if not args.causal and args.window is None:
         return False
-    if jax.export.is_symbolic_dim(T) or jax.export.is_symbolic_dim(S):
+    if symbolic:
         return True  # symbolic sizes (a shape-polymorphic export): it may; the rows are masked at run time
-    if S == 0:
-        return T > 0
     i = np.arange(T, dtype=np.int64)
     lo, hi = key_range(i, i + 1, S, causal=args.causal, diag_offset=args.diag_offset, window=args.window)
     return bool(np.any(lo >= hi))

@@ -412,3 +412,20 @@ def test_shape_polymorphic_export_runs_math_like_jax_nn():
         exp_l.call(x, n), jax.nn.dot_product_attention(x, x, x, key_value_seq_lengths=n), rtol=1e-5, atol=1e-5
     )
     assert "jb_flash" not in exp_f.mlir_module()  # MATH: no custom call, nothing to opt in to
+    # a local window, and torch's lower-right causal mask built from symbolic sizes
+    exp_w = export.export(
+        jax.jit(lambda q: A.dot_product_attention(q, q, q, local_window_size=(3, 2))), platforms=["cpu"]
+    )(qs)
+    (s,) = export.symbolic_shape("s", scope=b.scope)
+
+    def lower_right(q, k):
+        return A.scaled_dot_product_attention(q, k, k, attn_mask=A.causal_lower_right(q.shape[2], k.shape[2]))
+
+    exp_c = export.export(jax.jit(lower_right), platforms=["cpu"])(
+        jax.ShapeDtypeStruct((b, 2, t, 16), jnp.float32), jax.ShapeDtypeStruct((b, 2, s, 16), jnp.float32)
+    )
+    x, y = rand((2, 11, 4, 16), 5), rand((2, 2, 9, 16), 6)
+    want = jax.nn.dot_product_attention(x, x, x, local_window_size=(3, 2))
+    np.testing.assert_allclose(exp_w.call(x), want, rtol=1e-5, atol=1e-5)
+    x = jnp.swapaxes(x[:, :5, :2], 1, 2)
+    np.testing.assert_allclose(exp_c.call(x, y), lower_right(x, y), rtol=1e-5, atol=1e-5)

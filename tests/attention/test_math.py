@@ -90,6 +90,15 @@ def test_structure_empties_rows_matches_the_full_mask():
     assert seen == {True, False}
 
 
+def test_no_key_at_all_empties_every_row():
+    """S = 0: every row is empty, with or without causal structure (the cuDNN bridge relies on it)."""
+    x, none = jnp.zeros((1, 5, 1, 4)), jnp.zeros((1, 0, 1, 4))
+    for kw in ({}, {"is_causal": True}):
+        args = base.make_args(x, none, none, **kw)
+        assert base.structure_empties_rows(args) is True
+        np.testing.assert_array_equal(np.asarray(base.rows_without_keys(args)), np.ones((1, 1, 5), bool))
+
+
 def test_top_left_causal_call_has_no_pass_over_the_output():
     """jax.nn's top-left causal mask leaves every row a key: the fully-masked-row fix returns the
     kernel's output untouched (no select over the output: the default causal bf16 forward at 4k ran at
