@@ -66,30 +66,31 @@ def compiler_options(flags: Any | None = None) -> dict[str, Any]:
 def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
     """Like `jax.jit`, with compile-time flags turned into XLA compiler options at call time.
 
-        `deterministic`, `benchmark`, `benchmark_limit`, `cudnn_enabled` and `preferred_blas_library` change
-        how XLA compiles (`cudnn_enabled` and `deterministic` also take part in tracing, e.g. the SDPA
-        choice). `jb.jit` keeps one `jax.jit` per distinct option
-        set, so two flag settings never share an executable. Options given in `compiler_options=` win.
+    `deterministic`, `benchmark`, `benchmark_limit`, `cudnn_enabled` and `preferred_blas_library` change
+    how XLA compiles (`cudnn_enabled` and `deterministic` also take part in tracing, e.g. the SDPA
+    choice). `jb.jit` keeps one `jax.jit` per distinct option set, so two flag settings never share an
+    executable. Options given in `compiler_options=` win.
+
     `.lower`, `.trace` and `.eval_shape` work as on `jax.jit`, for the flags in force where they are
     called; `.clear_cache()` clears every option set's executables.
 
-        XLA takes compiler options for a top-level compilation only. Where a `jb.jit` function is called
-        matters:
+    XLA takes compiler options for a top-level compilation only. Where a `jb.jit` function is called
+    matters:
 
-        * at top level, under an eager `jax.vmap` or `jax.jvp`, and (jax >= 0.12) under an eager
-          `jax.grad` / `jax.vjp`, whose pieces JAX compiles as top-level jits: the options apply;
-        * inside an outer `jb.jit`: a plain inner jit, and the outer one carries the same options;
-        * staged into a plain `jax.jit`, `lax.scan`, `jax.make_jaxpr`, ... (and under an eager `jax.grad`
-          on jax <= 0.10, which refuses the options there): a plain inner jit, with a warning naming the
-          options that are lost when any are set. JAX's refusal is recognised by its exact message for
-          these options, so a `ValueError` raised by the function itself propagates unchanged.
+    * at top level, under an eager `jax.vmap` or `jax.jvp`, and (jax >= 0.12) under an eager
+      `jax.grad` / `jax.vjp`, whose pieces JAX compiles as top-level jits: the options apply;
+    * inside an outer `jb.jit`: a plain inner jit, and the outer one carries the same options;
+    * staged into a plain `jax.jit`, `lax.scan`, `jax.make_jaxpr`, ... (and under an eager `jax.grad`
+      on jax <= 0.10, which refuses the options there): a plain inner jit, with a warning naming the
+      options that are lost when any are set. JAX's refusal is recognised by its exact message for
+      these options, so a `ValueError` raised by the function itself propagates unchanged.
 
-        Example:
-          >>> import jax.numpy as jnp, jbackends as jb
-          >>> f = jb.jit(lambda x: x + 1)
-          >>> with jb.with_backends(deterministic=True):
-          ...     float(f(jnp.float32(1)))
-          2.0
+    Example:
+      >>> import jax.numpy as jnp, jbackends as jb
+      >>> f = jb.jit(lambda x: x + 1)
+      >>> with jb.with_backends(deterministic=True):
+      ...     float(f(jnp.float32(1)))
+      2.0
     """
     if fun is None:
         return functools.partial(jit, **jit_kwargs)
