@@ -34,8 +34,12 @@ def _sub_jaxprs(eqn):
 
 
 def _kernel_dots(jaxpr, inside=False):
-    """The dot_general equations inside every pallas_call of ``jaxpr`` (loop bodies included)."""
+    """The dot_general equations inside every pallas_call of ``jaxpr`` (loop bodies included); of a
+    `pallas_kernels.gpu.gpu_call`, the GPU branch only (its other is the kernel in interpret mode)."""
     for e in jaxpr.eqns:
+        if e.primitive.name == "jb_pallas_gpu_call":
+            yield from _kernel_dots(e.params["gpu"].jaxpr, inside)
+            continue
         if e.primitive.name == "pallas_call":
             yield from _kernel_dots(e.params["jaxpr"], True)
             continue
