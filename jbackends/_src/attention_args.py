@@ -323,7 +323,7 @@ def lowering_platforms(platforms, arrays) -> Tuple[tuple, tuple]:
     if platforms is not None:
         if isinstance(platforms, str):
             platforms = (platforms,)
-        known = ("cpu", "cuda", "gpu", "rocm", "tpu")
+        known = _dispatch.PLATFORM_NAMES
         try:
             platforms = tuple(platforms)
         except TypeError:

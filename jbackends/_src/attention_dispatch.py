@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 from jbackends._src import dispatch, sdpa_registry, sdpa_speed
-from jbackends._src.dispatch import Implementation, canonical_platform, default_platform
+from jbackends._src.dispatch import PLATFORM_NAMES, Implementation, canonical_platform, default_platform
 from jbackends._src import verbose
 from jbackends._src.sdp_backends import DEFAULT_ORDER, FLAG, RUNNABLE, SDPBackend
 from pallas_kernels.attention import base
@@ -34,6 +34,7 @@ __all__ = [
     "NAMES",
     "NoAvailableBackendError",
     "Decision",
+    "PLATFORM_NAMES",
     "canonical_platform",
     "default_platform",
     "backend_choice",

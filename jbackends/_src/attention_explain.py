@@ -93,7 +93,7 @@ def sharding_plan(query, key, api, args, chosen) -> Optional[str]:
 
 
 #: The values `jb.explain(platform=...)` takes (besides None: the default backend's).
-EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
+EXPLAIN_PLATFORMS = _dispatch.PLATFORM_NAMES
 
 
 def explain_call(

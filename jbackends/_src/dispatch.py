@@ -227,6 +227,10 @@ def by_platform(
     return jax.lax.platform_dependent(*operands, default=default, **branches)
 
 
+#: The platform names a caller may give (``platforms=``, ``explain(platform=...)``); "gpu" is canonicalised.
+PLATFORM_NAMES = ("cpu", "cuda", "gpu", "rocm", "tpu")
+
+
 def canonical_platform(p: str) -> str:
     """Lowering-platform name: ``"gpu"`` becomes ``"cuda"`` or ``"rocm"``, others unchanged."""
     p = p.lower()

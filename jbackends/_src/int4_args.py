@@ -40,7 +40,7 @@ EXPLAIN_DTYPES = {
 }
 
 #: The values `quantized.explain(platform=...)` takes (besides None: the default backend's).
-EXPLAIN_PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
+EXPLAIN_PLATFORMS = _registry.PLATFORM_NAMES
 
 
 def check_int(name: str, v: Any) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from jbackends._src.dispatch import GPU_LOWERING, Implementation, lazy
+from jbackends._src.dispatch import GPU_LOWERING, PLATFORM_NAMES, Implementation, lazy
 
 __all__ = [
     "PALLAS",
@@ -31,6 +31,7 @@ __all__ = [
     "BY_NAME",
     "implementations",
     "engine_filter",
+    "PLATFORM_NAMES",
 ]
 
 _PKG = "pallas_kernels.int4_matmul"
