@@ -151,6 +151,27 @@ def jaxnn(*a, **kw):
     return jax.nn.dot_product_attention(*a, **kw)
 
 
+def _jit_vjp(f, primals, cotangent):
+    """``jax.vjp(f, *primals)``'s output and its pullback of ``cotangent``, under one jit (eager, each op
+    of a backward pass compiles on its own: seconds a call; the eager path has tests of its own)."""
+
+    def run(primals, cotangent):
+        out, pullback = jax.vjp(f, *primals)
+        return out, pullback(cotangent)
+
+    return jax.jit(run)(primals, cotangent)
+
+
+def _jaxnn_vjp(f, primals, cotangent):
+    """``_jit_vjp`` for a jax.nn reference, eager for float16: jax.nn's backward under jit fails on
+    CPU there ("The precision 'F16_F16_F32' is not supported by dot_general on CPU", jax 0.10.2 and
+    0.12.0.1), where jb's runs; the cuDNN bridge's CPU stand-in here is jax.nn."""
+    if any(getattr(x, "dtype", None) == jnp.float16 for x in primals):
+        out, pullback = jax.vjp(f, *primals)
+        return out, pullback(cotangent)
+    return _jit_vjp(f, primals, cotangent)
+
+
 # ---- (1) the residual's dtype ---------------------------------------------------------------------
 
 
@@ -162,13 +183,11 @@ def test_residual_in_input_dtype_and_vjp_with_that_cotangent(name, dtype):
     with backend(name):
         out, lse = f(q)
         assert lse.dtype == q.dtype and out.dtype == q.dtype
-        (out, lse), vjp = jax.vjp(f, q)
-        (g,) = vjp((jnp.ones_like(out), jnp.ones(lse.shape, q.dtype)))
-    want_out, want_lse = jaxnn(q, q, q, return_residual=True)
+        ct = (jnp.ones_like(out), jnp.ones(lse.shape, q.dtype))
+        (out, lse), (g,) = (_jaxnn_vjp if name == "cudnn" else _jit_vjp)(f, (q,), ct)
+    (want_out, want_lse), (g_ref,) = _jaxnn_vjp(lambda q: jaxnn(q, q, q, return_residual=True), (q,), ct)
     assert want_lse.dtype == lse.dtype
     np.testing.assert_allclose(np.float32(lse), np.float32(want_lse), atol=2e-2, rtol=1e-2)
-    (_, _), vjp_ref = jax.vjp(lambda q: jaxnn(q, q, q, return_residual=True), q)
-    (g_ref,) = vjp_ref((jnp.ones_like(out), jnp.ones(lse.shape, q.dtype)))
     assert g.dtype == g_ref.dtype
     np.testing.assert_allclose(np.float32(g), np.float32(g_ref), atol=3e-2, rtol=3e-2)
 
@@ -241,14 +260,16 @@ def test_bool_mask_fully_masked_rows_match_jaxnn_with_grads(name):
         out, lse = impl(q, k, v, mask=mask, return_residual=True, **kw)
         return (out * ct).sum(), (out, lse)
 
-    want_g, (want, want_lse) = jax.grad(functools.partial(f, jaxnn), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want_g, (want, want_lse) = jax.jit(
+        jax.grad(functools.partial(f, jaxnn), argnums=(0, 1, 2), has_aux=True)
+    )(q, k, v)
     if name == "flash_xla":  # the blockwise XLA FLASH takes no boolean mask: a clear error
         with backend(name), pytest.raises(A.NoAvailableBackendError, match="boolean attn_mask"):
             jb.dot_product_attention(q, k, v, mask=mask)
         return
     with backend(name):
-        got_g, (got, lse) = jax.grad(
-            functools.partial(f, jb.dot_product_attention), argnums=(0, 1, 2), has_aux=True
+        got_g, (got, lse) = jax.jit(
+            jax.grad(functools.partial(f, jb.dot_product_attention), argnums=(0, 1, 2), has_aux=True)
         )(q, k, v)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=3e-5, rtol=1e-6)
@@ -272,10 +293,12 @@ def test_lengths_and_structural_masks_fully_masked_rows_match_jaxnn(name):
         out, lse = impl(q, k, v, return_residual=True, **kw)
         return (out.astype(jnp.float32) * ct).sum(), (out, lse)
 
-    want_g, (want, want_lse) = jax.grad(functools.partial(f, jaxnn), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want_g, (want, want_lse) = jax.jit(
+        jax.grad(functools.partial(f, jaxnn), argnums=(0, 1, 2), has_aux=True)
+    )(q, k, v)
     with backend(name):
-        got_g, (got, lse) = jax.grad(
-            functools.partial(f, jb.dot_product_attention), argnums=(0, 1, 2), has_aux=True
+        got_g, (got, lse) = jax.jit(
+            jax.grad(functools.partial(f, jb.dot_product_attention), argnums=(0, 1, 2), has_aux=True)
         )(q, k, v)
     tol = 2e-2 if dtype == jnp.bfloat16 else 3e-5
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
@@ -313,18 +336,17 @@ def test_extensions_fully_masked_rows_give_mean_of_v(name):
         up = args.replace(
             q=args.q.astype(jnp.float32), k=args.k.astype(jnp.float32), v=args.v.astype(jnp.float32)
         )
-        ref_zero, ref_lse = base.reference(up)
+        ref_zero, ref_lse = jax.jit(base.reference)(up)
         empty = np.swapaxes(np.isneginf(np.asarray(ref_lse)), 1, 2)
         assert empty.any() and not empty.all(), what
         want = _mean_v_rows(ref_zero, up.v, empty, 1)
         with backend(name):
             try:
                 f = lambda v: jb.dot_product_attention(q, k, v, **kw)  # noqa: E731
-                got, vjp = jax.vjp(f, v)
+                got, (gv,) = _jit_vjp(f, (v,), jnp.ones((2, 20, 2, 8), dtype))
             except A.NoAvailableBackendError:
                 assert name == "cudnn"  # cuDNN takes neither an offset diagonal nor segment ids
                 continue
-            (gv,) = vjp(jnp.ones_like(got))
             _, lse = jb.dot_product_attention(q, k, v, return_residual=True, **kw)
         tol = 2e-2 if dtype == jnp.bfloat16 else 3e-5
         np.testing.assert_allclose(np.float32(got), want, atol=tol, rtol=tol, err_msg=what)
@@ -334,7 +356,7 @@ def test_extensions_fully_masked_rows_give_mean_of_v(name):
         # dV: every fully masked row adds 1 / S to each key (the rest is the reference's gradient).
         n_empty = empty.sum(axis=1)  # [B, N] rows without a key, per head (K == N here)
         gv_ref = (
-            np.asarray(jax.grad(lambda v: base.reference(up.replace(v=v))[0].sum())(up.v))
+            np.asarray(jax.jit(jax.grad(lambda v: base.reference(up.replace(v=v))[0].sum()))(up.v))
             + (n_empty / 12.0)[:, None, :, None]
         )
         np.testing.assert_allclose(np.float32(gv), gv_ref, atol=tol * 4, rtol=tol, err_msg=what)
@@ -423,10 +445,10 @@ def test_upstream_gqa_vmap_and_lse_cotangent(name, dtype, groups, use_vmap):
     if use_vmap:
         ans = jax.vmap(ans)
     with backend(name):
-        out, vjp = jax.vjp(ans, Q, K, V)
-        dq, dk, dv = vjp((grad, lse_grad))
-    ref, vjp_ref = jax.vjp(lambda q, k, v: jaxnn(q, k, v, return_residual=True), Q, K_ref, V_ref)
-    rq, rk, rv = vjp_ref((grad, lse_grad))
+        out, (dq, dk, dv) = (_jaxnn_vjp if name == "cudnn" else _jit_vjp)(ans, (Q, K, V), (grad, lse_grad))
+    ref, (rq, rk, rv) = _jaxnn_vjp(
+        lambda q, k, v: jaxnn(q, k, v, return_residual=True), (Q, K_ref, V_ref), (grad, lse_grad)
+    )
     rk = rk.reshape(B, S, N // groups, groups, H).sum(axis=3)
     rv = rv.reshape(B, S, N // groups, groups, H).sum(axis=3)
     for a, b in zip((out[0], out[1], dq, dk, dv), (ref[0], ref[1], rq, rk, rv)):
@@ -465,17 +487,17 @@ def test_upstream_mask_modes_with_gradients(name, mode):
         bias = jax.random.normal(keys[4], (1, N, T, S), jnp.bfloat16)
     if "sliding_window" in mode:
         kw["local_window_size"] = (3, 2)
-    ref, vjp_ref = jax.vjp(lambda q, k, v, b: jaxnn(q, k, v, b, mask, **kw), Q, K, V, bias)
+    ref, want = _jaxnn_vjp(lambda q, k, v, b: jaxnn(q, k, v, b, mask, **kw), (Q, K, V, bias), grad)
     takes = name in ("math", "efficient", "flash_cpp") or (bias is None and mask is None)
     if not takes:
         with backend(name), pytest.raises(A.NoAvailableBackendError):
             jb.dot_product_attention(Q, K, V, bias, mask, **kw)
         return
     with backend(name):
-        out, vjp = jax.vjp(lambda q, k, v, b: jb.dot_product_attention(q, k, v, b, mask, **kw), Q, K, V, bias)
-        got = vjp(grad)
+        f = lambda q, k, v, b: jb.dot_product_attention(q, k, v, b, mask, **kw)  # noqa: E731
+        out, got = _jit_vjp(f, (Q, K, V, bias), grad)
     np.testing.assert_allclose(np.float32(out), np.float32(ref), atol=1e-2, rtol=1e-2)
-    for a, b, tol in zip(got, vjp_ref(grad), (2e-2, 2e-2, 1e-2, 2e-2)):
+    for a, b, tol in zip(got, want, (2e-2, 2e-2, 1e-2, 2e-2)):
         if b is None:
             continue
         np.testing.assert_allclose(np.float32(a), np.float32(b), atol=tol, rtol=tol)

@@ -211,7 +211,7 @@ def test_reference_matches_float64_numpy_written_from_the_contract(case):
     windows, soft cap, lengths, segment ids, dropout, GQA) against an independent float64 version. Its
     gradients are JAX's autodiff of this forward."""
     args = make_case(case)
-    out, lse = base.reference(upcast(args))  # float32 inputs of the same values
+    out, lse = jax.jit(base.reference)(upcast(args))  # float32 inputs, same values (jit: eager is op by op)
     want_out, want_lse = _float64_attention(args)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
