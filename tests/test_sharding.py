@@ -366,7 +366,7 @@ def test_explicit_mesh_with_replicated_inputs(how):
     for name in ("flash_cpp", "flash_xla", "efficient"):
         attn_ref[name] = _call(name, False)(q, k, v, None, None)
     int4_ref = {
-        (op, impl): jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x, packed, impl))))(x)
+        (op, impl): jax.jit(jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x, packed, impl)))))(x)
         for op, f in INT4_OPS.items()
         for impl in (None, "xla") + _CPP
     }

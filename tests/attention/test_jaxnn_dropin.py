@@ -218,19 +218,23 @@ def test_residual_gradient_is_jaxnn_zero_and_true_on_request(name):
         ).sum()
 
     with backend(name):
-        g = jax.grad(loss, argnums=(0, 1))(q, k)
+        g = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, k)
         assert all(float(jnp.abs(x).max()) == 0.0 for x in g)  # jax.nn's stop_gradient
         if name == "cudnn":  # cuDNN's statistic has no gradient: a stop_gradient there too
             return
-        gt = jax.grad(functools.partial(loss, residual_gradient=True), argnums=(0, 1))(q, k)
-    want = jax.grad(
-        lambda q, k: (
-            jnp.swapaxes(base.reference(base.make_args(q, k, k, is_causal=True))[1], 1, 2) * w
-        ).sum(),
-        argnums=(0, 1),
+        gt = jax.jit(jax.grad(functools.partial(loss, residual_gradient=True), argnums=(0, 1)))(q, k)
+    want = jax.jit(
+        jax.grad(
+            lambda q, k: (
+                jnp.swapaxes(base.reference(base.make_args(q, k, k, is_causal=True))[1], 1, 2) * w
+            ).sum(),
+            argnums=(0, 1),
+        )
     )(q, k)
     assert (
-        jax.grad(lambda q: (jaxnn(q, k, k, is_causal=True, return_residual=True)[1] * w).sum())(q).max()
+        jax.jit(jax.grad(lambda q: (jaxnn(q, k, k, is_causal=True, return_residual=True)[1] * w).sum()))(
+            q
+        ).max()
         == 0.0
     )  # what jax.nn does
     for a, b in zip(gt, want):
@@ -368,8 +372,8 @@ def test_zero_option_and_torch_api_give_zeros(name):
     kw = dict(mask=A.causal_lower_right(20, 12))
     with backend(name):
         out, lse = jb.dot_product_attention(q, k, k, return_residual=True, fully_masked_rows="zero", **kw)
-        g = jax.grad(
-            lambda k: jb.dot_product_attention(q, k, k, fully_masked_rows="zero", **kw)[:, :8].sum()
+        g = jax.jit(
+            jax.grad(lambda k: jb.dot_product_attention(q, k, k, fully_masked_rows="zero", **kw)[:, :8].sum())
         )(k)
         t = jb.scaled_dot_product_attention(
             q.swapaxes(1, 2), k.swapaxes(1, 2), k.swapaxes(1, 2), attn_mask=A.causal_lower_right(20, 12)
@@ -571,8 +575,8 @@ def test_finfo_min_padding_bias_like_jaxnn(name, bias_dtype):
     def loss(f):
         return lambda q, k, v: jnp.sum(f(q, k, v, bias=bias) * ct)
 
-    want = jaxnn(q, k, v, bias=bias)
-    want_g = jax.grad(loss(jaxnn), argnums=(0, 1, 2))(q, k, v)
+    want = jax.jit(lambda q, k, v: jaxnn(q, k, v, bias=bias))(q, k, v)
+    want_g = jax.jit(jax.grad(loss(jaxnn), argnums=(0, 1, 2)))(q, k, v)
     with backend(name):
         got = jax.jit(lambda q, k, v: jb.dot_product_attention(q, k, v, bias=bias))(q, k, v)
         got_g = jax.jit(jax.grad(loss(jb.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
@@ -618,7 +622,7 @@ def test_padded_rows_gradients_like_jaxnn(name, low, use_vmap):
         x = tuple(a[:, None] for a in x) if use_vmap else x
         return jax.grad(lambda *x: jnp.sum(g(*x).reshape(ct.shape) * ct), argnums=(0, 1, 2, 3))(*x)
 
-    want = loss(jaxnn)
+    want = jax.jit(lambda: loss(jaxnn))()
     with backend(name):
         got = jax.jit(lambda: loss(jb.dot_product_attention))()
     for a, b, what in zip(got, want, ("dq", "dk", "dv", "dbias")):
@@ -645,7 +649,7 @@ def test_upstream_bias_gradient(name, use_vmap):
     with backend(name):
         y = jax.jit(ans)(x, bias, mask)
         _, db, _ = jax.jit(lambda x, b, m: jax.vjp(ans, x, b, m)[1](x))(x, bias, mask)
-    _, db_ref, _ = jax.vjp(ref, x, bias, mask)[1](x)
+    _, db_ref, _ = jax.jit(lambda x, b, m: jax.vjp(ref, x, b, m)[1](x))(x, bias, mask)
     np.testing.assert_allclose(np.float32(y), np.float32(jax.jit(ref)(x, bias, mask)), atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(np.float32(db), np.float32(db_ref), atol=0.1, rtol=0.1)
 
