@@ -541,7 +541,7 @@ def test_traced_scale_like_jaxnn(name):
     def loss(f):
         return lambda t, q: jnp.sum(jnp.sin(f(q, k, v, scale=t, is_causal=True)))
 
-    want = jax.grad(loss(jaxnn), argnums=(0, 1))(jnp.float32(0.4), q)
+    want = jax.jit(jax.grad(loss(jaxnn), argnums=(0, 1)))(jnp.float32(0.4), q)
     with backend(name):
         got = jax.jit(jax.grad(loss(jb.dot_product_attention), argnums=(0, 1)))(jnp.float32(0.4), q)
         out = jax.jit(lambda q: jb.dot_product_attention(q, k, v, scale=1.0 / jnp.sqrt(q.shape[-1])))(q)
