@@ -148,6 +148,17 @@ def assert_close(actual, expected, tol, what):
     np.testing.assert_allclose(a, e, atol=tol, rtol=tol, err_msg=what)
 
 
+def vjp_of(f, primals, cotangent, *, jit: bool = True):
+    """``jax.vjp(f, *primals)``'s output and its pullback of ``cotangent``, by default under one jit
+    (eager, each op of a backward pass compiles on its own: seconds a call)."""
+
+    def run(primals, cotangent):
+        out, pullback = jax.vjp(f, *primals)
+        return out, pullback(cotangent)
+
+    return (jax.jit(run) if jit else run)(primals, cotangent)
+
+
 def grads_of(impl, args, *, jit: bool):
     has_bias = args.bias is not None
     argnums = (0, 1, 2, 3) if has_bias else (0, 1, 2)

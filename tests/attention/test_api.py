@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jbackends as jb
 from jbackends import attention as A
 from pallas_kernels.attention import base, cpp_flash
-from tests.attention.attention_base import assert_close
+from tests.attention.attention_base import assert_close, vjp_of
 
 B = A.SDPBackend
 
@@ -267,9 +267,7 @@ def test_sdpa_broadcasts_leading_dims_like_torch(shapes, kw):
 
         # under jit: eager, each op of a backend's vjp compiles on its own (3-5 s a case; the eager
         # path has its own tests)
-        got, grads = jax.jit(lambda q, k, v, g: (lambda o, vjp: (o, vjp(g)))(*jax.vjp(f, q, k, v)))(
-            q, k, v, g
-        )
+        got, grads = vjp_of(f, (q, k, v), g)
         assert got.shape == want.shape, (backends, got.shape, want.shape)
         assert_close(got, want, 2e-5, f"{backends} out")
         for name, a, b in zip("qkv", grads, want_grads):

@@ -35,6 +35,7 @@ from pallas_kernels.attention import (
     triton_flash_vjp,
     triton_mem_efficient,
 )
+from tests.attention.attention_base import vjp_of
 
 SB = A.SDPBackend
 LARGE_NEG = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
@@ -152,24 +153,16 @@ def jaxnn(*a, **kw):
 
 
 def _jit_vjp(f, primals, cotangent):
-    """``jax.vjp(f, *primals)``'s output and its pullback of ``cotangent``, under one jit (eager, each op
-    of a backward pass compiles on its own: seconds a call; the eager path has tests of its own)."""
-
-    def run(primals, cotangent):
-        out, pullback = jax.vjp(f, *primals)
-        return out, pullback(cotangent)
-
-    return jax.jit(run)(primals, cotangent)
+    """:func:`vjp_of` under jit (the eager path has tests of its own)."""
+    return vjp_of(f, primals, cotangent)
 
 
 def _jaxnn_vjp(f, primals, cotangent):
-    """``_jit_vjp`` for a jax.nn reference, eager for float16: jax.nn's backward under jit fails on
+    """:func:`vjp_of` for a jax.nn reference, eager for float16: jax.nn's backward under jit fails on
     CPU there ("The precision 'F16_F16_F32' is not supported by dot_general on CPU", jax 0.10.2 and
     0.12.0.1), where jb's runs; the cuDNN bridge's CPU stand-in here is jax.nn."""
-    if any(getattr(x, "dtype", None) == jnp.float16 for x in primals):
-        out, pullback = jax.vjp(f, *primals)
-        return out, pullback(cotangent)
-    return _jit_vjp(f, primals, cotangent)
+    eager = any(getattr(x, "dtype", None) == jnp.float16 for x in primals)
+    return vjp_of(f, primals, cotangent, jit=not eager)
 
 
 # ---- (1) the residual's dtype ---------------------------------------------------------------------
