@@ -183,10 +183,10 @@ def _choose(engine: str, call: _base.Int4Call, platform: str) -> _dispatch.Choic
     )
 
 
-def _lowering_branches(
-    op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call, run_options: dict
-) -> jax.Array:
-    """Chooses per lowering platform (cpu, cuda, rocm, other) and combines them.
+def _plan(op: str, x: jax.Array, packed: PackedInt4Weight, call: _base.Int4Call) -> tuple:
+    """Chooses per lowering platform (cpu, cuda, rocm, other): ``(default, branches)``, the
+    implementation that serves every platform without a branch of its own and ``((platform,
+    implementation), ...)`` for the others (combined by :func:`_compiled_op`).
 
     Raises NotImplementedError when no implementation the ``quantized_engine`` flag allows can run the
     call on the default backend's platform (only possible under ``quantized_engine='pallas'``, which
@@ -203,7 +203,7 @@ def _lowering_branches(
                 raise NotImplementedError(_nothing_runs(op, flags.quantized_engine, choice))
             continue
         chosen_all.append(f"{choice.chosen.name}@{platform}")
-        branches[platform] = (lambda impl: lambda a, p: impl.run(a, p, **run_options))(choice.chosen)
+        branches[platform] = choice.chosen
     _verbose.report_dispatch(
         op,
         ",".join(chosen_all),
@@ -212,7 +212,38 @@ def _lowering_branches(
         (str(x.dtype), "uint4"),
     )
     default = branches.pop("other", None) or branches.pop(here)
-    return _dispatch.by_platform(branches, default, x, packed)
+    return default, tuple(sorted(branches.items()))
+
+
+def _run(op: str, x: jax.Array, packed: PackedInt4Weight, implementation: str | None, options: dict):
+    """Chooses (unless ``implementation`` pins one) and runs ``op`` through :func:`_compiled_op`."""
+    if implementation is not None:
+        default, branches = _registry.BY_NAME[implementation], ()
+    else:
+        kind = "dyn_quant" if op == "dyn_quant_matmul_4bit" else "weight_only"
+        default, branches = _plan(op, x, packed, _base.Int4Call.of(kind, x, packed))
+    return _compiled_op(x, packed, default, branches, tuple(sorted(options.items())))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _compiled_op(x, packed, default, branches, options):
+    """``default`` / ``branches`` (one implementation per lowering platform) run with ``options``,
+    each engine's gradient replaced by the straight-through one, rows and features kept sharded.
+
+    One ``jax.jit`` (the choice is made outside it, so a ranker or the flags apply at every call and
+    verbose logs every decision): under a trace a nested jit XLA inlines; called eagerly it compiles
+    once per shape, dtype and choice, where eager JAX would rebuild the ``platform_dependent`` and the
+    row split at every call and compile them again (~0.2-1 s per call at any size).
+    """
+    opts = dict(options)
+
+    def run(impl):
+        return lambda a, p: impl.run(a, p, **opts)
+
+    def fwd(a, p):
+        return _dispatch.by_platform({pl: run(impl) for pl, impl in branches}, run(default), a, p)
+
+    return _straight_through_vjp(fwd, x, packed)
 
 
 def _nothing_runs(op: str, engine: str, choice: _dispatch.Choice) -> str:
@@ -352,13 +383,7 @@ def dyn_quant_matmul_4bit(
     _args.check_sizes(packed, groupsize, in_features, out_features)
     x = _base.check_input(input, packed)
     impl = _args.check_implementation(implementation)
-    opts = dict(op="dyn_quant")
-    if impl is not None:
-        fwd = lambda a, p: _registry.BY_NAME[impl].run(a, p, **opts)
-    else:
-        call = _base.Int4Call.of("dyn_quant", x, packed)
-        fwd = lambda a, p: _lowering_branches("dyn_quant_matmul_4bit", a, p, call, opts)
-    return _straight_through_vjp(fwd, x, packed)
+    return _run("dyn_quant_matmul_4bit", x, packed, impl, dict(op="dyn_quant"))
 
 
 def int4_matmul(
@@ -404,14 +429,7 @@ def int4_matmul(
     x = _base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
     _args.check_compute_dtype(compute_dtype)
     impl = _args.check_implementation(implementation)
-
-    opts = dict(op="weight_only", compute_dtype=compute_dtype)
-    if impl is not None:
-        fwd = lambda a, p: _registry.BY_NAME[impl].run(a, p, **opts)
-    else:
-        call = _base.Int4Call.of("weight_only", x, packed)
-        fwd = lambda a, p: _lowering_branches("int4_matmul", a, p, call, opts)
-    return _straight_through_vjp(fwd, x, packed)
+    return _run("int4_matmul", x, packed, impl, dict(op="weight_only", compute_dtype=compute_dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

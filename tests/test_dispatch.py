@@ -1,5 +1,7 @@
 """The one dispatcher and its two registries (SDPA, int4): order, filters, the ranking hook, explain."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -344,3 +346,75 @@ def test_measurements_are_validated():
         sdpa_speed.add("cudnn is faster")
     with pytest.raises(TypeError, match="flag .sdpa_prefer_faster. expects a bool"):
         jb.with_backends(sdpa_prefer_faster="yes")
+
+
+@contextlib.contextmanager
+def _compilations():
+    """The names of the functions XLA compiles inside the block (jax.monitoring's compile events)."""
+    names = []
+
+    def listen(event, secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("backend", ["math", "mem_efficient", "flash"])
+def test_eager_attention_compiles_once_per_shape(backend):
+    """An eager call runs its implementation as one jit: the second call of the same shapes compiles
+    nothing, forward or gradient (eager JAX recompiled the blockwise kernels' loops at every call), and
+    gives the same numbers as the call under the user's jit."""
+    q, k, v = jax.random.normal(jax.random.key(3), (3, 2, 40, 2, 16))
+    flags = dict(math=False, flash=False, mem_efficient=False, cudnn=False) | {backend: True}
+
+    def loss(q, k, v):
+        return (jb.dot_product_attention(q, k, v, is_causal=True) ** 2).sum()
+
+    with jb.with_backends(**flags):
+        first = jb.dot_product_attention(q, k, v, is_causal=True), jax.grad(loss, (0, 1, 2))(q, k, v)
+        with _compilations() as compiled:
+            again = jb.dot_product_attention(q, k, v, is_causal=True), jax.grad(loss, (0, 1, 2))(q, k, v)
+        jitted = jax.jit(
+            lambda q, k, v: (
+                jb.dot_product_attention(q, k, v, is_causal=True),
+                jax.grad(loss, (0, 1, 2))(q, k, v),
+            )
+        )(q, k, v)
+    assert compiled == []
+    for a, b, c in zip(jax.tree.leaves(first), jax.tree.leaves(again), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["auto", "xla"])
+def test_eager_int4_compiles_once_per_shape_and_still_reports_each_choice(engine, caplog):
+    """The same for the int4 ops (eager JAX rebuilt and recompiled their per-platform choice at every
+    call), while the choice itself is still made, and logged under verbose, at every call."""
+    import logging
+
+    p = _packed()
+    x = jax.random.normal(jax.random.key(4), (5, 128))
+
+    def calls():
+        return (
+            jb.quantized.dyn_quant_matmul_4bit(x, p, 32, 128, 64),
+            jb.quantized.int4_matmul(x, p),
+            jax.grad(lambda a: jb.quantized.int4_matmul(a, p).sum())(x),
+        )
+
+    with jb.with_backends(quantized_engine=engine):
+        first = calls()
+        with _compilations() as compiled, caplog.at_level(logging.INFO, logger="jbackends"), jb.verbose(1):
+            again = calls()
+    assert compiled == []
+    assert caplog.text.count("dispatch op=dyn_quant_matmul_4bit") == 1
+    assert caplog.text.count("dispatch op=int4_matmul") == 2
+    want = jb.quantized.int4_matmul(x, p, implementation="xla")
+    np.testing.assert_allclose(np.asarray(first[1]), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -273,7 +273,7 @@ def run(
 
     def branch(impl, platform):
         opts = impl.options(flags, platform)
-        return lambda a: impl.run(a, **opts)
+        return lambda a: impl.run_jitted(a, opts)
 
     def combined(ds):
         if len(ds) == 1:
