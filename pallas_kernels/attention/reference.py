@@ -121,8 +121,12 @@ def rows_without_keys(args: AttentionArgs):
     return jnp.broadcast_to(empty, (args.batch, T))[:, None]
 
 
+@functools.partial(jax.jit, static_argnames="low_precision")
 def reference(args: AttentionArgs, *, low_precision: bool = False):
     """The math implementation: plain jnp, float32 accumulation (unless ``low_precision``).
+
+    One ``jax.jit`` (called eagerly, as tests and notebooks do, it compiles once per shape instead of
+    op by op; under a trace it is a nested jit XLA inlines).
 
     Args:
       args: canonical arguments (see :func:`make_args`).
