@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jbackends as jb
 from pallas_kernels import partition
 from pallas_kernels.int4_matmul import cpp as int4_cpp
+from tests.attention.attention_base import normal, seeds, uniform
 
 B, T, N, K, H = 4, 40, 4, 2, 16
 
@@ -32,12 +33,12 @@ def _mesh(axis_type="Auto"):
 
 
 def _inputs(seed=0):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
-    k = jax.random.normal(keys[1], (B, T, K, H), jnp.float32)
-    v = jax.random.normal(keys[2], (B, T, K, H), jnp.float32)
-    bias = jax.random.normal(keys[3], (1, N, T, T), jnp.float32)  # broadcast over the batch
-    mask = jax.random.uniform(keys[4], (B, 1, T, T)) > 0.2
+    keys = seeds(seed, 5)
+    q = normal(keys[0], (B, T, N, H), jnp.float32)
+    k = normal(keys[1], (B, T, K, H), jnp.float32)
+    v = normal(keys[2], (B, T, K, H), jnp.float32)
+    bias = normal(keys[3], (1, N, T, T), jnp.float32)  # broadcast over the batch
+    mask = uniform(keys[4], (B, 1, T, T)) > 0.2
     return q, k, v, bias, mask
 
 
@@ -223,7 +224,7 @@ def test_an_operand_split_over_the_minor_part_of_an_axis_is_gathered():
         out_factors=(("b", "t", "k"),),
         parallel=("b", "k"),
     )
-    x = jax.random.normal(jax.random.key(0), (2, 6, 4, 2, 3))
+    x = normal(0, (2, 6, 4, 2, 3))
 
     def g(x):
         y = x.reshape(2, 6, 2, 2, 2, 3).transpose(0, 1, 3, 2, 4, 5)  # dim 2: the minor half of h
@@ -238,7 +239,7 @@ def test_vmap_of_a_sharded_kernel_runs_unpartitioned():
         return (jnp.cumsum(x, axis=1),)
 
     f = partition.sharded(kern, in_factors=(("b", "t"),), out_factors=(("b", "t"),), parallel=("b",))
-    x = jax.random.normal(jax.random.key(0), (3, 4, 5))
+    x = normal(0, (3, 4, 5))
     np.testing.assert_allclose(np.asarray(jax.vmap(lambda x: f(x)[0])(x)), np.cumsum(x, axis=2), rtol=1e-6)
 
 
@@ -297,10 +298,10 @@ def test_int4_keeps_row_and_feature_sharding(engine, op, axis_type):
     t = getattr(jax.sharding.AxisType, axis_type)
     mesh = jax.make_mesh((4, 2), ("m", "n"), axis_types=(t, t))
     K, Nf, M, g = 256, 64, 16, 32
-    w = jax.random.normal(jax.random.key(0), (Nf, K))
+    w = normal(0, (Nf, K))
     qw, s = Q.quantize_4bit(w, g)
     p = Q.dyn_quant_pack_4bit_weight(qw, s, jnp.arange(Nf, dtype=jnp.float32), g, K, Nf)
-    x = jax.random.normal(jax.random.key(1), (2, M, K))
+    x = normal(1, (2, M, K))
     impl = None if engine == "auto" else engine
     if op == "dyn_quant":
         f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, Nf, implementation=impl)  # noqa: E731
@@ -330,7 +331,7 @@ def test_int4_keeps_row_and_feature_sharding(engine, op, axis_type):
 def _int4_weight(K=128, Nf=16, g=32, bias=False):
     import jbackends.quantized as Q  # noqa: PLC0415
 
-    qw, s = Q.quantize_4bit(jax.random.normal(jax.random.key(3), (Nf, K)), g)
+    qw, s = Q.quantize_4bit(normal(3, (Nf, K)), g)
     b = jnp.linspace(-1, 1, Nf) if bias else None
     return qw, s, b, lambda s_: Q.dyn_quant_pack_4bit_weight(qw, s_, b, g, K, Nf)
 
@@ -360,7 +361,7 @@ def test_explicit_mesh_with_replicated_inputs(how):
     else:
         mesh = _mesh("Explicit")
     q, k, v, _, _ = _inputs(2)
-    x = jax.random.normal(jax.random.key(4), (4, 8, 128))
+    x = normal(4, (4, 8, 128))
     packed = _int4_weight(bias=True)[3](_int4_weight()[1])
     attn_ref = {}
     for name in ("flash_cpp", "flash_xla", "efficient"):
@@ -394,7 +395,7 @@ def test_int4_inside_shard_map_with_a_replicated_weight(op):
     on every device sums the devices' parts, as JAX's autodiff of the plain product does."""
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     qw, s, b, pack = _int4_weight(bias=True)
-    x = jax.random.normal(jax.random.key(5), (8, 4, 128))
+    x = normal(5, (8, 4, 128))
     f = INT4_OPS[op]
     fwd = jax.jit(
         jax.shard_map(lambda x, p: f(x, p, None), mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
@@ -479,10 +480,10 @@ def test_sequence_split_runs_a_ring(name, causal, axis_type, logits):
     where the fused kernels recompute exact softmax statistics: a ring's per-shard backward must
     keep the global lse (a shard's own statistics normalised P over its keys only)."""
     mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
-    keys = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(keys[0], (2, 64, 4, 16))
-    k = jax.random.normal(keys[1], (2, 64, 2, 16))  # GQA: 2 query heads per kv head
-    v = jax.random.normal(keys[2], (2, 64, 2, 16))
+    keys = seeds(3, 3)
+    q = normal(keys[0], (2, 64, 4, 16))
+    k = normal(keys[1], (2, 64, 2, 16))  # GQA: 2 query heads per kv head
+    v = normal(keys[2], (2, 64, 2, 16))
     if logits == "large":
         q, k = q.at[..., 0].set(40.0), k.at[..., 0].set(40.0)
     spec = NamedSharding(mesh, P(None, "d"))
@@ -545,7 +546,7 @@ def test_ring_is_chosen_only_where_it_applies():
 def test_causal_ring_with_an_odd_chunk_gathers_instead():
     """8 devices, L=40: chunks of 5 rows cannot be cut in two for the zigzag layout."""
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-    q = jax.random.normal(jax.random.key(4), (1, 40, 2, 8))
+    q = normal(4, (1, 40, 2, 8))
     x = jax.device_put(q, NamedSharding(mesh, P(None, "d")))
     f = _ring_call("flash_xla", True)
     assert "collective-permute" not in f.lower(x, x, x).compile().as_text()
@@ -586,8 +587,8 @@ def test_gpu_attention_keeps_batch_sharding(backend):
     devices = jax.devices("gpu")
     mesh = jax.sharding.Mesh(np.array(devices), ("b",))
     n = len(devices)
-    keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (2 * n, 256, 4, 64), jnp.bfloat16) for kk in keys)
+    keys = seeds(0, 3)
+    q, k, v = (normal(kk, (2 * n, 256, 4, 64), jnp.bfloat16) for kk in keys)
 
     def f(q, k, v):
         def loss(q, k, v):
@@ -620,9 +621,9 @@ def test_gpu_int4_keeps_row_sharding(op):
     devices = jax.devices("gpu")
     mesh = jax.sharding.Mesh(np.array(devices), ("m",))
     K, Nf, g = 512, 256, 32
-    qw, s = Q.quantize_4bit(jax.random.normal(jax.random.key(0), (Nf, K)), g)
+    qw, s = Q.quantize_4bit(normal(0, (Nf, K)), g)
     p = Q.dyn_quant_pack_4bit_weight(qw, s, None, g, K, Nf)
-    x = jax.random.normal(jax.random.key(1), (16 * len(devices), K))
+    x = normal(1, (16 * len(devices), K))
     if op == "dyn_quant":
         f = lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, Nf, implementation="pallas")  # noqa: E731
     else:

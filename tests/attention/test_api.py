@@ -11,13 +11,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jbackends as jb
 from jbackends import attention as A
 from pallas_kernels.attention import base, cpp_flash
-from tests.attention.attention_base import assert_close, vjp_of
+from tests.attention.attention_base import assert_close, rand, vjp_of
 
 B = A.SDPBackend
-
-
-def rand(shape, seed=0, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32).astype(dtype)
 
 
 @pytest.fixture

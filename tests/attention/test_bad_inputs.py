@@ -18,13 +18,10 @@ import pytest
 import jbackends as jb
 from jbackends import attention as A
 from pallas_kernels.attention import base, cpp_flash
+from tests.attention.attention_base import rand
 
 SB = A.SDPBackend
 IMPLS = ("math", "flash", "mem_efficient")
-
-
-def rand(shape, seed=0, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32).astype(dtype)
 
 
 # ---- b: is_causal ---------------------------------------------------------------------------------

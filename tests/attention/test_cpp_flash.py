@@ -16,7 +16,10 @@ from tests.attention.attention_base import (
     assert_close,
     grads_of,
     make_case,
+    normal,
     outputs_and_grads,
+    seeds,
+    uniform,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -72,10 +75,10 @@ def two_threads():
 def test_soft_cap_matches_reference(cap):
     """The soft cap forward and backward, a tight cap (tanh saturates: large logits, scale 1) and a
     loose one, with causal blocks and odd head dims."""
-    key = jax.random.split(jax.random.key(9), 3)
-    q = 3 * jax.random.normal(key[0], (2, 70, 4, 24))
-    k = jax.random.normal(key[1], (2, 75, 2, 24))
-    v = jax.random.normal(key[2], (2, 75, 2, 20))
+    key = seeds(9, 3)
+    q = 3 * normal(key[0], (2, 70, 4, 24))
+    k = normal(key[1], (2, 75, 2, 24))
+    v = normal(key[2], (2, 75, 2, 20))
     args = base.make_args(q, k, v, is_causal=True, scale=1.0, logits_soft_cap=cap)
     _check(args, cpp_flash.Config(block_q=13, block_k=32, block_q_bwd=9, block_k_bwd=16), tol=3e-5)
 
@@ -94,18 +97,18 @@ def test_bias_and_mask_broadcasts(bias_shape, mask_shape):
     """An additive bias and a boolean mask broadcast over batch / heads (read in place) or T / S
     (materialised), with causal blocks, GQA, a soft cap, rows the mask empties (0, LSE -inf, zero
     gradients) and -inf bias entries; dbias summed over the broadcast dimensions."""
-    key = jax.random.split(jax.random.key(13), 5)
-    q = jax.random.normal(key[0], (2, 70, 4, 24))
-    k = jax.random.normal(key[1], (2, 75, 2, 24))
-    v = jax.random.normal(key[2], (2, 75, 2, 20))
+    key = seeds(13, 5)
+    q = normal(key[0], (2, 70, 4, 24))
+    k = normal(key[1], (2, 75, 2, 24))
+    v = normal(key[2], (2, 75, 2, 20))
     kw = {}
     if bias_shape is not None:
-        bias = 2 * jax.random.normal(key[3], bias_shape)
+        bias = 2 * normal(key[3], bias_shape)
         if bias_shape[-1] > 1:  # some -inf entries (a whole row of them: the reference's grads are NaN)
-            bias = jnp.where(jax.random.uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
+            bias = jnp.where(uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
         kw["bias"] = bias
     if mask_shape is not None:
-        mask = jax.random.uniform(key[4], mask_shape) > 0.3
+        mask = uniform(key[4], mask_shape) > 0.3
         kw["mask"] = mask.at[..., 5, :].set(False)  # row 5 sees nothing
     args = base.make_args(q, k, v, is_causal=True, diag_offset=5, logits_soft_cap=8.0, **kw)
     cfg = cpp_flash.Config(block_q=13, block_k=32, block_q_bwd=9, block_k_bwd=16)
@@ -132,12 +135,12 @@ def test_broadcast_bias_gradient_is_summed_in_the_kernel(bias_shape, two_threads
     thread; two: whole owners). dq, dk, dv and dbias match the reference, with GQA, a causal mask,
     a soft cap and -inf bias entries, and are the same bits run after run."""
     del two_threads
-    key = jax.random.split(jax.random.key(17), 5)
-    q = jax.random.normal(key[0], (2, 200, 4, 32))
-    k = jax.random.normal(key[1], (2, 190, 2, 32))
-    v = jax.random.normal(key[2], (2, 190, 2, 24))
-    bias = 2 * jax.random.normal(key[3], bias_shape)
-    bias = jnp.where(jax.random.uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
+    key = seeds(17, 5)
+    q = normal(key[0], (2, 200, 4, 32))
+    k = normal(key[1], (2, 190, 2, 32))
+    v = normal(key[2], (2, 190, 2, 24))
+    bias = 2 * normal(key[3], bias_shape)
+    bias = jnp.where(uniform(key[4], bias_shape) < 0.05, -jnp.inf, bias)
     args = base.make_args(q, k, v, bias=bias, is_causal=True, diag_offset=40, logits_soft_cap=6.0)
     cfg = cpp_flash.Config(block_q_bwd=16, block_k_bwd=32)
     kernel_bias = bias_shape[:2] + (200, 190)
@@ -188,10 +191,10 @@ def test_threaded_paths_match_reference(kv_heads, batch, two_threads):
     """Calls big enough for two threads: one (batch, kv head) group -> key-block tasks with a dQ
     buffer per thread; two groups -> whole groups per thread. Head dims not multiples of 16."""
     del two_threads
-    key = jax.random.split(jax.random.key(7), 3)
-    q = jax.random.normal(key[0], (batch, 300, 2 * kv_heads, 40))
-    k = jax.random.normal(key[1], (batch, 290, kv_heads, 40))
-    v = jax.random.normal(key[2], (batch, 290, kv_heads, 24))
+    key = seeds(7, 3)
+    q = normal(key[0], (batch, 300, 2 * kv_heads, 40))
+    k = normal(key[1], (batch, 290, kv_heads, 40))
+    v = normal(key[2], (batch, 290, kv_heads, 24))
     _check(base.make_args(q, k, v, is_causal=True))
     _check(base.make_args(q, k, v, window=(100, 20)), cpp_flash.Config(block_q=32, block_k=64))
 
@@ -201,11 +204,11 @@ def test_own_threads_match_xla_pool(two_threads):
     """The kernels' threads on XLA's intra-op pool (the default) and on threads of their own (the
     no-pool fallback): the same bits, forward and backward, in both threading modes."""
     del two_threads
-    key = jax.random.split(jax.random.key(5), 3)
+    key = seeds(5, 3)
     for kv_heads, batch in ((1, 1), (2, 2)):
-        q = jax.random.normal(key[0], (batch, 200, 2 * kv_heads, 32))
-        k = jax.random.normal(key[1], (batch, 190, kv_heads, 32))
-        v = jax.random.normal(key[2], (batch, 190, kv_heads, 16))
+        q = normal(key[0], (batch, 200, 2 * kv_heads, 32))
+        k = normal(key[1], (batch, 190, kv_heads, 32))
+        v = normal(key[2], (batch, 190, kv_heads, 16))
         args = base.make_args(q, k, v, is_causal=True)
 
         def run(args=args):
@@ -225,9 +228,9 @@ def test_own_threads_match_xla_pool(two_threads):
 def test_backward_is_reproducible_across_runs(two_threads):
     """Key-block mode sums per-thread dQ buffers: the same blocks in the same order every run."""
     del two_threads
-    key = jax.random.split(jax.random.key(11), 3)
-    q = jax.random.normal(key[0], (1, 260, 2, 32))
-    k = jax.random.normal(key[1], (1, 250, 1, 32))
+    key = seeds(11, 3)
+    q = normal(key[0], (1, 260, 2, 32))
+    k = normal(key[1], (1, 250, 1, 32))
     args = base.make_args(q, k, k, is_causal=True)
     cfg = cpp_flash.Config(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
     grad = jax.jit(jax.grad(lambda q: cpp_flash.attention(args.replace(q=q), config=cfg)[0].sum()))
@@ -283,11 +286,11 @@ def test_code_paths_agree_on_odd_sizes(shape):
     multiples of 16 or of the 12-row / 32-column AVX-512 tiles), lengths of one, GQA, and Inf / NaN
     inputs (the rows that see them are NaN, as in the reference; the others are untouched)."""
     B, T, N, S, H, Hv = shape
-    key = jax.random.split(jax.random.key(5), 3)
-    q = jax.random.normal(key[0], (B, T, N, H)).at[-1, T - 1, 0, 0].set(jnp.nan)
-    k = jax.random.normal(key[1], (B, S, 1, H)).at[0, S // 2, 0, 0].set(jnp.inf)
+    key = seeds(5, 3)
+    q = normal(key[0], (B, T, N, H)).at[-1, T - 1, 0, 0].set(jnp.nan)
+    k = normal(key[1], (B, S, 1, H)).at[0, S // 2, 0, 0].set(jnp.inf)
     k = k.at[-1, S - 1, 0, -1].set(jnp.nan)
-    v = jax.random.normal(key[2], (B, S, 1, Hv))
+    v = normal(key[2], (B, S, 1, Hv))
     args = base.make_args(q, k, v, is_causal=True, diag_offset=S - T)
     ref, ref_lse = (np.asarray(x) for x in base.reference(args))
     empty = np.isneginf(ref_lse)  # rows that see no key (0 in both)
@@ -387,10 +390,10 @@ def test_config_validation():
 def test_scores_jumping_between_key_blocks():
     """The forward's one-pass softmax against the running max recomputes a row whose scores jump
     by more than its slack (2^64) in a later key block; small jumps take the one-pass route."""
-    key = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(key[0], (1, 40, 2, 32))
-    k = jax.random.normal(key[1], (1, 96, 2, 32))
-    v = jax.random.normal(key[2], (1, 96, 2, 32))
+    key = seeds(3, 3)
+    q = normal(key[0], (1, 40, 2, 32))
+    k = normal(key[1], (1, 96, 2, 32))
+    v = normal(key[2], (1, 96, 2, 32))
     cfg = cpp_flash.Config(block_q=8, block_k=16, block_q_bwd=8, block_k_bwd=16)
     u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
     scale = 1 / np.sqrt(32)
@@ -420,10 +423,10 @@ amx_only = pytest.mark.skipif(
 
 
 def _bf16_qkv(seed, B, T, S, N, K, H, Hv):
-    key = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(key[0], (B, T, N, H)).astype(jnp.bfloat16)
-    k = jax.random.normal(key[1], (B, S, K, H)).astype(jnp.bfloat16)
-    v = jax.random.normal(key[2], (B, S, K, Hv)).astype(jnp.bfloat16)
+    key = seeds(seed, 3)
+    q = normal(key[0], (B, T, N, H)).astype(jnp.bfloat16)
+    k = normal(key[1], (B, S, K, H)).astype(jnp.bfloat16)
+    v = normal(key[2], (B, S, K, Hv)).astype(jnp.bfloat16)
     return q, k, v
 
 
@@ -466,11 +469,11 @@ def test_amx_bf16_forward_matches_reference(shape, kw):
     path (set_amx(False)), with the same rows empty."""
     B, T, S, N, K, H, Hv = shape
     q, k, v = _bf16_qkv(sum(shape), *shape)
-    key = jax.random.split(jax.random.key(7), 3)
+    key = seeds(7, 3)
     kw = dict(kw)
     if kw.get("bias") == "bias":
-        kw["bias"] = 2 * jax.random.normal(key[0], (B, 1, T, S))
-        kw["mask"] = (jax.random.uniform(key[1], (1, N, T, S)) > 0.3).at[..., 5, :].set(False)
+        kw["bias"] = 2 * normal(key[0], (B, 1, T, S))
+        kw["mask"] = (uniform(key[1], (1, N, T, S)) > 0.3).at[..., 5, :].set(False)
     if kw.get("q_segment_ids") == "seg":
         seg = jnp.broadcast_to((jnp.arange(T) >= T // 3).astype(jnp.int32), (B, T))
         kw["q_segment_ids"] = kw["kv_segment_ids"] = seg
@@ -524,14 +527,14 @@ def test_amx_scores_jumping_between_key_blocks():
     """The AMX forward's one-pass softmax recomputes a row (on AVX512-BF16) whose scores jump past
     its slack in a later key block, as the float32 path does: with raw scores (scaled in the
     softmax) and with a bias (scores scaled first)."""
-    key = jax.random.split(jax.random.key(3), 3)
+    key = seeds(3, 3)
     u = jnp.ones((32,), jnp.float32) / jnp.sqrt(32.0)
     ramp = (60.0 * np.sqrt(32)) * (jnp.arange(128) // 32).astype(jnp.float32)
-    q = (jax.random.normal(key[0], (1, 40, 2, 32)) * 0.1 + u[None, None, None, :]).astype(jnp.bfloat16)
-    k = jax.random.normal(key[1], (1, 128, 2, 32)) * 0.1 + ramp[None, :, None, None] * u[None, None, None, :]
+    q = (normal(key[0], (1, 40, 2, 32)) * 0.1 + u[None, None, None, :]).astype(jnp.bfloat16)
+    k = normal(key[1], (1, 128, 2, 32)) * 0.1 + ramp[None, :, None, None] * u[None, None, None, :]
     k = k.astype(jnp.bfloat16)
-    v = jax.random.normal(key[2], (1, 128, 2, 32)).astype(jnp.bfloat16)
-    bias = 0.5 * jax.random.normal(key[0], (1, 1, 40, 128))
+    v = normal(key[2], (1, 128, 2, 32)).astype(jnp.bfloat16)
+    bias = 0.5 * normal(key[0], (1, 1, 40, 128))
     for kw in ({}, {"bias": bias}):
         args = base.make_args(q, k, v, is_causal=True, diag_offset=88, **kw)
         (out, lse), _ = _amx_and_widened(args, cpp_flash.Config(block_q=8, block_k=32))
@@ -583,11 +586,11 @@ def test_huge_logits(dtype):
     """Logits past 2^31 (q and k entries ~3e4): the softmax's largest exponent must be exactly 0, so
     the rows stay finite (one-hot on their largest logit) on the float32 path and on the bf16 one,
     whose raw scores are scaled inside the exponent's arithmetic (AMX where the CPU has it)."""
-    key = jax.random.split(jax.random.key(5), 3)
+    key = seeds(5, 3)
     dt = jnp.dtype(dtype)
-    q = (3e4 * jax.random.normal(key[0], (1, 24, 2, 64))).astype(dt)
-    k = (3e4 * jax.random.normal(key[1], (1, 96, 2, 64))).astype(dt)
-    v = jax.random.normal(key[2], (1, 96, 2, 64)).astype(dt)
+    q = (3e4 * normal(key[0], (1, 24, 2, 64))).astype(dt)
+    k = (3e4 * normal(key[1], (1, 96, 2, 64))).astype(dt)
+    v = normal(key[2], (1, 96, 2, 64)).astype(dt)
     out, lse, ref, ref_lse = _finite_against_reference(base.make_args(q, k, v))
     assert np.abs(ref_lse).max() > 2.0**31 * np.log(2)  # base-2 logits past 2^31
     np.testing.assert_allclose(out, ref, atol=1e-2 * np.abs(ref).max())
@@ -623,13 +626,13 @@ def test_rows_of_large_negative_logits_keep_their_gradients(low, two_threads):
     included) as the reference's. The backward's P = 2^(s - lse2) lost log2(l) in lse2 ~ -1.44e9
     (ulp 128): P was 1 where it is 1/S, and those rows' gradients S times too large."""
     del two_threads
-    key = jax.random.split(jax.random.key(3), 4)
+    key = seeds(3, 4)
     B, T, S = 2, 45, 70
-    q = jax.random.normal(key[0], (B, T, 2, 32))
-    k = jax.random.normal(key[1], (B, S, 1, 32))
-    v = jax.random.normal(key[2], (B, S, 1, 24))
+    q = normal(key[0], (B, T, 2, 32))
+    k = normal(key[1], (B, S, 1, 32))
+    v = normal(key[2], (B, S, 1, 24))
     rows = jnp.arange(T)[None, :] < jnp.array([30, T])[:, None]
-    bias = jnp.where(rows[:, None, :, None], jax.random.normal(key[3], (B, 1, T, S)), low)
+    bias = jnp.where(rows[:, None, :, None], normal(key[3], (B, 1, T, S)), low)
     bias = bias.at[0, 0, 40, :5].set(-jnp.inf)  # a large row that also has masked keys
     args = base.make_args(q, k, v, bias=bias)
     _check(args, CFG)

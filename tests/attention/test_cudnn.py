@@ -10,7 +10,7 @@ import pytest
 
 import jbackends as jb
 from pallas_kernels.attention import base, cudnn
-from tests.attention.attention_base import Case, make_case
+from tests.attention.attention_base import Case, make_case, normal, seeds
 
 
 def test_never_runs_on_cpu_and_says_why():
@@ -47,10 +47,10 @@ def test_odd_lengths_train_on_padded_inputs(T, S, causal, window, bias_shape, kv
     """JAX's cuDNN training path refuses odd T or S, so the bridge differentiates a call padded to even
     lengths (the extra key masked by causality or by the key lengths): its outputs and gradients are the
     unpadded call's, checked with jax.nn's XLA path standing in for cuDNN."""
-    ks = jax.random.split(jax.random.key(T + 100 * S), 5)
-    q = jax.random.normal(ks[0], (2, T, 4, 16))
-    k, v = (jax.random.normal(x, (2, S, 2, 16)) for x in ks[1:3])
-    bias = None if bias_shape is None else jax.random.normal(ks[3], bias_shape)
+    ks = seeds(T + 100 * S, 5)
+    q = normal(ks[0], (2, T, 4, 16))
+    k, v = (normal(x, (2, S, 2, 16)) for x in ks[1:3])
+    bias = None if bias_shape is None else normal(ks[3], bias_shape)
     kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
     args = base.make_args(q, k, v, bias=bias, is_causal=causal, kv_seq_lengths=kv_len)
     if window is not None:
@@ -58,7 +58,7 @@ def test_odd_lengths_train_on_padded_inputs(T, S, causal, window, bias_shape, kv
     call = cudnn._jax_nn_call(args, implementation="xla")  # the bridge's call, XLA in cuDNN's place
     padded = cudnn._even_lengths(call, args)
     assert padded is not call
-    ct = jax.random.normal(ks[4], (2, T, 4, 16))
+    ct = normal(ks[4], (2, T, 4, 16))
 
     def grads(f):
         (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, b, None, kv_len), q, k, v, bias)

@@ -35,14 +35,10 @@ from pallas_kernels.attention import (
     triton_flash_vjp,
     triton_mem_efficient,
 )
-from tests.attention.attention_base import vjp_of
+from tests.attention.attention_base import normal, rand, seeds, vjp_of
 
 SB = A.SDPBackend
 LARGE_NEG = float(np.asarray(-0.7 * np.finfo(np.float32).max, np.float32))
-
-
-def rand(shape, seed=0, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32).astype(dtype)
 
 
 # ---- routing every backend through the public API on CPU ------------------------------------------
@@ -171,7 +167,7 @@ def _jaxnn_vjp(f, primals, cotangent):
 @pytest.mark.parametrize("name", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_residual_in_input_dtype_and_vjp_with_that_cotangent(name, dtype):
-    q = jax.random.normal(jax.random.key(0), (1, 16, 2, 8), dtype)  # the issue's repro
+    q = normal(0, (1, 16, 2, 8), dtype)  # the issue's repro
     f = lambda q: jb.dot_product_attention(q, q, q, return_residual=True)  # noqa: E731
     with backend(name):
         out, lse = f(q)
@@ -431,12 +427,12 @@ _GQA_CASES = [
 @pytest.mark.parametrize("name, dtype, groups, use_vmap", _GQA_CASES)
 def test_upstream_gqa_vmap_and_lse_cotangent(name, dtype, groups, use_vmap):
     B, S, T, N, H = 2, 64, 64, 4, 16
-    keys = jax.random.split(jax.random.key(0), 5)
-    Q = jax.random.normal(keys[0], (B, T, N, H), dtype)
-    K = jax.random.normal(keys[1], (B, S, N // groups, H), dtype)
-    V = jax.random.normal(keys[2], (B, S, N // groups, H), dtype)
-    grad = jax.random.normal(keys[3], (B, T, N, H), dtype)
-    lse_grad = jax.random.normal(keys[4], (B, T, N), dtype)
+    keys = seeds(0, 5)
+    Q = normal(keys[0], (B, T, N, H), dtype)
+    K = normal(keys[1], (B, S, N // groups, H), dtype)
+    V = normal(keys[2], (B, S, N // groups, H), dtype)
+    grad = normal(keys[3], (B, T, N, H), dtype)
+    lse_grad = normal(keys[4], (B, T, N), dtype)
     K_ref, V_ref = jnp.repeat(K, groups, axis=2), jnp.repeat(V, groups, axis=2)
     ans = functools.partial(jb.dot_product_attention, return_residual=True)
     if use_vmap:
@@ -469,8 +465,8 @@ MASK_MODES = [
 @pytest.mark.parametrize("mode", MASK_MODES, ids=["-".join(m) for m in MASK_MODES])
 def test_upstream_mask_modes_with_gradients(name, mode):
     B, S, T, N, H = 2, 64, 64, 2, 16
-    keys = jax.random.split(jax.random.key(0), 5)
-    Q, K, V, grad = (jax.random.normal(kk, (B, T, N, H), jnp.bfloat16) for kk in keys[:4])
+    keys = seeds(0, 5)
+    Q, K, V, grad = (normal(kk, (B, T, N, H), jnp.bfloat16) for kk in keys[:4])
     kw = dict(is_causal="causal" in mode)
     bias = mask = None
     if "padding" in mode:
@@ -481,7 +477,7 @@ def test_upstream_mask_modes_with_gradients(name, mode):
     if "custom" in mode:
         mask = jnp.tril(jnp.ones((T, S), jnp.bool_))[None, None]
     if "bias" in mode:
-        bias = jax.random.normal(keys[4], (1, N, T, S), jnp.bfloat16)
+        bias = normal(keys[4], (1, N, T, S), jnp.bfloat16)
     if "sliding_window" in mode:
         kw["local_window_size"] = (3, 2)
     ref, want = _jaxnn_vjp(lambda q, k, v, b: jaxnn(q, k, v, b, mask, **kw), (Q, K, V, bias), grad)
@@ -526,10 +522,10 @@ def test_upstream_float64_mask_under_debug_infs(name):
 def test_traced_scale_like_jaxnn(name):
     """jax.nn takes a traced ``scale`` (``1 / jnp.sqrt(...)`` under jit, a learned temperature): so does
     jb (folded into the queries), with the same output and the same gradient in the scale."""
-    ks = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(ks[0], (2, 9, 4, 8))
-    k = jax.random.normal(ks[1], (2, 11, 2, 8))
-    v = jax.random.normal(ks[2], (2, 11, 2, 8))
+    ks = seeds(3, 3)
+    q = normal(ks[0], (2, 9, 4, 8))
+    k = normal(ks[1], (2, 11, 2, 8))
+    v = normal(ks[2], (2, 11, 2, 8))
 
     def loss(f):
         return lambda t, q: jnp.sum(jnp.sin(f(q, k, v, scale=t, is_causal=True)))
@@ -554,16 +550,16 @@ def test_finfo_min_padding_bias_like_jaxnn(name, bias_dtype):
     the finfo.min keys only. Gradients where the padded rows' cotangent is 0 (a loss that ignores
     them), as in training."""
     B, T, S, N, H = 2, 37, 29, 2, 16
-    ks = jax.random.split(jax.random.key(7), 4)
-    q = jax.random.normal(ks[0], (B, T, N, H))
-    k = jax.random.normal(ks[1], (B, S, N, H))
-    v = jax.random.normal(ks[2], (B, S, N, H))
+    ks = seeds(7, 4)
+    q = normal(ks[0], (B, T, N, H))
+    k = normal(ks[1], (B, S, N, H))
+    v = normal(ks[2], (B, S, N, H))
     q_ok = jnp.arange(T)[None, :] < jnp.array([30, T])[:, None]
     k_ok = jnp.arange(S)[None, :] < jnp.array([20, S])[:, None]
     low = jnp.finfo(bias_dtype).min
     bias = jnp.where(q_ok[:, :, None] & k_ok[:, None, :], 0.0, low)[:, None].astype(bias_dtype)
     bias = bias.at[0, 0, 33, :3].set(-jnp.inf)  # a padded row mixing -inf and finfo.min
-    ct = jnp.where(q_ok[:, :, None, None], jax.random.normal(ks[3], (B, T, N, H)), 0.0)
+    ct = jnp.where(q_ok[:, :, None, None], normal(ks[3], (B, T, N, H)), 0.0)
 
     def loss(f):
         return lambda q, k, v: jnp.sum(f(q, k, v, bias=bias) * ct)
@@ -599,11 +595,11 @@ def test_padded_rows_gradients_like_jaxnn(name, low, use_vmap):
     Their backward's ``2^(s - lse)`` lost log(S) in an lse of -1e9 and gave those rows S times the
     gradient. Under vmap the exact-statistics recompute of :mod:`xla_blockwise` runs as a select."""
     B, T, S, N, H = 2, 21, 29, 2, 16
-    ks = jax.random.split(jax.random.key(9), 4)
-    q = jax.random.normal(ks[0], (B, T, N, H))
-    k = jax.random.normal(ks[1], (B, S, N, H))
-    v = jax.random.normal(ks[2], (B, S, N, H))
-    ct = jax.random.normal(ks[3], (B, T, N, H))
+    ks = seeds(9, 4)
+    q = normal(ks[0], (B, T, N, H))
+    k = normal(ks[1], (B, S, N, H))
+    v = normal(ks[2], (B, S, N, H))
+    ct = normal(ks[3], (B, T, N, H))
     ok = jnp.arange(T)[None, :] < jnp.array([15, T])[:, None]
     bias = jnp.where(ok[:, None, :, None], 0.0, jnp.finfo(jnp.float32).min if low == "finfo.min" else low)
     bias = jnp.broadcast_to(bias, (B, 1, T, S))
@@ -628,9 +624,9 @@ def test_padded_rows_gradients_like_jaxnn(name, low, use_vmap):
 @pytest.mark.parametrize("use_vmap", [False, True])
 def test_upstream_bias_gradient(name, use_vmap):
     B, S, N, H = 4, 32, 2, 16
-    keys = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(keys[0], (B, S, N, H), jnp.bfloat16)
-    bias = jax.random.normal(keys[1], (B, N, S, S), jnp.bfloat16)
+    keys = seeds(0, 2)
+    x = normal(keys[0], (B, S, N, H), jnp.bfloat16)
+    bias = normal(keys[1], (B, N, S, S), jnp.bfloat16)
     mask = jnp.ones((1, 1, S), jnp.bool_)
 
     def attn(impl, x, bias, mask):

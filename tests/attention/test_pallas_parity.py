@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import base, triton_decode, triton_flash, triton_flash_vjp, triton_mem_efficient
+from tests.attention.attention_base import rand, seeds
 
 CFG = triton_flash.Config(block_q=16, block_k=16, num_warps=4, num_stages=2)
 BWD = triton_flash_vjp.Config(block_q=16, block_k=16, num_warps=4, num_stages=2)
@@ -36,10 +37,8 @@ IMPLS = {
 
 def make(B, T, S, N, K, H, Hv=None, dtype=jnp.float32, seed=0, **kw):
     Hv = H if Hv is None else Hv
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (B, S, K, Hv), jnp.float32).astype(dtype)
+    kq, kk, kv = seeds(seed, 3)
+    q, k, v = rand((B, T, N, H), kq, dtype), rand((B, S, K, H), kk, dtype), rand((B, S, K, Hv), kv, dtype)
     return base.make_args(q, k, v, **kw)
 
 
@@ -153,7 +152,7 @@ def test_dropout_matches_reference_keep_mask_and_differs_by_key():
 
 
 def _bias(shape, seed=1, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    return rand(shape, seed, dtype)
 
 
 MEM_CASES = {
