@@ -427,7 +427,7 @@ def int4_matmul(
     """
     _base.check_packed(packed)
     x = _base.check_input(x, packed, allowed=(jnp.float32, jnp.bfloat16, jnp.float16), name="x")
-    _args.check_compute_dtype(compute_dtype)
+    compute_dtype = _args.check_compute_dtype(compute_dtype)
     impl = _args.check_implementation(implementation)
     return _run("int4_matmul", x, packed, impl, dict(op="weight_only", compute_dtype=compute_dtype))
 

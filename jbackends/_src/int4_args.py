@@ -109,10 +109,11 @@ def check_implementation(implementation: Any) -> str | None:
     return implementation
 
 
-def check_compute_dtype(compute_dtype: Any) -> None:
-    """`int4_matmul`'s ``compute_dtype``: None, float32, bfloat16 or float16."""
+def check_compute_dtype(compute_dtype: Any) -> Any:
+    """`int4_matmul`'s ``compute_dtype``: None, float32, bfloat16 or float16; returned as a ``jnp.dtype``
+    (every spelling of one dtype the same static option of the compiled op), or None."""
     if compute_dtype is None:
-        return
+        return None
     try:
         dtype = jnp.dtype(compute_dtype)
     except TypeError:
@@ -123,6 +124,7 @@ def check_compute_dtype(compute_dtype: Any) -> None:
         jnp.dtype(jnp.float16),
     ):
         raise TypeError(f"compute_dtype must be None, float32, bfloat16 or float16, got {compute_dtype!r}")
+    return dtype
 
 
 def check_explain(x: Any, packed: Any, op: Any, platform: Any) -> str:

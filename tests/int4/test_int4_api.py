@@ -247,6 +247,12 @@ def test_argument_types_named_in_errors():
         np.asarray(Q.dyn_quant_matmul_4bit(x, p, np.int64(32), 64, 8)),
         np.asarray(Q.dyn_quant_matmul_4bit(x, p, 32, 64, 8)),
     )
+    # every spelling of a compute dtype numpy reads is the same option of the compiled op (a 0-d jax
+    # array, whose dtype numpy reads, is no hashable static value itself)
+    want = np.asarray(Q.int4_matmul(x, p, compute_dtype=jnp.bfloat16, implementation="xla"))
+    for spelling in ("bfloat16", np.dtype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16)):
+        got = Q.int4_matmul(x, p, compute_dtype=spelling, implementation="xla")
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_int4_matmul_weight_only_public():
