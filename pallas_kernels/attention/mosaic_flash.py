@@ -56,7 +56,9 @@ block is masked where the ids differ (a row whose segment has no key gets output
 pair (:func:`_block_flags`: the tile's and the block's id ranges do not meet, exact for sorted ids;
 or the mask's tile is all False), and a compute warpgroup reads its flag (a scalar) before each block
 and releases a flagged block without multiplying it: packed sequences cost about the blocks on their
-diagonal. So does dropout, with the keep bits of every
+diagonal in products (the ring still streams every block; with ``Config`` / ``BwdConfig(block_ranges=True)``,
+off until a GPU has timed it, each tile streams and walks only the blocks from its first to its last
+visible one, two more columns of the flags). So does dropout, with the keep bits of every
 other backend (:func:`base.dropout_keep_mask`): XLA hashes the seed, batch, head and query index of
 each row once (:func:`base.dropout_row_hash`, ``[B, N, T]`` uint32, loaded like the LSE), and the
 kernels finish the hash per key in registers; the forward drops probabilities after the softmax sum,
@@ -169,20 +171,28 @@ class Config:
         Off by default until a GPU has timed it (it is in :meth:`search_space`). Calls with segment
         ids or a boolean mask (whose blocks may be skipped) run the plain loop either way; needs
         ``plgpu.wgmma_accumulator_load`` (every supported JAX has it).
+      block_ranges: with segment ids or a boolean mask, stream and walk only the key blocks from the
+        first to the last that holds a visible pair of a warpgroup's rows (XLA finds them from the
+        block flags; :func:`_append_ranges`), instead of the whole ring with the blocks between
+        skipped: packed sequences then cost the blocks on their diagonal in memory traffic too, not
+        only in products. The same output (a block outside the range is one the flags skip). Off by
+        default until a GPU has timed it (it is in :meth:`search_space`); no effect on other calls.
     """
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     overlap: bool = False
+    block_ranges: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Config.{name} must be an int; got {type(value).__name__}")
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"Config.overlap must be a bool; got {type(self.overlap).__name__}")
+        for name in ("overlap", "block_ranges"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Config.{name} must be a bool; got {type(getattr(self, name)).__name__}")
         if self.block_q != 64:
             raise ValueError(f"Config.block_q must be 64 (one WGMMA row tile); got {self.block_q}")
         if self.block_kv <= 0 or self.block_kv % 64 or self.block_kv > 256:
@@ -228,7 +238,15 @@ class Config:
         # Wider blocks: the scores, the accumulator and two P tiles would pass 232 registers a thread.
         if overlap and _overlap_applies(args):
             space += [Config(block_kv=b, stages=n, overlap=True) for b in (64, 128) for n in (2, 3, 4)]
+        if _ranges_apply(args):
+            space += [dataclasses.replace(c, block_ranges=True) for c in space]
         return [c for c in space if _fits(c, args)]
+
+
+def _ranges_apply(args: base.AttentionArgs) -> bool:
+    """Whether ``block_ranges`` (:class:`Config`, :class:`BwdConfig`) changes the kernels for
+    ``args``: with segment ids or a boolean mask."""
+    return args.q_segment_ids is not None or args.mask is not None
 
 
 def overlap_available() -> bool:
@@ -278,6 +296,7 @@ class _Shape:
     window: Optional[tuple] = None  # (left, right): key j seen by query i iff it is within them
     mask: Optional[tuple] = None  # a boolean mask: (per batch, per head), False where broadcast
     bias: Optional[tuple] = None  # an additive bias (in the inputs' dtype): the same
+    block_ranges: bool = False  # Config.block_ranges with segment ids or a mask: flags carry ranges
 
     @property
     def lengths(self) -> bool:
@@ -291,9 +310,10 @@ class _Shape:
 
     @property
     def banded(self) -> bool:
-        """Whether the blocks a tile sees depend on where it is (causal, window) or on the batch
-        (lengths): block ranges are traced, and warpgroups release what they do not use."""
-        return self.causal or self.window is not None or self.lengths
+        """Whether the blocks a tile sees depend on where it is (causal, window), on the batch
+        (lengths) or on the data (``block_ranges``): block ranges are traced, and warpgroups release
+        what they do not use."""
+        return self.causal or self.window is not None or self.lengths or self.block_ranges
 
     @property
     def right_reach(self) -> Optional[int]:
@@ -534,6 +554,18 @@ class _ExtraRefs(NamedTuple):
         plane = self.visible.at[bi if Bf > 1 else 0, head if Nf > 1 else 0, tile]
         return lambda j: plane[j]
 
+    def range_fn(self, bi, head):
+        """``tile -> (lo, hi)``: the blocks from the first to one past the last with a visible pair
+        of tile ``tile`` of batch ``bi`` and query head ``head`` (the two columns
+        :func:`_append_ranges` adds to the flags)."""
+        Bf, Nf, _, width = self.visible.shape
+
+        def at(tile):
+            plane = self.visible.at[bi if Bf > 1 else 0, head if Nf > 1 else 0, tile]
+            return plane[width - 2], plane[width - 1]
+
+        return at
+
     def mask_tiles(self, s: _Shape, bi, head):
         """The mask ref's ``[rows, keys]`` (or transposed) plane of batch ``bi`` and query head
         ``head`` (index 0 along a broadcast dimension)."""
@@ -551,6 +583,22 @@ class _ExtraRefs(NamedTuple):
             None if self.q_len is None else self.q_len[bi],
             None if self.kv_len is None else self.kv_len[bi],
         )
+
+
+def _narrowed(blocks_of, range_of, rows: int):
+    """``blocks_of`` (``start -> _Blocks``) cut to ``range_of(start // rows)`` (``(lo, hi)``: the
+    blocks holding a visible pair of the ``rows``-row or -key tile from ``start``); every block cut
+    away is one the flags skip."""
+
+    def of(start):
+        b = blocks_of(start)
+        lo, hi = range_of(lax.div(start, jnp.int32(rows)))
+        begin = jnp.maximum(b.start, lo)
+        stop = jnp.maximum(jnp.minimum(b.stop, hi), begin)
+        free_lo = jnp.clip(b.free_lo, begin, stop)
+        return _Blocks(begin, free_lo, jnp.clip(b.free_hi, free_lo, stop), stop)
+
+    return of
 
 
 def _key_blocks(q_start, block_q: int, s: _Shape, block_kv: int, q_len=None, kv_len=None) -> _Blocks:
@@ -603,6 +651,8 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
         wg = lax.axis_index("wg")
         q_len, kv_len = x.lengths(bi)
         blocks_of = functools.partial(_key_blocks, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
+        if s.block_ranges:
+            blocks_of = _narrowed(blocks_of, x.range_fn(bi, head), bq)
         smem, loaded, consumed, schedule = scoped
         (
             qo_smem2,
@@ -663,7 +713,7 @@ def _forward_call(q, k, v, extras, s: _Shape, cfg: Config, interpret: bool):
                 schedule_turn()
 
             pl.when(wg == 1)(schedule_turn)
-            if s.window is not None:  # blocks before this warpgroup's band: the other's
+            if s.window is not None or s.block_ranges:  # blocks before this warpgroup's band: the other's
                 lax.fori_loop(ring_lo, blocks.start, release, None)
 
             @pl.when(blocks.stop > blocks.start)
@@ -1033,11 +1083,14 @@ class BwdConfig:
       block_kv_dq: keys per step of the dQ kernel (its warpgroups own 64 query rows each).
       block_q_dkv: query rows per step of the dK / dV kernel (its warpgroups own 64 keys each).
       stages: blocks in flight (ring slots), at least 2.
+      block_ranges: :class:`Config`'s ``block_ranges`` for both backward kernels (the dK / dV
+        kernel's range over query blocks covers every query head of a kv head's group).
     """
 
     block_kv_dq: int = 64
     block_q_dkv: int = 64
     stages: int = 2
+    block_ranges: bool = False
 
     def __post_init__(self):
         for name in ("block_kv_dq", "block_q_dkv", "stages"):
@@ -1052,6 +1105,8 @@ class BwdConfig:
                 )
         if self.stages < 2:
             raise ValueError(f"BwdConfig.stages must be at least 2; got {self.stages}")
+        if not isinstance(self.block_ranges, bool):
+            raise TypeError(f"BwdConfig.block_ranges must be a bool; got {type(self.block_ranges).__name__}")
 
     def smem_bytes(
         self,
@@ -1093,6 +1148,8 @@ class BwdConfig:
             for b in (64, 128)
             for n in (2, 3)
         ]
+        if _ranges_apply(args):
+            space += [dataclasses.replace(c, block_ranges=True) for c in space]
         return [c for c in space if _fits(c, args)]
 
 
@@ -1186,6 +1243,8 @@ def _dq_call(
         wg = lax.axis_index("wg")
         q_len, kv_len = x.lengths(bi)
         blocks_of = functools.partial(_key_blocks, block_q=bq, s=s, block_kv=bk, q_len=q_len, kv_len=kv_len)
+        if s.block_ranges:
+            blocks_of = _narrowed(blocks_of, x.range_fn(bi, head), bq)
         smem, loaded, own, consumed = scoped
         (
             q_smem2,
@@ -1244,7 +1303,7 @@ def _dq_call(
                 _wait_all((k_loaded, v_loaded, kvseg_loaded, mask_loaded, bias_loaded), slot)
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            if s.window is not None:
+            if s.window is not None or s.block_ranges:
                 lax.fori_loop(ring_lo, blocks.start, release, None)
 
             def step(j, dq, masked: bool):
@@ -1464,6 +1523,8 @@ def _dkv_call(q, k, v, do, lse2, delta, extras, s: _Shape, cfg: BwdConfig, inter
         # The ring streams, for each query head of the group, the query blocks either warpgroup's
         # keys need: step t is (head g, block ring_lo + t % n).
         blocks_of = functools.partial(query_blocks, q_hi=q_hi, kv_len=kv_len)
+        if s.block_ranges:  # a kv head's range: over its group's query heads
+            blocks_of = _narrowed(blocks_of, x.range_fn(bi, kv_head * G), bk)
         ring_lo, ring_hi = _ring(blocks_of, tile * (2 * bk), bk, s)
         n = ring_hi - ring_lo
         ring_steps = G * n
@@ -1684,6 +1745,8 @@ def backward(
     rows = math.lcm(128, cfg.block_q_dkv)
     keys = math.lcm(128, cfg.block_kv_dq)
     s = dataclasses.replace(_shape(args, Config()), Tp=-(-T // rows) * rows, Sp=-(-S // keys) * keys)
+    if cfg.block_ranges and s.every_block_masked:
+        s = dataclasses.replace(s, block_ranges=True)
     f32 = jnp.float32
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(f32), d_out.astype(f32), precision="highest")
     if d_lse is not None:
@@ -1965,9 +2028,29 @@ def _block_flags(extras: tuple, s: _Shape, rows: int, keys: int):
     return flags.astype(jnp.int32)
 
 
+def _append_ranges(flags, group: int = 1):
+    """``flags`` (int32 ``[1 or B, 1 or N, tiles, blocks]``) with two more columns per tile: the first
+    block with a visible pair and one past the last (both 0 where there is none). With ``group`` > 1
+    (the dK / dV kernel: a kv head's ring serves ``group`` query heads) each head gets its group's
+    range, the union of its heads'."""
+    vis = flags != 0
+    Bf, Nf, nt, nb = vis.shape
+    if group > 1 and Nf > 1:
+        union = vis.reshape(Bf, Nf // group, group, nt, nb).any(axis=2, keepdims=True)
+        vis = jnp.broadcast_to(union, (Bf, Nf // group, group, nt, nb)).reshape(Bf, Nf, nt, nb)
+    seen = vis.any(axis=-1)
+    lo = jnp.where(seen, jnp.argmax(vis, axis=-1), 0)
+    hi = jnp.where(seen, nb - jnp.argmax(vis[..., ::-1], axis=-1), 0)
+    return jnp.concatenate([flags, lo[..., None].astype(jnp.int32), hi[..., None].astype(jnp.int32)], -1)
+
+
 def _with_flags(extras: tuple, s: _Shape, rows: int, keys: int) -> tuple:
-    """``extras`` and, with segment ids or a mask, their :func:`_block_flags` (a kernel's last operand)."""
-    return (*extras, _block_flags(extras, s, rows, keys)) if s.every_block_masked else extras
+    """``extras`` and, with segment ids or a mask, their :func:`_block_flags` (a kernel's last operand;
+    with ``s.block_ranges``, and their :func:`_append_ranges`)."""
+    if not s.every_block_masked:
+        return extras
+    flags = _block_flags(extras, s, rows, keys)
+    return (*extras, _append_ranges(flags) if s.block_ranges else flags)
 
 
 def _dkv_extras(extras: tuple, s: _Shape, rows: int) -> tuple:
@@ -1977,6 +2060,8 @@ def _dkv_extras(extras: tuple, s: _Shape, rows: int) -> tuple:
     flags = None
     if s.every_block_masked:
         flags = jnp.swapaxes(_block_flags(extras, s, rows, 64), 2, 3)
+        if s.block_ranges:
+            flags = _append_ranges(flags, group=s.N // s.K)
     planes = (s.mask is not None) + (s.bias is not None)
     if planes:
         extras = (*extras[:-planes], *(jnp.swapaxes(x, 2, 3) for x in extras[-planes:]))
@@ -2019,6 +2104,8 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
             f"JAX ({jax.__version__}) lacks; use Config(overlap=False) or a newer JAX"
         )
     s = _shape(args, cfg)
+    if cfg.block_ranges and s.every_block_masked:
+        s = dataclasses.replace(s, block_ranges=True)
     T, S = args.q_len, args.kv_len
 
     def run(q, k, v, *extras):

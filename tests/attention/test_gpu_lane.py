@@ -241,6 +241,44 @@ class TestMosaicFlashCompiled(_Compiled):
         self._check_with(monkeypatch, args, bwd_config=mosaic_flash.BwdConfig(block_q_dkv=128))
 
     @pytest.mark.parametrize(
+        "what, extra",
+        [("segments", None), ("mask", None), ("segments", "lengths_window"), ("mask", "bias_ring3")],
+    )
+    def test_block_ranges(self, monkeypatch, what, extra):
+        """``Config`` / ``BwdConfig(block_ranges=True)`` compiled (written without a GPU, 2026-11-29):
+        each tile streams and walks only its blocks with a visible pair, over a narrower traced ring;
+        packed sequences and a per-head block-diagonal mask (GQA: the dK / dV kernel's range covers
+        both query heads of a kv head), alone, with per-batch lengths and a window, with a bias over a
+        ring of three; forward and gradients. (The lengths-and-window case hangs in the 2-core GPU
+        interpreter under jit, as `test_config_the_interpreter_deadlocks_on`'s does; its forward and
+        backward kernels complete there called one by one.)"""
+        from tests.attention.test_mosaic_flash import _packed_or_masked  # noqa: PLC0415
+
+        args = _packed_or_masked(what)
+        cfg, bwd = mosaic_flash.Config(block_ranges=True), mosaic_flash.BwdConfig(block_ranges=True)
+        if extra == "lengths_window":
+            args = args.replace(
+                q=jnp.concatenate([args.q, args.q[::-1]]),
+                k=jnp.concatenate([args.k, args.k]),
+                v=jnp.concatenate([args.v, args.v]),
+                q_segment_ids=jnp.concatenate([args.q_segment_ids] * 2),
+                kv_segment_ids=jnp.concatenate([args.kv_segment_ids] * 2),
+                q_seq_lengths=jnp.asarray([512, 300], jnp.int32),
+                kv_seq_lengths=jnp.asarray([400, 512], jnp.int32),
+                window=(150, 40),
+            )
+        elif extra == "bias_ring3":
+            bias = jax.random.normal(jax.random.key(1), (1, args.num_heads, 512, 512), args.q.dtype)
+            args = args.replace(bias=bias)
+            cfg = mosaic_flash.Config(block_kv=64, stages=3, block_ranges=True)
+            bwd = mosaic_flash.BwdConfig(stages=3, block_ranges=True)
+        reasons = mosaic_flash.unsupported(args, "cuda")
+        if reasons and all("ptxas" in r for r in reasons):
+            pytest.skip(reasons[0])  # causal / windows on a CUDA 12.8 / 12.9 runtime
+        assert not reasons, reasons
+        self._check_with(monkeypatch, args, config=cfg, bwd_config=bwd)
+
+    @pytest.mark.parametrize(
         "case, block_kv, stages, window",
         [
             (Case("bfloat16", "none", 1024, 1000, 128, 2, K=2, B=1), 128, 2, None),

@@ -655,6 +655,105 @@ def test_overlap_is_in_the_search_space_where_it_applies():
         mosaic_flash.Config(overlap=1)
 
 
+def test_block_ranges_are_the_first_and_last_visible_blocks():
+    """``_append_ranges``: per tile, the first block with a visible pair and one past the last (0, 0
+    where none); for the dK / dV kernel (``group`` > 1) the union over a kv head's query heads."""
+    rng = np.random.default_rng(0)
+    for shape, group in [((2, 4, 5, 7), 2), ((1, 1, 3, 6), 1), ((2, 6, 4, 5), 3), ((1, 1, 4, 5), 2)]:
+        flags = (rng.random(shape) < 0.3).astype(np.int32)
+        flags[0, :, 0] = 0  # tiles with no visible block
+        got = np.asarray(mosaic_flash._append_ranges(jnp.asarray(flags), group=group))
+        np.testing.assert_array_equal(got[..., :-2], flags)
+        for b, n, t in np.ndindex(*shape[:3]):
+            heads = [n] if shape[1] == 1 else list(range(n // group * group, (n // group + 1) * group))
+            seen = np.nonzero(flags[b, heads, t].any(axis=0))[0]
+            want = (seen[0], seen[-1] + 1) if seen.size else (0, 0)
+            assert tuple(got[b, n, t, -2:]) == want, (shape, group, b, n, t)
+
+
+def _packed_or_masked(what: str):
+    """Five packed sequences per row (sorted segment ids), or a per-head block-diagonal mask (the
+    second head of each kv head's pair shifted by 64 keys, under a causal diagonal), GQA."""
+    case = Case("bfloat16", "none" if what == "segments" else "top_left", 512, 512, 64, 2, K=1, B=1)
+    args = make_case(case, seed=9)
+    docs = jnp.arange(512, dtype=jnp.int32) * 5 // 512  # ~102 rows each: tiles span two
+    if what == "segments":
+        return args.replace(q_segment_ids=docs[None], kv_segment_ids=docs[None])
+    m0 = docs[:, None] == docs[None, :]
+    m1 = docs[:, None] == ((jnp.arange(512) + 64) % 512 * 5 // 512)[None, :]
+    return args.replace(mask=jnp.stack([m0, m1])[None])
+
+
+@needs_interpret
+@pytest.mark.parametrize("what", ["segments", pytest.param("mask", marks=pytest.mark.extended)])
+def test_block_ranges_match_the_reference(what):
+    """``Config`` / ``BwdConfig(block_ranges=True)``: each tile streams and walks only its range of
+    blocks with a visible pair (the forward's and dQ kernel's over key blocks, the dK / dV kernel's
+    over query blocks of every head of the group), and most ranges are narrower than the ring; forward
+    and gradients against the float32 reference."""
+    args = _packed_or_masked(what)
+    cfg = mosaic_flash.Config(block_ranges=True)
+    bwd = mosaic_flash.BwdConfig(block_ranges=True)
+    s = dataclasses.replace(mosaic_flash._shape(args, cfg), block_ranges=True)
+    extras = mosaic_flash._kernel_extras(mosaic_flash._extras(args), s, args.num_heads)
+    for flags in (
+        mosaic_flash._with_flags(extras, s, 64, cfg.block_kv)[-1],
+        mosaic_flash._with_flags(extras, s, 64, bwd.block_kv_dq)[-1],
+        mosaic_flash._dkv_extras(extras, s, bwd.block_q_dkv)[-1],
+    ):
+        lo, hi = np.asarray(flags[..., -2]), np.asarray(flags[..., -1])
+        blocks = flags.shape[-1] - 2
+        assert (hi - lo).mean() <= 0.6 * blocks and ((lo > 0) | (hi < blocks)).mean() > 0.5, (lo, hi)
+    run = functools.partial(mosaic_flash.attention, interpret=True, config=cfg, bwd_config=bwd)
+
+    class Check(AttentionTestBase):
+        impl = staticmethod(run)
+
+    Check().check(args)
+
+
+@pytest.mark.parametrize("what", ["segments", "mask"])
+def test_block_ranges_lower_for_cuda(what):
+    """``block_ranges`` lowers for CUDA in all three kernels, and changes them (the ranges are read
+    from the flags operand); without segment ids or a mask it changes nothing."""
+    args = _packed_or_masked(what)
+
+    def loss(block_ranges, args):
+        cfg = mosaic_flash.Config(block_ranges=block_ranges)
+        bwd = mosaic_flash.BwdConfig(block_ranges=block_ranges)
+
+        def f(q, k, v):
+            out, lse = mosaic_flash.attention(args.replace(q=q, k=k, v=v), config=cfg, bwd_config=bwd)
+            return out.astype(jnp.float32).sum() + lse.sum()
+
+        return jax.value_and_grad(f, (0, 1, 2))
+
+    qkv = (args.q, args.k, args.v)
+    assert _export(loss(True, args), ["cuda"], *qkv).mlir_module().count("custom_call @mosaic_gpu") == 3
+
+    def program(block_ranges, args):  # the kernels' jaxprs (jax 0.11's exported modules vary by run)
+        with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+            return str(jax.make_jaxpr(loss(block_ranges, args))(*qkv))
+
+    assert program(True, args) != program(False, args)
+    plain = args.replace(q_segment_ids=None, kv_segment_ids=None, mask=None)
+    assert program(True, plain) == program(False, plain)
+
+
+def test_block_ranges_are_in_the_search_space_where_they_apply():
+    """The sweeps try ``block_ranges`` with every other config where it changes the kernels (segment
+    ids or a boolean mask), and only there; the fields are validated."""
+    plain = make_case(Case("bfloat16", "none", 256, 256, 128, 1, K=1, B=1))
+    masked = make_case(Case("bfloat16", "none", 256, 256, 128, 1, K=1, B=1, extra="segments"))
+    for kind in (mosaic_flash.Config, mosaic_flash.BwdConfig):
+        assert not any(c.block_ranges for c in kind.search_space(plain))
+        space = kind.search_space(masked)
+        ranged = {dataclasses.replace(c, block_ranges=False) for c in space if c.block_ranges}
+        assert ranged and ranged == {c for c in space if not c.block_ranges}
+        with pytest.raises(TypeError, match="block_ranges"):
+            kind(block_ranges=1)
+
+
 def test_public_api_selects_it_by_flag_and_exports_for_cpu_and_cuda():
     """flash_cuda_kernel='mosaic' under a cpu + cuda export: the module carries the Mosaic GPU kernel
     and its CPU branch (the blockwise XLA flash: a portable artifact) runs here."""
