@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -50,7 +51,7 @@ import numpy as np  # noqa: E402
 
 import jbackends as jb  # noqa: E402
 from benchmarks.gpu_timing import jax_time, pyplot, ratio, torch_cuda, torch_time, write_table  # noqa: E402
-from pallas_kernels.attention import base, triton_flash  # noqa: E402
+from pallas_kernels.attention import base, mosaic_flash, triton_flash  # noqa: E402
 
 JAX_IMPLS = ("jb", "jb_pallas", "jb_mosaic", "cudnn", "jax_xla", "mgpu_example", "tokamax")
 TORCH_IMPLS = ("torch_flash", "torch_cudnn", "torch_efficient")
@@ -232,6 +233,11 @@ FEATURES = ("softcap", "segments", "dropout")
 #: the keys), an additive bias shared by the batch and heads (the same, in the inputs' dtype, and its
 #: gradient) and a local window of a quarter of the keys (the blocks outside it skipped: faster).
 MOSAIC_FEATURES = ("softcap", "segments", "dropout", "mask", "bias", "window")
+#: The segment-id and mask rows again under the Mosaic kernels' block ranges (``Config`` /
+#: ``BwdConfig(block_ranges=True)``: each tile streams only its blocks from the first to the last visible
+#: one; off by default until a GPU has timed them), calling ``mosaic_flash.attention`` directly (jb passes
+#: no kernel config), in the jb column against jb_mosaic without the feature.
+MOSAIC_RANGES = ("segments", "mask")
 
 
 def _with_feature(name, q, k):
@@ -267,6 +273,26 @@ def _with_feature(name, q, k):
     return f, operands, visible
 
 
+def _with_block_ranges(name, q, k, interpret=False):
+    """``(fn, operands, visible)`` of :data:`MOSAIC_RANGES`' row ``name`` (as :func:`_with_feature`):
+    ``fn`` runs ``mosaic_flash.attention`` with the default configs plus ``block_ranges=True``
+    (``interpret``: in its GPU interpret mode, for a CPU check)."""
+    if name not in MOSAIC_RANGES:
+        raise ValueError(f"`name` must be one of {MOSAIC_RANGES}; got {name!r}")
+    _, operands, visible = _with_feature(name, q, k)
+    cfg = dataclasses.replace(mosaic_flash.Config.heuristics(q.shape[-1]), block_ranges=True)
+    # at head dim 256 the Triton backward runs (it has no block ranges)
+    bwd = mosaic_flash.BwdConfig(block_ranges=True) if q.shape[-1] in mosaic_flash._BWD_HEAD_DIMS else None
+
+    def f(q, k, v, causal, segment_ids=None, mask=None):
+        args = base.make_args(
+            q, k, v, is_causal=causal, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids
+        )
+        return mosaic_flash.attention(args, config=cfg, bwd_config=bwd, interpret=interpret)[0]
+
+    return f, operands, visible
+
+
 def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
     """``[(feature, {"jb": seconds with it, column: seconds of FLASH without it}, jb's choice, the
     fraction of pairs visible with the feature)]`` for
@@ -274,7 +300,8 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
     feature under the default flags (``jb_mosaic`` on sm90 in half precision, else ``jb_pallas``); with
     a ``jb_mosaic`` column, then the features the Mosaic GPU kernels also run, under its flags
     (``{"jb": with it, "jb_mosaic": without it}``; those the first rows already timed on it are not
-    repeated). ``smoke``: the CPU check, whose baseline is the interpreted Triton kernel."""
+    repeated), and on a GPU the :data:`MOSAIC_RANGES` rows. ``smoke``: the CPU check, whose baseline is
+    the interpreted Triton kernel."""
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32).astype(dtype) for _ in range(3))
 
@@ -320,6 +347,11 @@ def run_features(impls, B, L, N, H, iters, dtype, smoke=False):
             fn, ops, visible = _with_feature(name, q, k)
             t = timed(fn, mosaic_scope, f"feature {name} (mosaic)", ops)
             label = f"FLASH[mosaic_flash] {name} (flash_cuda_kernel='mosaic', in the jb column)"
+            out.append((name, {"jb": t, "jb_mosaic": plain}, label, visible))
+        for name in MOSAIC_RANGES if not smoke else ():  # compiled kernels only
+            fn, ops, visible = _with_block_ranges(name, q, k)
+            t = timed(fn, None, f"feature {name} (mosaic, block ranges)", ops)
+            label = f"mosaic_flash {name}, block_ranges=True (called directly, in the jb column)"
             out.append((name, {"jb": t, "jb_mosaic": plain}, label, visible))
     return out
 

@@ -1,6 +1,7 @@
 """GPU tuning sweep: how far the Pallas kernels' default configs are from the best one on this card.
 
-For a few representative calls (the Mosaic GPU flash backward and forward on sm90, then the Triton
+For a few representative calls (the Mosaic GPU flash kernels on sm90: their defaults with and without
+``block_ranges`` on packed sequences, then the backward and forward, then the Triton
 kernels' attention forward / backward, at head dims 64 and 128, L = 4k; decode at 128k keys; the int4
 W4A16 / W4A8 kernels at decode and prefill on 8192 x 28672, a weight larger than L2) it times the
 config the kernel picks by itself (``Config.heuristics``) and the candidates of its
@@ -17,6 +18,7 @@ elsewhere, and under ``--smoke``: its GPU interpreter is too slow for a sweep on
 
     python benchmarks/tune_gpu.py --md tune_gpu.md                     # on an NVIDIA GPU (--budget-s 170)
     python benchmarks/tune_gpu.py --cases flash_bwd int4_w4a16         # a subset
+    python benchmarks/tune_gpu.py --cases mosaic_ranges                # block_ranges on packed sequences
     python benchmarks/tune_gpu.py --smoke                              # CPU: a check of this script
 """
 
@@ -44,8 +46,11 @@ from pallas_kernels.int4_matmul import base as int4_base, triton_config as int4_
 #: 0.85-0.96x forward+backward and 0.92-1.02x forward on an H200; int4 decode against torch's
 #: tinygemm; the Triton attention backward against FA2), so that a spent --budget-s leaves out the
 #: least useful.
-CASES = ("mosaic_bwd", "mosaic", "int4_w4a16", "flash_bwd", "flash", "decode", "int4_w4a8")
-MOSAIC_CASES = ("mosaic_bwd", "mosaic")
+#: ``mosaic_ranges`` (first: four calls of two configs each) times the Mosaic GPU kernels' defaults with
+#: and without ``block_ranges`` on packed sequences (stream and walk only the blocks a tile can see; off
+#: by default until measured: packed segments ran at 0.49x of the plain speed without it).
+CASES = ("mosaic_ranges", "mosaic_bwd", "mosaic", "int4_w4a16", "flash_bwd", "flash", "decode", "int4_w4a8")
+MOSAIC_CASES = ("mosaic_ranges", "mosaic_bwd", "mosaic")
 
 
 @dataclasses.dataclass
@@ -124,6 +129,29 @@ class MosaicBackward:
         return mosaic_flash.BwdConfig.search_space(args)
 
 
+class _BlockRanges:
+    """A config class whose space is its base's default with and without ``block_ranges``."""
+
+    base: type
+
+    @classmethod
+    def heuristics(cls, args):
+        return cls.base.heuristics(args)
+
+    @classmethod
+    def search_space(cls, args):
+        default = cls.base.heuristics(args)
+        return [default, dataclasses.replace(default, block_ranges=True)]
+
+
+class MosaicForwardRanges(_BlockRanges):
+    base = MosaicForward
+
+
+class MosaicBackwardRanges(_BlockRanges):
+    base = MosaicBackward
+
+
 def mosaic_runner(kernel: str, config) -> object:
     """The jitted function timed for a Mosaic GPU case: ``args -> forward`` under ``config``, or
     (``mosaic_bwd``) ``(args, out, lse, d_out) -> the dQ and dK / dV kernels`` under it (the forward
@@ -162,6 +190,35 @@ def _mosaic_cases(overlap: bool = True) -> list:
                     kernel, label, config_cls, build, priority=0 if H >= 128 else 1, space_options=options
                 )
                 out.append(case)
+    return out
+
+
+def _mosaic_ranges_cases() -> list:
+    """``mosaic_ranges``: the backward, then the forward, at head dim 128, L = 4k, 4 packed sequences of
+    1k per row (as the benchmark's segments row), causal and not, each under its default config with
+    and without ``block_ranges``."""
+    out = []
+    no_causal = mosaic_unsupported(causal=True)
+    for kernel, config_cls in (("mosaic_bwd", MosaicBackwardRanges), ("mosaic", MosaicForwardRanges)):
+        for causal in (False, True) if not no_causal else (False,):
+
+            def build(kernel=kernel, causal=causal, H=128, L=4096):
+                B, N = 16384 // L, 2048 // H
+                keys = jax.random.split(jax.random.key(7 + causal), 4)
+                q, k, v, g = (_normal(kk, (B, L, N, H), jnp.bfloat16) for kk in keys)
+                ids = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32) * 4 // L, (B, L))
+                args = base.make_args(q, k, v, is_causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
+                if kernel == "mosaic":
+                    operands = (args,)
+                else:  # the backward alone, on the default forward's outputs
+                    operands = (args, *jax.jit(mosaic_flash.forward)(args), g)
+                return args, operands, lambda cfg: mosaic_runner(kernel, cfg)
+
+            what = "fwd" if kernel == "mosaic" else "bwd (alone)"
+            label = f"mosaic_ranges {what} H=128 L=4096 4 segments{' causal' if causal else ''}"
+            out.append(
+                Case("mosaic_ranges", label, config_cls, build, priority=0 if kernel == "mosaic_bwd" else 1)
+            )
     return out
 
 
@@ -350,7 +407,7 @@ def main(argv=None):
         if why:
             print(f"  skipped the Mosaic GPU cases: {'; '.join(why)}", file=sys.stderr)
         else:
-            cases += _mosaic_cases(overlap=not a.no_overlap)
+            cases += _mosaic_cases(overlap=not a.no_overlap) + _mosaic_ranges_cases()
     if {"flash", "flash_bwd", "decode"} & set(a.cases):
         cases += _attention_cases(a.smoke, interpret)
     if {"int4_w4a16", "int4_w4a8"} & set(a.cases):

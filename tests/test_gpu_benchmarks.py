@@ -1,11 +1,14 @@
 """The GPU benchmarks run end to end on CPU (``--smoke``: tiny shapes, interpret mode), so the scripts a
 GPU session depends on never rot: every row is timed, the table and the PNG are written."""
 
+import dataclasses
 import os
 import shutil
 
 import jax.numpy as jnp
 import pytest
+
+import jbackends as jb
 
 from benchmarks import attention_gpu, gpu_timing, int4_gpu, tune_gpu
 from pallas_kernels.attention import base, mosaic_flash
@@ -36,6 +39,47 @@ def test_attention_gpu_feature_rows_of_the_mosaic_kernel():
     for name, res, label, _visible in rows[3:]:
         assert set(res) == {"jb", "jb_mosaic"} and all(t > 0 for t in res.values()), res
         assert label.startswith("FLASH[mosaic_flash]") and name in label
+
+
+@pytest.mark.skipif(
+    not mosaic_flash.interpret_available(), reason="no Mosaic GPU interpret mode (jax < 0.11.2)"
+)
+@pytest.mark.parametrize("name", attention_gpu.MOSAIC_RANGES)
+def test_attention_gpu_block_ranges_rows_run_the_mosaic_kernels_with_block_ranges(monkeypatch, name):
+    """The segment-id and mask rows under ``block_ranges=True`` (GPU only in the benchmark) call the Mosaic
+    GPU kernels with both configs' ``block_ranges`` on and the row's operands: here in interpret mode,
+    forward, against jb's float32 result with the same operands."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels import gpu
+
+    seen = []
+    attention = mosaic_flash.attention
+
+    def spy(args, **kw):
+        seen.append((args, kw))
+        return attention(args, **kw)
+
+    monkeypatch.setattr(mosaic_flash, "attention", spy)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 256, 2, 64)), jnp.bfloat16) for _ in range(3))
+    fn, ops, visible = attention_gpu._with_block_ranges(name, q, k, interpret=True)
+    out = fn(q, k, v, False, **ops)
+    ((args, kw),) = seen
+    assert kw["config"].block_ranges and kw["bwd_config"].block_ranges and kw["interpret"]
+    assert (args.q_segment_ids is not None, args.mask is not None) == (name == "segments", name == "mask")
+    assert visible == (0.25 if name == "segments" else 1.0)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = jb.dot_product_attention(*f32, **ops)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="`name` must be one of"):
+        attention_gpu._with_block_ranges("softcap", q, k)
+    wide = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)  # head dim 256: the Triton backward, no BwdConfig
+    seen.clear()
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        jax.eval_shape(lambda q: attention_gpu._with_block_ranges(name, q, q)[0](q, q, q, False, **ops), wide)
+    assert seen[0][1]["config"].block_ranges and seen[0][1]["bwd_config"] is None
 
 
 def test_attention_gpu_feature_operands_are_made_outside_the_timed_loop_and_rows_count_visible_pairs(
@@ -426,3 +470,38 @@ def test_tune_gpu_mosaic_cases_plumbing(tmp_path, capsys):
         assert exp.mlir_module().count("custom_call @mosaic_gpu") == (1 if kernel == "mosaic" else 2)
     with pytest.raises(ValueError, match="kernel"):
         tune_gpu.mosaic_runner("flash", None)
+
+
+def test_tune_gpu_mosaic_ranges_cases():
+    """``--cases mosaic_ranges``: on packed sequences, each Mosaic GPU kernel's default config with and
+    without ``block_ranges`` (two candidates: the whole space), the backward first, and the ranged
+    forward lowers for an sm90 target to a kernel that differs from the plain one."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    from pallas_kernels import gpu
+
+    assert tune_gpu.CASES[0] == "mosaic_ranges" and "mosaic_ranges" in tune_gpu.MOSAIC_CASES
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    ids = jnp.arange(256, dtype=jnp.int32)[None] * 4 // 256
+    packed = base.make_args(q, q, q, q_segment_ids=ids, kv_segment_ids=ids)
+    for cls, default in (
+        (tune_gpu.MosaicForwardRanges, mosaic_flash.Config.heuristics(64)),
+        (tune_gpu.MosaicBackwardRanges, mosaic_flash.BwdConfig()),
+    ):
+        assert cls.heuristics(packed) == default and not default.block_ranges
+        assert cls.search_space(packed) == [default, dataclasses.replace(default, block_ranges=True)]
+    cases = tune_gpu._mosaic_ranges_cases()
+    assert {c.name for c in cases} == {"mosaic_ranges"} and len(cases) in (2, 4)
+    assert [c.label.split()[1] for c in sorted(cases, key=lambda c: c.priority)][0] == "bwd"
+    cfg = mosaic_flash.Config.heuristics(64, False)
+    ranged_cfg = dataclasses.replace(cfg, block_ranges=True)
+    with gpu.cuda_target("NVIDIA H100 80GB HBM3"):
+        ranged = export.export(tune_gpu.mosaic_runner("mosaic", ranged_cfg), platforms=["cuda"])(packed)
+        # the kernels' jaxprs: jax 0.11's exported modules vary from run to run
+        programs = [
+            str(jax.make_jaxpr(tune_gpu.mosaic_runner("mosaic", c))(packed)) for c in (cfg, ranged_cfg)
+        ]
+    assert ranged.mlir_module().count("custom_call @mosaic_gpu") == 1
+    assert programs[0] != programs[1]  # the ranges reach the kernel
