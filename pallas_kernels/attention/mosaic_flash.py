@@ -545,24 +545,29 @@ class _ExtraRefs(NamedTuple):
         visible = refs.pop(0) if s.every_block_masked else None
         return _ExtraRefs(*segs, row_hash, q_len, kv_len, mask, bias, visible)
 
+    def _flags_row(self, bi, head, tile):
+        """The flags ref's row of tile ``tile`` of batch ``bi`` and query head ``head`` (index 0 along a
+        broadcast dimension)."""
+        Bf, Nf = self.visible.shape[:2]
+        return self.visible.at[bi if Bf > 1 else 0, head if Nf > 1 else 0, tile]
+
     def visible_fn(self, bi, head, tile):
         """``block -> int32 scalar``: :func:`_block_flags` of the 64-row (or, in the dK / dV kernel,
         64-key) tile ``tile`` of batch ``bi`` and query head ``head``; None without flags."""
         if self.visible is None:
             return None
-        Bf, Nf = self.visible.shape[:2]
-        plane = self.visible.at[bi if Bf > 1 else 0, head if Nf > 1 else 0, tile]
-        return lambda j: plane[j]
+        row = self._flags_row(bi, head, tile)
+        return lambda j: row[j]
 
     def range_fn(self, bi, head):
         """``tile -> (lo, hi)``: the blocks from the first to one past the last with a visible pair
         of tile ``tile`` of batch ``bi`` and query head ``head`` (the two columns
         :func:`_append_ranges` adds to the flags)."""
-        Bf, Nf, _, width = self.visible.shape
+        width = self.visible.shape[-1]
 
         def at(tile):
-            plane = self.visible.at[bi if Bf > 1 else 0, head if Nf > 1 else 0, tile]
-            return plane[width - 2], plane[width - 1]
+            row = self._flags_row(bi, head, tile)
+            return row[width - 2], row[width - 1]
 
         return at
 
@@ -1745,8 +1750,7 @@ def backward(
     rows = math.lcm(128, cfg.block_q_dkv)
     keys = math.lcm(128, cfg.block_kv_dq)
     s = dataclasses.replace(_shape(args, Config()), Tp=-(-T // rows) * rows, Sp=-(-S // keys) * keys)
-    if cfg.block_ranges and s.every_block_masked:
-        s = dataclasses.replace(s, block_ranges=True)
+    s = _ranged(s, cfg)
     f32 = jnp.float32
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(f32), d_out.astype(f32), precision="highest")
     if d_lse is not None:
@@ -1928,6 +1932,14 @@ def _shape(args: base.AttentionArgs, cfg: Config) -> _Shape:
     )
 
 
+def _ranged(s: _Shape, cfg) -> _Shape:
+    """``s`` with ``block_ranges`` where ``cfg`` (a :class:`Config` or :class:`BwdConfig`) asks for it
+    and the call has block flags to carry the ranges (segment ids or a boolean mask)."""
+    if cfg.block_ranges and s.every_block_masked:
+        return dataclasses.replace(s, block_ranges=True)
+    return s
+
+
 def _smem_need(cfg, args: base.AttentionArgs) -> int:
     """Bytes of shared memory ``cfg`` (a :class:`Config` or :class:`BwdConfig`) needs for ``args``."""
     return cfg.smem_bytes(
@@ -2103,9 +2115,7 @@ def forward(args: base.AttentionArgs, *, config: Optional[Config] = None, interp
             "Config.overlap needs jax.experimental.pallas.mosaic_gpu.wgmma_accumulator_load, which this "
             f"JAX ({jax.__version__}) lacks; use Config(overlap=False) or a newer JAX"
         )
-    s = _shape(args, cfg)
-    if cfg.block_ranges and s.every_block_masked:
-        s = dataclasses.replace(s, block_ranges=True)
+    s = _ranged(_shape(args, cfg), cfg)
     T, S = args.q_len, args.kv_len
 
     def run(q, k, v, *extras):
