@@ -335,7 +335,7 @@ def dyn_quant_matmul_4bit(
     bfloat16 output truncated like torch's (any groupsize here; torch's x86
     fallback takes bfloat16 channel-wise only).
 
-    **NaN and inf** give torch's x86 answer on every engine, which is finite:
+    **NaN and inf** give torch's x86 answer on every engine, bit for bit:
     for float32 input torch finds a row's range with ``std::max`` /
     ``std::min``, which forget everything before a NaN, so the range comes
     from the elements after the row's last NaN (``[0, 0]`` when the NaN is
@@ -345,7 +345,9 @@ def dyn_quant_matmul_4bit(
     element, or one beyond the int32 range once scaled, quantizes to
     ``INT32_MIN + zero_point`` clamped (-128, or 127 when the zero point is
     negative); a row whose range holds an infinity has scale 0, so its
-    output is the bias (0 without one). The output says nothing about the NaN: check ``jnp.isfinite`` on
+    output is the bias (a signed 0 without one; NaN where a group's integer
+    sum times its scale overflows float32, with scales near the float32
+    maximum, as in torch). The output says nothing about the NaN: check ``jnp.isfinite`` on
     the input if it may hold one.
 
     **Subnormal** scales and inputs (below ``finfo(float32).tiny``) count as 0

@@ -52,7 +52,7 @@ def _torch_row_range(x: jax.Array, skip_nan: bool = False) -> tuple[jax.Array, j
 
 
 def _x86_to_int32(y: jax.Array) -> jax.Array:
-    """float32 -> int32 as torch's x86 build converts (``cvttss2si`` / ``lrintf``).
+    """float32 -> int32 as torch's x86 build converts with ``(int32_t)`` (``cvttss2si``).
 
     ``y`` is already an integer value; NaN, +-inf and anything outside the
     int32 range become INT32_MIN (x86's "integer indefinite"), where XLA's
@@ -77,7 +77,7 @@ def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, ja
     NaN (float32) or from its elements other than NaN (bfloat16); a NaN, an infinity or a value beyond int32 after scaling quantizes to
     INT32_MIN + zp (integer wrap-around) clamped, i.e. -128 when ``zp >= 0``
     and 127 when ``zp < 0``; a NaN zero point (a row holding -inf or +inf:
-    scale 0) is INT32_MIN. The output stays finite.
+    scale 0) is 0 (``lrintf`` returns a 64-bit long there).
     """
     skip_nan = x.dtype == jnp.bfloat16
     x = x.astype(jnp.float32)
@@ -94,7 +94,10 @@ def quantize_activations(x: jax.Array, channelwise: bool) -> tuple[jax.Array, ja
     else:
         from_min = ((qmin + dmin) + qmax) + dmax > 0
     zpf = jnp.clip(jnp.where(from_min, qmin - dmin, qmax - dmax), qmin, qmax)
-    zp = _x86_to_int32(jnp.round(zpf))  # lrintf: ties to even; NaN -> INT32_MIN
+    # torch's ``int32_t zp = lrintf(zpf)``: ties to even; lrintf returns a 64-bit long on x86-64, so a
+    # NaN gives its integer indefinite 0x8000000000000000, whose low 32 bits are 0 (zpf is otherwise
+    # within [-128, 127]).
+    zp = jnp.where(jnp.isnan(zpf), jnp.float32(0), jnp.round(zpf)).astype(jnp.int32)
     v = _x86_to_int32(_round_half_away(x * scale[..., None]))
     qa = jnp.clip(v + zp[..., None], -128, 127)  # int32 add wraps, as in torch's build
     return qa, zp, recip

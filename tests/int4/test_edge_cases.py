@@ -73,13 +73,23 @@ def _torch_quantize_row(row, channelwise, skip_nan=False):
             from_min = F32(F32(F32(qmin + dmin) + qmax) + dmax) > 0
         zpf = F32(qmin - dmin) if from_min else F32(qmax - dmax)
         zpf = _cmin(_cmax(zpf, qmin), qmax)
-        zp = _cvt(np.rint(zpf)) if not math.isnan(zpf) else INT_MIN  # lrintf: ties to even
+        # int32_t zp = lrintf(zpf): ties to even; a 64-bit long on x86-64, whose NaN answer
+        # 0x8000000000000000 keeps 0 in its low 32 bits
+        zp = _cvt(np.rint(zpf)) if not math.isnan(zpf) else 0
         qa = [max(min(_wrap32(_cvt(_round_away(F32(F32(v) * scale))) + zp), 127), -128) for v in row]
     return qa, zp, recip
 
 
+def _bits_equal(got, want, err_msg=""):
+    """Bit for bit (``assert_array_equal`` takes -0.0 for 0.0 and any NaN for any other)."""
+    got, want = np.asarray(got, F32), np.asarray(want, F32)
+    assert got.shape == want.shape, (got.shape, want.shape, err_msg)
+    bad = got.view(np.uint32) != want.view(np.uint32)
+    assert not bad.any(), (err_msg, np.argwhere(bad)[:5].tolist(), got[bad][:5], want[bad][:5])
+
+
 def _torch_dyn_quant_matmul(x, q, scales, groupsize, skip_nan=False):
-    """torch's reference kernels (no bias: torch's x86 packing refuses one)."""
+    """torch's reference kernels, without a bias."""
     M, K = x.shape
     N = q.shape[0]
     channelwise = groupsize == K
@@ -90,13 +100,15 @@ def _torch_dyn_quant_matmul(x, q, scales, groupsize, skip_nan=False):
         for n in range(N):
             if channelwise:
                 iacc = _wrap32(int(np.dot(qa - zp, q[n])))
-                acc = F32(F32(iacc) * scales[n, 0])
+                with np.errstate(over="ignore"):
+                    acc = F32(F32(iacc) * scales[n, 0])
             else:
                 acc = F32(0)
                 for g in range(K // groupsize):
                     sl = slice(g * groupsize, (g + 1) * groupsize)
                     iacc = _wrap32(int(np.dot(qa[sl] - zp, q[n, sl])))
-                    acc = F32(acc + F32(F32(iacc) * scales[n, g]))
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        acc = F32(acc + F32(F32(iacc) * scales[n, g]))
             with np.errstate(all="ignore"):
                 acc = F32(acc * recip)
             out[m, n] = min(max(acc, -np.finfo(F32).max), np.finfo(F32).max)
@@ -135,7 +147,7 @@ def test_nonfinite_rows_follow_torch_on_every_engine(K, g):
         got = np.asarray(
             jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl))(x, p)
         )
-        np.testing.assert_array_equal(got, want, err_msg=impl)
+        _bits_equal(got, want, err_msg=impl)
     # the ordinary rows are ordinary: near the float64 product
     ref = x[7:].astype(np.float64) @ np.asarray(base.dequantize(q8, s, g), np.float64).T
     assert np.linalg.norm(want[7:] - ref) / np.linalg.norm(ref) < 0.1
@@ -159,7 +171,7 @@ def test_nonfinite_bfloat16_rows_follow_torchs_bfloat16_kernel(K, g):
     for impl in ENGINES:
         got = jax.jit(lambda x, p: Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl))(xb, p)
         assert got.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=impl)
+        _bits_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=impl)
     torch = pytest.importorskip("torch")
     if g != K or not hasattr(torch.ops.aten, "_dyn_quant_matmul_4bit"):
         return
@@ -167,7 +179,7 @@ def test_nonfinite_bfloat16_rows_follow_torchs_bfloat16_kernel(K, g):
         torch.tensor(np.asarray(q8)), torch.tensor(np.asarray(s, F32)), None, g, K, N
     )
     theirs = torch.ops.aten._dyn_quant_matmul_4bit(torch.tensor(x).bfloat16(), tp, g, K, N)
-    np.testing.assert_array_equal(theirs.float().numpy(), want)
+    _bits_equal(theirs.float().numpy(), want)
 
 
 def test_nonfinite_rows_large_m_paths():
@@ -178,10 +190,10 @@ def test_nonfinite_rows_large_m_paths():
     outs = {impl: np.asarray(Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl)) for impl in ENGINES}
     for impl, got in outs.items():
         assert np.isfinite(got).all(), impl
-        np.testing.assert_array_equal(got, outs["reference"], err_msg=impl)
+        _bits_equal(got, outs["reference"], err_msg=impl)
     # row by row (the decode paths) gives the same numbers
     for r in range(0, 36, 7):
-        np.testing.assert_array_equal(
+        _bits_equal(
             np.asarray(Q.dyn_quant_matmul_4bit(x[r : r + 1], p, g, K, N, implementation="xla")),
             outs["xla"][r : r + 1],
         )
@@ -200,6 +212,38 @@ def test_nan_semantics_in_docstring():
     doc = " ".join(Q.dyn_quant_matmul_4bit.__doc__.split())
     assert "the elements after the row's last NaN" in doc and "straight-through estimator" in doc
     assert "its elements other than NaN (bfloat16" in doc
+
+
+@pytest.mark.parametrize("scale", [1.0, 3e38])
+def test_infinite_range_without_a_bias_follows_torch_bit_for_bit(scale):
+    """A row holding an infinity has scale 0 and a NaN zero point, which torch's ``lrintf`` (a 64-bit
+    long) turns into 0: its output is a signed 0 whose sign the group sums decide, or NaN where a
+    sum times a scale near the float32 maximum overflows (inf * 0). On every engine, bit for bit
+    with the emulation, and with torch itself where it is installed."""
+    K, N, g = 64, 8, 64
+    rng = np.random.default_rng(0)
+    q8, s = Q.quantize_4bit(jnp.asarray(rng.standard_normal((N, K)).astype(F32)), g)
+    s = np.asarray(s) * 0 + F32(scale) if scale != 1.0 else np.asarray(s)
+    p = Q.dyn_quant_pack_4bit_weight(q8, jnp.asarray(s), None, g, K, N)
+    x = rng.standard_normal((3, K)).astype(F32)
+    x[0, 10] = np.inf
+    x[1, 3] = -np.inf
+    x[2, [1, 7]] = [np.inf, -np.inf]
+    want = _torch_dyn_quant_matmul(x, np.asarray(base.unpack_nibbles(q8)), s, g)
+    signs = np.signbit(want[np.isfinite(want)])
+    if scale == 1.0:
+        assert (want == 0).all() and signs.any() and not signs.all()  # both signs: the test can fail
+    else:
+        assert np.isnan(want).any()
+    for impl in ENGINES:
+        _bits_equal(Q.dyn_quant_matmul_4bit(x, p, g, K, N, implementation=impl), want, err_msg=impl)
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.ops.aten, "_dyn_quant_matmul_4bit"):
+        pytest.skip("this torch has no _dyn_quant_matmul_4bit")
+    tp = torch.ops.aten._dyn_quant_pack_4bit_weight(
+        torch.tensor(np.asarray(q8)), torch.tensor(np.asarray(s, F32)), None, g, K, N
+    )
+    _bits_equal(torch.ops.aten._dyn_quant_matmul_4bit(torch.tensor(x), tp, g, K, N).numpy(), want)
 
 
 def test_infinite_range_gives_the_bias():
