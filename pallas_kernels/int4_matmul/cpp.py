@@ -18,7 +18,8 @@ Paths (AVX-512; groupsize a multiple of 128 for the dyn-quant ones, else the 32-
   broadcast weight against 16 rows, torch's float tail one lane per row). Both bit-exact with torch.
 * weight-only, one float32 row with AVX512-VNNI (groupsize a multiple of 128): integer dots, the row
   held as 24-bit block fixed point per 128 k (three int8 digits, six ``vpdpbusd`` per 64 weight
-  bytes; within about 3e-7 of sum |x w|); a row with a NaN or inf, a 128-k chunk whose largest |x| is
+  bytes; within 2^-23 sum_c max_c |x| sum_c |w| plus float32 sums: measured up to 3e-7 of sum |x w|,
+  1.4e-6 with heavy-tailed weights and outlier channels); a row with a NaN or inf, a 128-k chunk whose largest |x| is
   outside [2^-96, 2^96], or chunks dominated by a few large values takes the float32 row kernel:
 * weight-only, up to 15 rows (11 on Intel CPUs, whose row kernel slows sooner): weights dequantized
   in registers (vpermps on a per-group table); from 16 (12 on Intel): the blocked float GEMM form
