@@ -351,8 +351,10 @@ def dyn_quant_matmul_4bit(
     the input if it may hold one.
 
     **Subnormal** scales and inputs (below ``finfo(float32).tiny``) count as 0
-    on CPU: XLA:CPU flushes them, and the C++ kernels run on its threads.
-    torch keeps them, so bit-exactness holds for normal numbers.
+    on CPU: XLA:CPU flushes them, and the C++ kernels run on its threads;
+    so do products and sums that fall below it (scales near 1e-37 can give
+    a 1-ulp difference or a 0 where torch has a subnormal). torch keeps
+    them, so bit-exactness holds where every value stays normal.
 
     **Gradients** (``jax.grad`` / ``jax.vjp``; torch has no derivative for
     this op and raises): the straight-through estimator on every engine, i.e.
