@@ -227,12 +227,15 @@ def scaled_dot_product_attention(
         (a key / value batch of 1, a value of lower rank, one kv head without ``enable_gqa``).
       attn_mask: None; a bool array (True = attend) or a float array (added to the logits),
         broadcastable to ``(..., Hq, L, S)``; or a :class:`CausalBias`.
-      dropout_p: dropout probability on the attention weights, in ``[0, 1]`` (1: zeros, as torch).
+      dropout_p: dropout probability on the attention weights, in ``[0, 1]`` (1: zeros, as torch):
+        a number or a concrete 0-d array, not a traced value (static under ``jit``, as in torch).
       is_causal: top-left causal mask (torch's convention; see :func:`causal_lower_right`); a bool
-        (anything else is a ``TypeError``, as in torch).
+        (anything else is a ``TypeError``, as in torch). With an ``attn_mask`` too, a key counts
+        where both allow it (torch's default CPU path does the same; its math path refuses the pair).
       scale: logits scale, default ``1 / sqrt(E)``; any finite float (0 and negative ones too), or a
         traced float scalar (folded into ``query``: differentiable).
-      enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention).
+      enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention); key's and
+        value's heads must then each divide ``Hq`` (a ``ValueError`` otherwise, as in torch).
       dropout_rng: a jax PRNG key (``jax.random.key`` or a legacy ``jax.random.PRNGKey``);
         required when ``dropout_p > 0``.
       platforms: lowering platforms to choose for (default: the inputs' / the default backend's;

@@ -40,6 +40,29 @@ def check_is_causal(is_causal):
         raise TypeError(f"`is_causal` must be a bool; got {type(is_causal).__name__} {is_causal!r}")
 
 
+def _probability(dropout_p) -> float:
+    """``dropout_p`` as a Python float in [0, 1]: a number or a concrete 0-d array (a TypeError for a
+    traced value or another type, a ValueError out of range)."""
+    if isinstance(dropout_p, jax.core.Tracer):
+        raise TypeError(
+            "`dropout_p` must be a concrete number, not a traced value: pass a Python float (static under "
+            "jit), as torch takes"
+        )
+    p = None
+    if not isinstance(dropout_p, (str, bytes)) and np.ndim(dropout_p) == 0:
+        try:
+            p = float(dropout_p)
+        except (TypeError, ValueError):
+            pass
+    if p is None:
+        raise TypeError(
+            f"`dropout_p` must be a float in [0, 1]; got {type(dropout_p).__name__} {dropout_p!r}"
+        )
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"`dropout_p` must be a float in [0, 1]; got {dropout_p!r}")
+    return p
+
+
 def torch_to_args(
     query,
     key,
@@ -83,6 +106,11 @@ def torch_to_args(
             f"{tuple(value.shape[:-3])} do not broadcast together"
         ) from None
     Hq, Hk, Hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if enable_gqa and Hk > 0 and Hv > 0 and (Hq % Hk or Hq % Hv):  # torch refuses, broadcastable or not
+        raise ValueError(
+            f"with enable_gqa=True, key's and value's heads must each divide query's; got query {Hq}, "
+            f"key {Hk} and value {Hv} heads"
+        )
     if out_lead is not None:  # torch's math path broadcasts the heads like any other leading dim
         heads = out_lead[-1] if out_lead else 1
         Hk_to = 1 if Hk == Hv == 1 else heads  # one kv head runs as GQA, uncopied
@@ -103,8 +131,7 @@ def torch_to_args(
             f"query has {Hq} heads, key {Hk} and value {Hv}: they must be equal or broadcast (1), or, "
             "with enable_gqa=True, key's and value's must each divide query's"
         )
-    if not isinstance(dropout_p, (int, float, np.floating)) or not 0.0 <= float(dropout_p) <= 1.0:
-        raise ValueError(f"`dropout_p` must be a float in [0, 1]; got {dropout_p!r}")
+    dropout_p = _probability(dropout_p)
     Hq, L, E = query.shape[-3:]
     S = key.shape[-2]
     B = math.prod(batch_shape)  # symbolic dims (a shape-polymorphic export) multiply too

@@ -47,6 +47,41 @@ def test_enable_gqa_must_be_a_bool(bad):
         A.scaled_dot_product_attention(q, kv, kv, enable_gqa=bad)
 
 
+@pytest.mark.parametrize("hq, hk, hv", [(1, 2, 2), (2, 4, 4), (4, 4, 3), (6, 4, 2)])
+def test_enable_gqa_refuses_kv_heads_that_do_not_divide_the_querys(hq, hk, hv):
+    """torch: "Number of heads in key and value must divide the number of heads in query", even where
+    the heads would broadcast (one query head against two kv heads); without enable_gqa that one
+    broadcasts, as torch's math path does."""
+    q, k, v = rand((2, hq, 5, 8), 0), rand((2, hk, 7, 8), 1), rand((2, hv, 7, 8), 2)
+    with pytest.raises(ValueError, match=f"enable_gqa=True.*query {hq}, key {hk} and value {hv} heads"):
+        A.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if hq == 1:
+        out = A.scaled_dot_product_attention(q, k, v)
+        want = A.scaled_dot_product_attention(jnp.broadcast_to(q, (2, hk, 5, 8)), k, v)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_dropout_p_takes_a_number_or_a_concrete_0d_array():
+    """Like ``scale``: a 0-d numpy or jax array is a number; a traced one, another type, NaN or a value
+    outside [0, 1] is refused naming the argument."""
+    q = rand((1, 2, 8, 4))
+    key = jax.random.key(3)
+    want = np.asarray(A.scaled_dot_product_attention(q, q, q, dropout_p=0.25, dropout_rng=key))
+    for p in (np.float32(0.25), np.array(0.25), jnp.float32(0.25), jnp.asarray(0.25)):
+        got = A.scaled_dot_product_attention(q, q, q, dropout_p=p, dropout_rng=key)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=repr(p))
+    zeros = A.scaled_dot_product_attention(q, q, q, dropout_p=jnp.asarray(1.0))
+    np.testing.assert_array_equal(np.asarray(zeros), 0)  # every weight dropped: torch's zeros
+    with pytest.raises(TypeError, match="dropout_p.*traced"):
+        jax.jit(lambda p: A.scaled_dot_product_attention(q, q, q, dropout_p=p, dropout_rng=key))(0.25)
+    for bad in ("0.1", None, [0.1], np.zeros(2), 1j):
+        with pytest.raises(TypeError, match="dropout_p"):
+            A.scaled_dot_product_attention(q, q, q, dropout_p=bad, dropout_rng=key)
+    for bad in (-0.1, 1.5, float("nan"), jnp.asarray(2.0)):
+        with pytest.raises(ValueError, match="dropout_p"):
+            A.scaled_dot_product_attention(q, q, q, dropout_p=bad, dropout_rng=key)
+
+
 def test_masks_and_float64_under_x64():
     """Under jax_enable_x64: the blockwise XLA code with a mask (EFFICIENT, and the default path with
     dropout) runs (its tile offsets were int64 next to int32 loop indices); float64 inputs run on MATH
