@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -114,10 +115,15 @@ def check_compute_dtype(compute_dtype: Any) -> Any:
     (every spelling of one dtype the same static option of the compiled op), or None."""
     if compute_dtype is None:
         return None
-    try:
-        dtype = jnp.dtype(compute_dtype)
-    except TypeError:
-        dtype = None
+    dtype = None
+    if isinstance(compute_dtype, (np.ndarray, jax.Array)):  # JAX deprecates reading one as a dtype
+        if compute_dtype.ndim == 0:
+            dtype = jnp.dtype(compute_dtype.dtype)
+    else:
+        try:
+            dtype = jnp.dtype(compute_dtype)
+        except TypeError:
+            pass
     if dtype not in (
         jnp.dtype(jnp.float32),
         jnp.dtype(jnp.bfloat16),

@@ -247,12 +247,23 @@ def test_argument_types_named_in_errors():
         np.asarray(Q.dyn_quant_matmul_4bit(x, p, np.int64(32), 64, 8)),
         np.asarray(Q.dyn_quant_matmul_4bit(x, p, 32, 64, 8)),
     )
-    # every spelling of a compute dtype numpy reads is the same option of the compiled op (a 0-d jax
-    # array, whose dtype numpy reads, is no hashable static value itself)
+    # every spelling of a compute dtype is the same option of the compiled op (a 0-d array, whose
+    # dtype is read explicitly: JAX deprecates reading an array as a dtype, and a jax array is no
+    # hashable static value itself)
     want = np.asarray(Q.int4_matmul(x, p, compute_dtype=jnp.bfloat16, implementation="xla"))
-    for spelling in ("bfloat16", np.dtype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16)):
-        got = Q.int4_matmul(x, p, compute_dtype=spelling, implementation="xla")
-        np.testing.assert_array_equal(np.asarray(got), want)
+    spellings = ("bfloat16", np.dtype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16), np.zeros((), np.float16))
+    for spelling in spellings:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            got = Q.int4_matmul(x, p, compute_dtype=spelling, implementation="xla")
+        ref = (
+            want
+            if spelling is not spellings[-1]
+            else Q.int4_matmul(x, p, compute_dtype="float16", implementation="xla")
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    with pytest.raises(TypeError, match="compute_dtype"):
+        Q.int4_matmul(x, p, compute_dtype=jnp.zeros((2,), jnp.bfloat16))
 
 
 def test_int4_matmul_weight_only_public():
